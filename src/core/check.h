@@ -1,0 +1,75 @@
+// Argument validation shared by every entry point. Messages follow one pattern:
+//   trainscale::<op>: argument '<arg>': expected <what was expected>, got <what was given>
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <string_view>
+
+#include "trainscale/error.h"
+#include "trainscale/tensor.h"
+
+namespace trainscale::detail {
+
+[[noreturn]] void throw_arg_error(std::string_view op, std::string_view arg,
+                                  std::string_view expected, std::string_view got);
+[[noreturn]] void throw_op_error(std::string_view op, std::string_view message);
+// A CUDA tensor reached a build without CUDA.
+[[noreturn]] void throw_no_cuda_build(std::string_view op);
+// A CUDA tensor reached an op that has only its CPU reference so far.
+[[noreturn]] void throw_no_cuda_kernel(std::string_view op);
+
+std::string dtype_list(std::initializer_list<DType> dtypes);  // "float32, bfloat16"
+
+// A tensor seen as M rows of N contiguous elements: leading dims flattened into rows,
+// which must share one row stride (so a [B, S, N] view with padded rows is fine).
+struct Rows {
+  std::int64_t rows = 0;
+  std::int64_t cols = 0;
+  std::int64_t row_stride = 0;  // elements
+};
+
+class OpChecker {
+ public:
+  explicit OpChecker(const char* op) : op_(op) {}
+  const char* op() const { return op_; }
+
+  // The argument is given, has sane shape/strides, a non-null pointer when non-empty, and
+  // lives on the same device as every other argument checked so far.
+  OpChecker& present(const TensorView& t, const char* name);
+  // Like present() for an optional argument: no-op when absent.
+  OpChecker& optional(const TensorView& t, const char* name);
+
+  OpChecker& dtype_in(const TensorView& t, const char* name, std::initializer_list<DType> allowed);
+  OpChecker& same_dtype(const TensorView& t, const char* name, const TensorView& ref,
+                        const char* ref_name);
+  OpChecker& ndim(const TensorView& t, const char* name, int expected);
+  OpChecker& ndim_at_least(const TensorView& t, const char* name, int expected);
+  OpChecker& dim_size(const TensorView& t, const char* name, int dim, std::int64_t expected,
+                      const char* meaning);
+  OpChecker& same_shape(const TensorView& t, const char* name, const TensorView& ref,
+                        const char* ref_name);
+  OpChecker& contiguous(const TensorView& t, const char* name);
+  OpChecker& unit_last_stride(const TensorView& t, const char* name);
+  // Byte ranges of a and b must not intersect (outputs vs inputs, outputs vs outputs).
+  OpChecker& no_overlap(const TensorView& a, const char* a_name, const TensorView& b,
+                        const char* b_name);
+  OpChecker& require(bool ok, const char* arg, std::string_view expected, std::string_view got);
+
+  // Device shared by every argument checked (CPU when none was given).
+  Device device() const { return device_; }
+  bool on_cuda() const { return device_.is_cuda(); }
+
+  Rows rows(const TensorView& t, const char* name) const;
+
+ private:
+  const char* op_;
+  Device device_{};
+  const char* device_arg_ = nullptr;
+};
+
+// Lowest and one-past-highest byte a view can touch (equal when empty).
+std::pair<std::uintptr_t, std::uintptr_t> byte_extent(const TensorView& t);
+
+}  // namespace trainscale::detail

@@ -1,0 +1,156 @@
+#include <cmath>
+#include <cstring>
+
+#include "core/check.h"
+#include "core/host_dtype.h"
+#include "core/parallel.h"
+#include "util/test_util.h"
+
+namespace trainscale {
+namespace {
+
+using namespace detail;
+
+std::uint16_t float_bits_to_bf16_truncate_rne(float f) {
+  // Independent RNE from the float's bits (valid for finite, non-overflowing inputs).
+  std::uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const std::uint32_t lsb = (u >> 16) & 1;
+  return static_cast<std::uint16_t>((u + 0x7FFF + lsb) >> 16);
+}
+
+TEST(HostDType, BFloat16MatchesBitRoundingOnRandomFloats) {
+  std::uniform_real_distribution<float> dist(-1e6f, 1e6f);
+  for (int i = 0; i < 100000; ++i) {
+    const float f = dist(test::rng());
+    ASSERT_EQ(double_to_bf16(f), float_bits_to_bf16_truncate_rne(f)) << f;
+    const double back = bf16_to_double(double_to_bf16(f));
+    ASSERT_LE(std::fabs(back - f), std::fabs(f) * std::ldexp(1.0, -8));
+  }
+}
+
+TEST(HostDType, Float16KnownValues) {
+  EXPECT_EQ(double_to_half(1.0), 0x3C00);
+  EXPECT_EQ(double_to_half(-2.0), 0xC000);
+  EXPECT_EQ(double_to_half(65504.0), 0x7BFF);
+  EXPECT_EQ(double_to_half(65519.0), 0x7BFF);  // rounds down to max
+  EXPECT_EQ(double_to_half(65520.0), 0x7C00);  // tie to even overflows to inf
+  EXPECT_EQ(double_to_half(std::ldexp(1.0, -24)), 0x0001);        // smallest subnormal
+  EXPECT_EQ(double_to_half(std::ldexp(1.0, -25)), 0x0000);        // tie to even: 0
+  EXPECT_EQ(double_to_half(std::ldexp(1.5, -25)), 0x0001);        // above the tie
+  EXPECT_EQ(double_to_half(std::ldexp(3.0, -25)), 0x0002);        // 1.5 ulp ties to even 2
+  EXPECT_EQ(double_to_half(1.0 + std::ldexp(1.0, -11)), 0x3C00);  // tie: even mantissa
+  EXPECT_EQ(double_to_half(1.0 + std::ldexp(3.0, -11)), 0x3C02);
+  EXPECT_EQ(double_to_half(-0.0), 0x8000);
+  EXPECT_TRUE(std::isnan(half_to_double(double_to_half(NAN))));
+  EXPECT_EQ(half_to_double(0x0001), std::ldexp(1.0, -24));
+  EXPECT_EQ(half_to_double(0x7C00), INFINITY);
+}
+
+TEST(HostDType, Float8E4M3ExactValues) {
+  EXPECT_EQ(double_to_e4m3(448.0), 0x7E);
+  EXPECT_EQ(double_to_e4m3(464.0), 0x7E);    // tie between 448 and 480 -> even (448)
+  EXPECT_EQ(double_to_e4m3(1e9), 0x7E);      // saturates
+  EXPECT_EQ(double_to_e4m3(-1e9), 0xFE);
+  EXPECT_EQ(double_to_e4m3(INFINITY), 0x7E);
+  EXPECT_EQ(double_to_e4m3(NAN) & 0x7F, 0x7F);
+  EXPECT_EQ(double_to_e4m3(std::ldexp(1.0, -9)), 0x01);   // smallest subnormal
+  EXPECT_EQ(double_to_e4m3(std::ldexp(1.0, -10)), 0x00);  // tie to zero
+  EXPECT_EQ(double_to_e4m3(std::ldexp(3.0, -10)), 0x02);  // tie to even
+  EXPECT_EQ(double_to_e4m3(std::ldexp(7.5, -9)), 0x08);   // rounds up into the first normal
+  EXPECT_EQ(double_to_e4m3(1.0), 0x38);
+  EXPECT_EQ(double_to_e4m3(1.0625), 0x38);  // tie -> even
+  EXPECT_EQ(double_to_e4m3(1.1875), 0x3A);  // tie -> even (1.25)
+  EXPECT_EQ(e4m3_to_double(0x7E), 448.0);
+  EXPECT_TRUE(std::isnan(e4m3_to_double(0x7F)));
+  EXPECT_EQ(e4m3_to_double(0x01), std::ldexp(1.0, -9));
+  for (int b = 0; b < 256; ++b) {
+    const double v = e4m3_to_double(static_cast<std::uint8_t>(b));
+    if (!std::isnan(v)) {
+      EXPECT_EQ(double_to_e4m3(v), b == 0x80 ? 0x80 : b) << b;  // every code round-trips
+    }
+  }
+}
+
+TEST(HostDType, Float8E5M2ExactValues) {
+  EXPECT_EQ(double_to_e5m2(57344.0), 0x7B);
+  EXPECT_EQ(double_to_e5m2(1e9), 0x7B);
+  EXPECT_EQ(double_to_e5m2(INFINITY), 0x7B);
+  EXPECT_EQ(double_to_e5m2(std::ldexp(1.0, -16)), 0x01);
+  EXPECT_EQ(double_to_e5m2(1.0), 0x3C);
+  EXPECT_EQ(e5m2_to_double(0x7C), INFINITY);
+  EXPECT_TRUE(std::isnan(e5m2_to_double(double_to_e5m2(NAN))));
+  for (int b = 0; b < 256; ++b) {
+    const double v = e5m2_to_double(static_cast<std::uint8_t>(b));
+    if (std::isfinite(v)) {
+      EXPECT_EQ(double_to_e5m2(v), b) << b;
+    }
+  }
+}
+
+TEST(TensorView, ShapesStridesAndContiguity) {
+  float buf[24];
+  TensorView t(buf, DType::kFloat32, {2, 3, 4});
+  EXPECT_EQ(t.numel(), 24);
+  EXPECT_EQ(t.stride(0), 12);
+  EXPECT_EQ(t.size(-1), 4);
+  EXPECT_TRUE(t.is_contiguous());
+  TensorView s(buf, DType::kFloat32, {2, 3}, {8, 1});
+  EXPECT_FALSE(s.is_contiguous());
+  EXPECT_EQ(s.describe(), "float32[2, 3] (strides [8, 1]) on cpu");
+  EXPECT_FALSE(TensorView().defined());
+  TS_EXPECT_ERROR((TensorView(buf, DType::kFloat32, {1, 2, 3, 4, 5, 6, 7})), "at most 6");
+  TS_EXPECT_ERROR((TensorView(buf, DType::kFloat32, {2, 3}, {1})), "strides");
+}
+
+TEST(OpChecker, RowsFlattensLeadingDims) {
+  float buf[64];
+  OpChecker c("op");
+  auto r = c.rows(TensorView(buf, DType::kFloat32, {2, 3, 4}, {30, 10, 1}), "x");
+  EXPECT_EQ(r.rows, 6);
+  EXPECT_EQ(r.cols, 4);
+  EXPECT_EQ(r.row_stride, 10);
+  TS_EXPECT_ERROR(c.rows(TensorView(buf, DType::kFloat32, {2, 3, 4}, {40, 10, 1}), "x"),
+                  "trainscale::op", "'x'", "evenly strided rows");
+  TS_EXPECT_ERROR(c.rows(TensorView(buf, DType::kFloat32, {2, 4}, {1, 2}), "x"),
+                  "stride 1 in the last dimension");
+}
+
+TEST(OpChecker, ErrorsNameOpArgumentExpectedAndGot) {
+  float buf[16];
+  TensorView x(buf, DType::kFloat32, {4, 4});
+  TS_EXPECT_ERROR(OpChecker("myop").present(TensorView(), "w"), "trainscale::myop",
+                  "argument 'w'", "expected a tensor", "got none");
+  TS_EXPECT_ERROR(OpChecker("myop").present(TensorView(nullptr, DType::kFloat32, {2}), "w"),
+                  "non-null", "null");
+  TS_EXPECT_ERROR(OpChecker("myop").dtype_in(x, "x", {DType::kBFloat16}), "bfloat16",
+                  "got float32");
+  TensorView cuda_x = x;
+  cuda_x.device = Device::cuda(0);
+  TS_EXPECT_ERROR(OpChecker("myop").present(x, "x").present(cuda_x, "y"), "argument 'y'",
+                  "on cpu like 'x'", "cuda:0");
+  TS_EXPECT_ERROR(OpChecker("myop").no_overlap(TensorView(buf, DType::kFloat32, {8}), "out",
+                                               TensorView(buf + 4, DType::kFloat32, {8}), "x"),
+                  "disjoint from 'x'");
+  OpChecker("myop").no_overlap(TensorView(buf, DType::kFloat32, {8}), "out",
+                               TensorView(buf + 8, DType::kFloat32, {8}), "x");
+  TensorView neg(buf, DType::kFloat32, {-1});
+  TS_EXPECT_ERROR(OpChecker("myop").present(neg, "x"), "non-negative sizes");
+  TensorView f64(buf, DType::kFloat64, {2}, Device::cuda(0));
+  TS_EXPECT_ERROR(OpChecker("myop").present(f64, "x"), "float64");
+}
+
+TEST(Parallel, ChunksCoverRangeOnceAndPropagateExceptions) {
+  std::vector<int> hits(1000, 0);
+  parallel_for(1000, 7, [&](std::int64_t lo, std::int64_t hi) {
+    for (auto i = lo; i < hi; ++i) hits[i]++;
+  });
+  for (int h : hits) ASSERT_EQ(h, 1);
+  EXPECT_THROW(parallel_for(100, 1, [](std::int64_t lo, std::int64_t) {
+                 if (lo == 50) throw Error("boom");
+               }),
+               Error);
+}
+
+}  // namespace
+}  // namespace trainscale
