@@ -256,6 +256,24 @@ TEST(CrossEntropy, IgnoredRowsContributeNothing) {
   EXPECT_NEAR(mean.at(0), sum.at(0) / static_cast<double>(valid), 1e-12);
 }
 
+TEST(CrossEntropy, ReductionsOverManyRowsMatchPerRowLosses) {
+  const std::int64_t rows = 2500, classes = 3;  // several reduction chunks
+  auto logits = HostTensor::random(DType::kFloat64, {rows, classes}, -2, 2);
+  auto targets = make_targets(DType::kInt32, rows, classes, -100);
+  HostTensor per_row(DType::kFloat64, {rows}), sum(DType::kFloat64, {}), mean(DType::kFloat64, {});
+  cross_entropy_forward(logits.view(), targets.view(), per_row.view(), TensorView(), TensorView(),
+                        {.reduction = Reduction::kNone});
+  cross_entropy_forward(logits.view(), targets.view(), sum.view(), TensorView(), TensorView(),
+                        {.reduction = Reduction::kSum});
+  cross_entropy_forward(logits.view(), targets.view(), mean.view(), TensorView(), TensorView());
+  const Expected ref = reference_ce(logits.values(), index_values(targets), classes, {.reduction = Reduction::kSum});
+  double total = 0;
+  for (double v : per_row.values()) total += v;
+  EXPECT_NEAR(sum.at(0), total, 1e-9 * total);
+  EXPECT_NEAR(sum.at(0), ref.loss[0], 1e-9 * total);
+  EXPECT_NEAR(mean.at(0), total / static_cast<double>(rows - rows / 3), 1e-9);
+}
+
 TEST(CrossEntropy, EveryRowIgnoredGivesNaNMeanLikeTorch) {
   const std::int64_t rows = 4, classes = 5;
   auto logits = HostTensor::random(DType::kBFloat16, {rows, classes});

@@ -98,10 +98,11 @@ void apply_softcap(std::span<double> row, double cap) {
   for (double& v : row) v = cap * std::tanh(v / cap);
 }
 
-// Shifted by the maximum; a NaN anywhere, or no finite maximum, gives NaN.
+// Shifted by the maximum. The max skips NaN but the sum does not, so a NaN anywhere, or no
+// finite maximum, gives NaN.
 double logsumexp(std::span<const double> row) {
   double max = -std::numeric_limits<double>::infinity();
-  for (double v : row) max = (v > max || std::isnan(v)) ? v : max;
+  for (double v : row) max = std::max(max, v);
   double sum = 0;
   for (double v : row) sum += std::exp(v - max);
   return max + std::log(sum);

@@ -1,4 +1,5 @@
 // fp64 reference for the softmax family.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -34,9 +35,9 @@ void softmax_forward_cpu(const TensorView& x, TensorView y) {
     std::vector<double> row(rx.cols);
     for (std::int64_t i = lo; i < hi; ++i) {
       load_row(x, rx, i, row);
-      // A NaN maximum (NaN anywhere in the row) carries NaN into every output, as in torch.
+      // The max skips NaN, but exp(NaN) poisons the sum and so the whole row, as in torch.
       double max = -std::numeric_limits<double>::infinity();
-      for (double v : row) max = (v > max || std::isnan(v)) ? v : max;
+      for (double v : row) max = std::max(max, v);
       double sum = 0;
       for (double& v : row) sum += (v = std::exp(v - max));
       for (double& v : row) v /= sum;
