@@ -195,7 +195,9 @@ TEST(LayerNorm, OutputWithoutParametersHasZeroMeanAndUnitVariance) {
   for (std::int64_t row = 0; row < 4; ++row) {
     double mean = 0, var = 0;
     for (std::int64_t j = 0; j < n; ++j) mean += yv[row * n + j] / n;
-    for (std::int64_t j = 0; j < n; ++j) var += (yv[row * n + j] - mean) * (yv[row * n + j] - mean) / n;
+    for (std::int64_t j = 0; j < n; ++j) {
+      var += (yv[row * n + j] - mean) * (yv[row * n + j] - mean) / n;
+    }
     EXPECT_NEAR(mean, 0.0, 1e-13);
     EXPECT_NEAR(var, 1.0, 1e-12);
   }
@@ -454,7 +456,9 @@ TEST(NormBackward, Float32WeightWithBFloat16Activations) {
   // dw_j = sum_rows dy * x * rstd, accumulated in double and rounded once to float32.
   std::vector<double> dw_ref(n, 0.0);
   for (std::int64_t i = 0; i < 8; ++i) {
-    for (std::int64_t j = 0; j < n; ++j) dw_ref[j] += dy.at(i * n + j) * x.at(i * n + j) * rstd.at(i);
+    for (std::int64_t j = 0; j < n; ++j) {
+      dw_ref[j] += dy.at(i * n + j) * x.at(i * n + j) * rstd.at(i);
+    }
   }
   EXPECT_TRUE(test::matches_reference(dw.values(), dw_ref, test::tolerance(DType::kFloat32)));
 }
@@ -507,6 +511,13 @@ TEST(NormBackward, ParameterGradientsAreBitwiseReproducible) {
   rmsnorm_backward(dy.view(), x.view(), w.view(), rstd.view(), dx.view(), dw1.view(), TensorView{});
   rmsnorm_backward(dy.view(), x.view(), w.view(), rstd.view(), dx.view(), dw2.view(), TensorView{});
   EXPECT_TRUE(bitwise_equal(dw1, dw2));
+  // Every chunk counts: dw = sum over all rows of dy * x * rstd, db = sum of dy.
+  std::vector<double> dw_ref(24, 0.0), db_ref(24, 0.0);
+  for (std::int64_t i = 0; i < x.numel(); ++i) {
+    dw_ref[i % 24] += dy.at(i) * x.at(i) * rstd.at(i / 24);
+    db_ref[i % 24] += dy.at(i);
+  }
+  EXPECT_TRUE(test::matches_reference(dw1.values(), dw_ref, test::tolerance(DType::kFloat32)));
 
   layernorm_forward(x.view(), w.view(), TensorView{}, y.view(), mean.view(), rstd.view());
   layernorm_backward(dy.view(), x.view(), w.view(), mean.view(), rstd.view(), dx.view(),
@@ -515,6 +526,7 @@ TEST(NormBackward, ParameterGradientsAreBitwiseReproducible) {
                      dw2.view(), db2.view(), TensorView{});
   EXPECT_TRUE(bitwise_equal(dw1, dw2));
   EXPECT_TRUE(bitwise_equal(db1, db2));
+  EXPECT_TRUE(test::matches_reference(db1.values(), db_ref, test::tolerance(DType::kFloat32)));
 }
 
 // ---------------------------------------------------------------------------------------
@@ -674,9 +686,11 @@ TEST_F(ErrorFixture, RMSNormForward) {
                   "argument 'y'", "disjoint from 'x'");
   TS_EXPECT_ERROR(rmsnorm_forward(slice(0), w.view(), slice(8), rstd.view()), "rmsnorm_forward",
                   "argument 'y'", "disjoint from 'x'");
-  TS_EXPECT_ERROR(rmsnorm_forward(x.view(), w.view(), y.view(), TensorView(w.data(), DType::kFloat32, {4})),
+  TS_EXPECT_ERROR(rmsnorm_forward(x.view(), w.view(), y.view(),
+                                  TensorView(w.data(), DType::kFloat32, {4})),
                   "rmsnorm_forward", "argument 'rstd'", "disjoint from 'weight'");
-  TS_EXPECT_ERROR(rmsnorm_forward(x.view(), w.view(), y.view(), TensorView(y.data(), DType::kFloat32, {4})),
+  TS_EXPECT_ERROR(rmsnorm_forward(x.view(), w.view(), y.view(),
+                                  TensorView(y.data(), DType::kFloat32, {4})),
                   "rmsnorm_forward", "argument 'rstd'", "disjoint from 'y'");
   TS_EXPECT_ERROR(rmsnorm_forward(x.view(), on_cuda(w.view()), y.view(), rstd.view()),
                   "rmsnorm_forward", "argument 'weight'", "cpu", "cuda:0");
@@ -774,7 +788,8 @@ TEST_F(ErrorFixture, FusedAddRMSNormBackward) {
                   "fused_add_rmsnorm_backward", "argument 'dy'", "a tensor");
   TS_EXPECT_ERROR(fused_add_rmsnorm_backward(dy.view(), none, x16.view(), w.view(), rstd.view(),
                                              dx.view(), dw.view(), none),
-                  "fused_add_rmsnorm_backward", "argument 'residual'", "float32 (the dtype of 'dy')");
+                  "fused_add_rmsnorm_backward", "argument 'residual'",
+                  "float32 (the dtype of 'dy')");
   TS_EXPECT_ERROR(fused_add_rmsnorm_backward(dy.view(), x16.view(), residual.view(), w.view(),
                                              rstd.view(), dx.view(), dw.view(), none),
                   "fused_add_rmsnorm_backward", "argument 'd_residual'", "the dtype of 'residual'");

@@ -2,6 +2,7 @@
 #include <initializer_list>
 #include <sstream>
 #include <string>
+#include <utility>
 
 #include "ops/norm/norm_internal.h"
 
@@ -13,6 +14,7 @@ using detail::OpChecker;
 constexpr auto kActivationTypes = {DType::kFloat32, DType::kFloat16, DType::kBFloat16,
                                    DType::kFloat64};
 
+// An argument and the name error messages give it.
 struct Named {
   const TensorView& view;
   const char* name;

@@ -29,12 +29,16 @@ class RowAccess {
   void load(std::int64_t i, std::vector<double>& out) const {
     out.resize(static_cast<std::size_t>(rows_.cols));
     const std::int64_t base = i * rows_.row_stride;
-    for (std::int64_t j = 0; j < rows_.cols; ++j) out[j] = load_as_double(t_.dtype, t_.data, base + j);
+    for (std::int64_t j = 0; j < rows_.cols; ++j) {
+      out[j] = load_as_double(t_.dtype, t_.data, base + j);
+    }
   }
 
   void store(std::int64_t i, const std::vector<double>& values) const {
     const std::int64_t base = i * rows_.row_stride;
-    for (std::int64_t j = 0; j < rows_.cols; ++j) store_from_double(t_.dtype, t_.data, base + j, values[j]);
+    for (std::int64_t j = 0; j < rows_.cols; ++j) {
+      store_from_double(t_.dtype, t_.data, base + j, values[j]);
+    }
   }
 
  private:
@@ -111,8 +115,7 @@ void rmsnorm_backward_rows(const char* op, const TensorView& dy, const TensorVie
   const std::int64_t M = input.rows(), N = input.cols();
   const std::vector<double> w = load_param(weight, N, 1.0, offset);
   const std::int64_t width = dw.defined() ? N : 0;
-  const auto dw_sums = reduce_row_chunks(M, N, width, [&](std::int64_t lo, std::int64_t hi,
-                                                          double* dw_acc) {
+  auto backward_rows = [&](std::int64_t lo, std::int64_t hi, double* dw_acc) {
     std::vector<double> g, xv, extra;
     for (std::int64_t i = lo; i < hi; ++i) {
       grad.load(i, g);
@@ -129,8 +132,8 @@ void rmsnorm_backward_rows(const char* op, const TensorView& dy, const TensorVie
       }
       grad_in.store(i, g);
     }
-  });
-  store_param_grad(dw, dw_sums, 0, width);
+  };
+  store_param_grad(dw, reduce_row_chunks(M, N, width, backward_rows), 0, width);
 }
 
 }  // namespace
@@ -139,8 +142,9 @@ void rmsnorm_forward_cpu(const TensorView& x, const TensorView& weight, TensorVi
                          TensorView rstd, const RMSNormOptions& options) {
   const detail::OpChecker c("rmsnorm_forward");
   const RowAccess input(c, x, "x"), output(c, y, "y");
-  const std::vector<double> w = load_param(weight, input.cols(), 1.0, options.weight_offset);
-  detail::parallel_for(input.rows(), row_grain(input.cols()), [&](std::int64_t lo, std::int64_t hi) {
+  const std::int64_t M = input.rows(), N = input.cols();
+  const std::vector<double> w = load_param(weight, N, 1.0, options.weight_offset);
+  detail::parallel_for(M, row_grain(N), [&](std::int64_t lo, std::int64_t hi) {
     std::vector<double> v;
     for (std::int64_t i = lo; i < hi; ++i) {
       input.load(i, v);
@@ -161,15 +165,16 @@ void fused_add_rmsnorm_forward_cpu(TensorView x, TensorView residual, const Tens
                                    TensorView rstd, const RMSNormOptions& options) {
   const detail::OpChecker c("fused_add_rmsnorm_forward");
   const RowAccess input(c, x, "x"), sum(c, residual, "residual");
-  const std::vector<double> w = load_param(weight, input.cols(), 1.0, options.weight_offset);
-  detail::parallel_for(input.rows(), row_grain(input.cols()), [&](std::int64_t lo, std::int64_t hi) {
+  const std::int64_t M = input.rows(), N = input.cols();
+  const std::vector<double> w = load_param(weight, N, 1.0, options.weight_offset);
+  detail::parallel_for(M, row_grain(N), [&](std::int64_t lo, std::int64_t hi) {
     std::vector<double> v, r;
     for (std::int64_t i = lo; i < hi; ++i) {
       input.load(i, v);
       sum.load(i, r);
       // Normalize the sum as stored, so the backward pass (which gets the stored residual)
       // and an add followed by rmsnorm_forward see the same values.
-      for (std::size_t j = 0; j < v.size(); ++j) v[j] = detail::round_to(residual.dtype, v[j] + r[j]);
+      for (std::int64_t j = 0; j < N; ++j) v[j] = detail::round_to(residual.dtype, v[j] + r[j]);
       sum.store(i, v);
       store_stat(rstd, i, rmsnorm_row(v, w, options.eps));
       input.store(i, v);
@@ -190,9 +195,9 @@ void layernorm_forward_cpu(const TensorView& x, const TensorView& weight, const 
                            const LayerNormOptions& options) {
   const detail::OpChecker c("layernorm_forward");
   const RowAccess input(c, x, "x"), output(c, y, "y");
-  const std::int64_t N = input.cols();
+  const std::int64_t M = input.rows(), N = input.cols();
   const std::vector<double> w = load_param(weight, N, 1.0), b = load_param(bias, N, 0.0);
-  detail::parallel_for(input.rows(), row_grain(N), [&](std::int64_t lo, std::int64_t hi) {
+  detail::parallel_for(M, row_grain(N), [&](std::int64_t lo, std::int64_t hi) {
     std::vector<double> v;
     for (std::int64_t i = lo; i < hi; ++i) {
       input.load(i, v);
@@ -222,9 +227,7 @@ void layernorm_backward_cpu(const TensorView& dy, const TensorView& x, const Ten
   const std::vector<double> w = load_param(weight, N, 1.0);
   // Partial sums laid out as [dw (N if given) | db (N if given)].
   const std::int64_t dw_width = dw.defined() ? N : 0, db_width = db.defined() ? N : 0;
-  const auto sums = reduce_row_chunks(M, N, dw_width + db_width, [&](std::int64_t lo,
-                                                                     std::int64_t hi,
-                                                                     double* acc) {
+  auto backward_rows = [&](std::int64_t lo, std::int64_t hi, double* acc) {
     std::vector<double> g, xhat;
     for (std::int64_t i = lo; i < hi; ++i) {
       grad.load(i, g);
@@ -245,7 +248,8 @@ void layernorm_backward_cpu(const TensorView& dy, const TensorView& x, const Ten
       }
       grad_in.store(i, g);
     }
-  });
+  };
+  const auto sums = reduce_row_chunks(M, N, dw_width + db_width, backward_rows);
   store_param_grad(dw, sums, 0, dw_width);
   store_param_grad(db, sums, dw_width, db_width);
 }
