@@ -664,14 +664,23 @@ TEST_F(ErrorFixture, RMSNormForward) {
   TS_EXPECT_ERROR(rmsnorm_forward(x.view(), TensorView(buffer.data(), DType::kFloat32, {8}, {2}),
                                   y.view(), rstd.view()),
                   "rmsnorm_forward", "argument 'weight'", "contiguous");
+  TS_EXPECT_ERROR(rmsnorm_forward(x.view(), w.view(), none, rstd.view()), "rmsnorm_forward",
+                  "argument 'y'", "a tensor", "none");
   TS_EXPECT_ERROR(rmsnorm_forward(x.view(), w.view(), x16.view(), rstd.view()),
                   "rmsnorm_forward", "argument 'y'", "float16");
+  TS_EXPECT_ERROR(rmsnorm_forward(x.view(), w.view(),
+                                  TensorView(buffer.data(), DType::kFloat32, {4, 8}, {16, 2}),
+                                  rstd.view()),
+                  "rmsnorm_forward", "argument 'y'", "stride 1");
   TS_EXPECT_ERROR(rmsnorm_forward(x.view(), w.view(), slice(0, 4, 7), rstd.view()),
                   "rmsnorm_forward", "argument 'y'", "shape [4, 8]", "[4, 7]");
   TS_EXPECT_ERROR(rmsnorm_forward(x.view(), w.view(), y.view(), w.view()), "rmsnorm_forward",
                   "argument 'rstd'", "4 elements");
   TS_EXPECT_ERROR(rmsnorm_forward(x.view(), w.view(), y.view(), to_float64(rstd).view()),
                   "rmsnorm_forward", "argument 'rstd'", "float32", "float64");
+  TS_EXPECT_ERROR(rmsnorm_forward(to_float64(x).view(), w.view(), to_float64(y).view(),
+                                  HostTensor(DType::kFloat16, {4}).view()),
+                  "rmsnorm_forward", "argument 'rstd'", "{float32, float64}", "float16");
   TS_EXPECT_ERROR(rmsnorm_forward(x.view(), w.view(), y.view(),
                                   TensorView(buffer.data(), DType::kFloat32, {4}, {3})),
                   "rmsnorm_forward", "argument 'rstd'", "contiguous");
@@ -722,6 +731,9 @@ TEST_F(ErrorFixture, RMSNormBackward) {
   TS_EXPECT_ERROR(rmsnorm_backward(dy.view(), x.view(), w.view(), rstd.view(), dx.view(),
                                    to_float64(dw).view(), none),
                   "rmsnorm_backward", "argument 'dw'", "float32 (the dtype of 'weight')");
+  TS_EXPECT_ERROR(rmsnorm_backward(dy.view(), x.view(), w.view(), rstd.view(), dx.view(),
+                                   mean.view(), none),
+                  "rmsnorm_backward", "argument 'dw'", "shape [8]", "[4]");
   TS_EXPECT_ERROR(rmsnorm_backward(dy.view(), x.view(), w.view(), rstd.view(), dx.view(),
                                    TensorView(buffer.data(), DType::kFloat32, {8}, {2}), none),
                   "rmsnorm_backward", "argument 'dw'", "contiguous");

@@ -7,8 +7,8 @@
 // contiguous, float32 or x's dtype; an absent one (TensorView{}) means ones (weight) or zeros
 // (bias). Gradients of parameters are reduced over rows deterministically.
 //
-// Backward passes recompute the normalized row from x (in the reference, in double) using the
-// mean / rstd exactly as saved by the forward pass; they are not recomputed from x.
+// Backward passes rebuild the normalized row from x (in double in the reference) with the
+// mean / rstd exactly as saved by the forward pass; the statistics are not recomputed.
 #pragma once
 
 #include "trainscale/tensor.h"
