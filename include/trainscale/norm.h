@@ -11,6 +11,9 @@
 // mean / rstd exactly as saved by the forward pass; the statistics are not recomputed.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
+
 #include "trainscale/tensor.h"
 
 namespace trainscale {
@@ -67,5 +70,11 @@ void layernorm_backward(const TensorView& dy, const TensorView& x, const TensorV
                         const TensorView& mean, const TensorView& rstd, TensorView dx,
                         TensorView dw, TensorView db, TensorView workspace,
                         const LayerNormOptions& options = {}, cudaStream_t stream = nullptr);
+
+// Bytes of scratch the CUDA backward passes need for `rows` x `cols` inputs of `dtype` (the
+// weight- and bias-gradient partial sums, one row per block); 0 on the CPU. Pass at least this
+// much, 16-byte aligned, as `workspace` (any dtype; its size in bytes is what counts).
+std::size_t norm_backward_workspace_bytes(std::int64_t rows, std::int64_t cols, DType dtype,
+                                          Device device);
 
 }  // namespace trainscale

@@ -2,6 +2,7 @@
 #include <mutex>
 
 #include "common/cuda_check.h"
+#include "core/check.h"
 
 namespace trainscale::detail {
 
@@ -21,6 +22,15 @@ const DeviceInfo& current_device_info() {
     info.l2_bytes = static_cast<std::size_t>(prop.l2CacheSize);
   });
   return cache[device % kMaxDevices];
+}
+
+void require_current_device(std::string_view op, Device device) {
+  int current = 0;
+  check_cuda(cudaGetDevice(&current), op, "cudaGetDevice");
+  if (device.index != current) {
+    throw_op_error(op, "tensors are on " + device.str() + " but the current CUDA device is cuda:" +
+                           std::to_string(current) + " (call cudaSetDevice first)");
+  }
 }
 
 }  // namespace trainscale::detail

@@ -6,6 +6,10 @@
 
 #include "ops/norm/norm_internal.h"
 
+#if TRAINSCALE_HAVE_CUDA
+#include "ops/norm/norm_cuda.h"
+#endif
+
 namespace trainscale {
 namespace {
 
@@ -143,7 +147,7 @@ void check_options(OpChecker& c, const LayerNormOptions& options) { check_eps(c,
 }  // namespace
 
 void rmsnorm_forward(const TensorView& x, const TensorView& weight, TensorView y, TensorView rstd,
-                     const RMSNormOptions& options, cudaStream_t /*stream*/) {
+                     const RMSNormOptions& options, cudaStream_t stream) {
   OpChecker c("rmsnorm_forward");
   const auto rows = check_activation(c, x, "x");
   check_param(c, weight, "weight", x, "x", rows.cols);
@@ -151,13 +155,21 @@ void rmsnorm_forward(const TensorView& x, const TensorView& weight, TensorView y
   check_optional_stat(c, rstd, "rstd", x, rows.rows);
   check_options(c, options);
   check_disjoint(c, {{y, "y"}, {rstd, "rstd"}}, {{x, "x"}, {weight, "weight"}});
-  if (c.on_cuda()) detail::throw_no_cuda_kernel(c.op());
+  if (c.on_cuda()) {
+#if TRAINSCALE_HAVE_CUDA
+    detail::require_current_device(c.op(), c.device());
+    ops::norm::rmsnorm_forward_cuda(x, weight, y, rstd, options, stream);
+    return;
+#else
+    detail::throw_no_cuda_build(c.op());
+#endif
+  }
   ops::norm::rmsnorm_forward_cpu(x, weight, y, rstd, options);
 }
 
 void rmsnorm_backward(const TensorView& dy, const TensorView& x, const TensorView& weight,
                       const TensorView& rstd, TensorView dx, TensorView dw, TensorView workspace,
-                      const RMSNormOptions& options, cudaStream_t /*stream*/) {
+                      const RMSNormOptions& options, cudaStream_t stream) {
   OpChecker c("rmsnorm_backward");
   const auto rows = check_activation(c, x, "x");
   check_like(c, dy, "dy", x, "x");
@@ -169,13 +181,21 @@ void rmsnorm_backward(const TensorView& dy, const TensorView& x, const TensorVie
   check_options(c, options);
   check_disjoint(c, {{dx, "dx"}, {dw, "dw"}, {workspace, "workspace"}},
                  {{dy, "dy"}, {x, "x"}, {weight, "weight"}, {rstd, "rstd"}}, {&dx, &dy});
-  if (c.on_cuda()) detail::throw_no_cuda_kernel(c.op());
+  if (c.on_cuda()) {
+#if TRAINSCALE_HAVE_CUDA
+    detail::require_current_device(c.op(), c.device());
+    ops::norm::rmsnorm_backward_cuda(dy, x, weight, rstd, dx, dw, workspace, options, stream);
+    return;
+#else
+    detail::throw_no_cuda_build(c.op());
+#endif
+  }
   ops::norm::rmsnorm_backward_cpu(dy, x, weight, rstd, dx, dw, options);
 }
 
 void fused_add_rmsnorm_forward(TensorView x, TensorView residual, const TensorView& weight,
                                TensorView rstd, const RMSNormOptions& options,
-                               cudaStream_t /*stream*/) {
+                               cudaStream_t stream) {
   OpChecker c("fused_add_rmsnorm_forward");
   const auto rows = check_activation(c, x, "x");
   check_residual(c, residual, "residual", x, "x");
@@ -183,7 +203,15 @@ void fused_add_rmsnorm_forward(TensorView x, TensorView residual, const TensorVi
   check_optional_stat(c, rstd, "rstd", x, rows.rows);
   check_options(c, options);
   check_disjoint(c, {{x, "x"}, {residual, "residual"}, {rstd, "rstd"}}, {{weight, "weight"}});
-  if (c.on_cuda()) detail::throw_no_cuda_kernel(c.op());
+  if (c.on_cuda()) {
+#if TRAINSCALE_HAVE_CUDA
+    detail::require_current_device(c.op(), c.device());
+    ops::norm::fused_add_rmsnorm_forward_cuda(x, residual, weight, rstd, options, stream);
+    return;
+#else
+    detail::throw_no_cuda_build(c.op());
+#endif
+  }
   ops::norm::fused_add_rmsnorm_forward_cpu(x, residual, weight, rstd, options);
 }
 
@@ -191,7 +219,7 @@ void fused_add_rmsnorm_backward(const TensorView& dy, const TensorView& d_residu
                                 const TensorView& residual, const TensorView& weight,
                                 const TensorView& rstd, TensorView dx, TensorView dw,
                                 TensorView workspace, const RMSNormOptions& options,
-                                cudaStream_t /*stream*/) {
+                                cudaStream_t stream) {
   OpChecker c("fused_add_rmsnorm_backward");
   const auto rows = check_activation(c, dy, "dy");
   check_residual(c, residual, "residual", dy, "dy");
@@ -206,14 +234,23 @@ void fused_add_rmsnorm_backward(const TensorView& dy, const TensorView& d_residu
                  {{dy, "dy"}, {d_residual, "d_residual"}, {residual, "residual"},
                   {weight, "weight"}, {rstd, "rstd"}},
                  {&dx, &dy});
-  if (c.on_cuda()) detail::throw_no_cuda_kernel(c.op());
+  if (c.on_cuda()) {
+#if TRAINSCALE_HAVE_CUDA
+    detail::require_current_device(c.op(), c.device());
+    ops::norm::fused_add_rmsnorm_backward_cuda(dy, d_residual, residual, weight, rstd, dx, dw,
+                                               workspace, options, stream);
+    return;
+#else
+    detail::throw_no_cuda_build(c.op());
+#endif
+  }
   ops::norm::fused_add_rmsnorm_backward_cpu(dy, d_residual, residual, weight, rstd, dx, dw,
                                             options);
 }
 
 void layernorm_forward(const TensorView& x, const TensorView& weight, const TensorView& bias,
                        TensorView y, TensorView mean, TensorView rstd,
-                       const LayerNormOptions& options, cudaStream_t /*stream*/) {
+                       const LayerNormOptions& options, cudaStream_t stream) {
   OpChecker c("layernorm_forward");
   const auto rows = check_activation(c, x, "x");
   check_param(c, weight, "weight", x, "x", rows.cols);
@@ -224,14 +261,22 @@ void layernorm_forward(const TensorView& x, const TensorView& weight, const Tens
   check_options(c, options);
   check_disjoint(c, {{y, "y"}, {mean, "mean"}, {rstd, "rstd"}},
                  {{x, "x"}, {weight, "weight"}, {bias, "bias"}});
-  if (c.on_cuda()) detail::throw_no_cuda_kernel(c.op());
+  if (c.on_cuda()) {
+#if TRAINSCALE_HAVE_CUDA
+    detail::require_current_device(c.op(), c.device());
+    ops::norm::layernorm_forward_cuda(x, weight, bias, y, mean, rstd, options, stream);
+    return;
+#else
+    detail::throw_no_cuda_build(c.op());
+#endif
+  }
   ops::norm::layernorm_forward_cpu(x, weight, bias, y, mean, rstd, options);
 }
 
 void layernorm_backward(const TensorView& dy, const TensorView& x, const TensorView& weight,
                         const TensorView& mean, const TensorView& rstd, TensorView dx,
                         TensorView dw, TensorView db, TensorView workspace,
-                        const LayerNormOptions& options, cudaStream_t /*stream*/) {
+                        const LayerNormOptions& options, cudaStream_t stream) {
   OpChecker c("layernorm_backward");
   const auto rows = check_activation(c, x, "x");
   check_like(c, dy, "dy", x, "x");
@@ -247,8 +292,32 @@ void layernorm_backward(const TensorView& dy, const TensorView& x, const TensorV
   check_disjoint(c, {{dx, "dx"}, {dw, "dw"}, {db, "db"}, {workspace, "workspace"}},
                  {{dy, "dy"}, {x, "x"}, {weight, "weight"}, {mean, "mean"}, {rstd, "rstd"}},
                  {&dx, &dy});
-  if (c.on_cuda()) detail::throw_no_cuda_kernel(c.op());
+  if (c.on_cuda()) {
+#if TRAINSCALE_HAVE_CUDA
+    detail::require_current_device(c.op(), c.device());
+    ops::norm::layernorm_backward_cuda(dy, x, weight, mean, rstd, dx, dw, db, workspace, options, stream);
+    return;
+#else
+    detail::throw_no_cuda_build(c.op());
+#endif
+  }
   ops::norm::layernorm_backward_cpu(dy, x, weight, mean, rstd, dx, dw, db);
+}
+
+std::size_t norm_backward_workspace_bytes(std::int64_t rows, std::int64_t cols, DType dtype,
+                                          Device device) {
+  OpChecker c("norm_backward_workspace_bytes");
+  c.require(rows >= 0 && cols >= 0, "rows/cols", "non-negative sizes",
+            std::to_string(rows) + " x " + std::to_string(cols));
+  c.require(dtype == DType::kFloat32 || dtype == DType::kFloat16 || dtype == DType::kBFloat16 ||
+                dtype == DType::kFloat64,
+            "dtype", "a float dtype", dtype_name(dtype));
+  if (!device.is_cuda()) return 0;
+#if TRAINSCALE_HAVE_CUDA
+  return ops::norm::backward_workspace_bytes_cuda(rows, cols, dtype);
+#else
+  detail::throw_no_cuda_build(c.op());
+#endif
 }
 
 }  // namespace trainscale
