@@ -1,8 +1,9 @@
+#include "trainscale/activation.h"
+
 #include <cmath>
 #include <functional>
 #include <numbers>
 
-#include "trainscale/activation.h"
 #include "util/test_util.h"
 
 namespace trainscale {
@@ -23,32 +24,33 @@ double silu_formula(double x) { return x / (1.0 + std::exp(-x)); }
 
 using UnaryFn = std::function<void(const TensorView&, TensorView)>;
 using BinaryFn = std::function<void(const TensorView&, const TensorView&, TensorView)>;
-using GatedBackwardFn = std::function<void(const TensorView&, const TensorView&,
-                                           const TensorView&, TensorView, TensorView)>;
+using GatedBackwardFn = std::function<void(const TensorView&, const TensorView&, const TensorView&,
+                                           TensorView, TensorView)>;
 
 // One activation with its plain, gated and packed-gated entry points.
 struct ActivationCase {
   const char* name;
   double (*formula)(double);
   UnaryFn forward;
-  BinaryFn backward;  // (dy, x, dx)
-  BinaryFn gated_forward;  // (a, b, y)
+  BinaryFn backward;               // (dy, x, dx)
+  BinaryFn gated_forward;          // (a, b, y)
   GatedBackwardFn gated_backward;  // (dy, a, b, da, db)
-  UnaryFn packed_forward;  // (ab, y)
-  BinaryFn packed_backward;  // (dy, ab, dab)
+  UnaryFn packed_forward;          // (ab, y)
+  BinaryFn packed_backward;        // (dy, ab, dab)
 };
 
 ActivationCase gelu_case(GeluApproximation ap) {
-  return {ap == GeluApproximation::kNone ? "gelu_erf" : "gelu_tanh",
-          ap == GeluApproximation::kNone ? gelu_erf_formula : gelu_tanh_formula,
-          [ap](const auto& x, auto y) { gelu_forward(x, y, ap); },
-          [ap](const auto& dy, const auto& x, auto dx) { gelu_backward(dy, x, dx, ap); },
-          [ap](const auto& a, const auto& b, auto y) { geglu_forward(a, b, y, ap); },
-          [ap](const auto& dy, const auto& a, const auto& b, auto da, auto db) {
-            geglu_backward(dy, a, b, da, db, ap);
-          },
-          [ap](const auto& ab, auto y) { geglu_forward_packed(ab, y, ap); },
-          [ap](const auto& dy, const auto& ab, auto dab) { geglu_backward_packed(dy, ab, dab, ap); }};
+  return {
+      ap == GeluApproximation::kNone ? "gelu_erf" : "gelu_tanh",
+      ap == GeluApproximation::kNone ? gelu_erf_formula : gelu_tanh_formula,
+      [ap](const auto& x, auto y) { gelu_forward(x, y, ap); },
+      [ap](const auto& dy, const auto& x, auto dx) { gelu_backward(dy, x, dx, ap); },
+      [ap](const auto& a, const auto& b, auto y) { geglu_forward(a, b, y, ap); },
+      [ap](const auto& dy, const auto& a, const auto& b, auto da, auto db) {
+        geglu_backward(dy, a, b, da, db, ap);
+      },
+      [ap](const auto& ab, auto y) { geglu_forward_packed(ab, y, ap); },
+      [ap](const auto& dy, const auto& ab, auto dab) { geglu_backward_packed(dy, ab, dab, ap); }};
 }
 
 ActivationCase silu_case() {
@@ -171,7 +173,8 @@ TEST_P(ActivationOp, PackedBackwardMatchesFiniteDifferences) {
     op.packed_forward(t.view(), y.view());
     return test::dot(dy.values(), y.values());
   };
-  EXPECT_TRUE(test::matches_reference(dab.values(), test::numeric_gradient(ab.values(), loss), 1e-7))
+  EXPECT_TRUE(
+      test::matches_reference(dab.values(), test::numeric_gradient(ab.values(), loss), 1e-7))
       << op.name;
 }
 
@@ -241,8 +244,9 @@ TEST_P(ActivationOp, EmptyNaNAndInfinity) {
   EXPECT_TRUE(std::isnan(gy.at(3))) << op.name;
 }
 
-INSTANTIATE_TEST_SUITE_P(All, ActivationOp, ::testing::Values(0, 1, 2),
-                         [](const auto& param_info) { return std::string(case_at(param_info.param).name); });
+INSTANTIATE_TEST_SUITE_P(All, ActivationOp, ::testing::Values(0, 1, 2), [](const auto& param_info) {
+  return std::string(case_at(param_info.param).name);
+});
 
 // Closed forms at known points, run through the library in float64.
 double apply(const ActivationCase& op, double x) {
@@ -302,7 +306,8 @@ TensorView shifted(TensorView t) {
 TEST(Activation, PlainErrors) {
   auto x = HostTensor::random(DType::kFloat32, {4, 8});
   auto x16 = HostTensor::random(DType::kFloat16, {4, 8});
-  HostTensor y(DType::kFloat32, {4, 8}), y_wide(DType::kFloat32, {4, 9}), big(DType::kFloat32, {5, 8});
+  HostTensor y(DType::kFloat32, {4, 8}), y_wide(DType::kFloat32, {4, 9}),
+      big(DType::kFloat32, {5, 8});
   HostTensor ints(DType::kInt32, {4, 8});
   const TensorView column_major(x.data(), DType::kFloat32, {4, 8}, {1, 4});
   const auto bad = static_cast<GeluApproximation>(7);
@@ -311,12 +316,11 @@ TEST(Activation, PlainErrors) {
                   "kNone or kTanh", "7");
   TS_EXPECT_ERROR(gelu_forward(TensorView(), y.view()), "gelu_forward", "argument 'x'", "none");
   TS_EXPECT_ERROR(gelu_forward(ints.view(), y.view()), "gelu_forward", "argument 'x'", "int32");
-  TS_EXPECT_ERROR(gelu_forward(column_major, y.view()), "gelu_forward", "argument 'x'",
-                  "stride 1");
+  TS_EXPECT_ERROR(gelu_forward(column_major, y.view()), "gelu_forward", "argument 'x'", "stride 1");
   TS_EXPECT_ERROR(gelu_forward(x.view(), TensorView()), "gelu_forward", "argument 'y'", "none");
   TS_EXPECT_ERROR(gelu_forward(x.view(), x16.view()), "gelu_forward", "argument 'y'", "float16");
-  TS_EXPECT_ERROR(gelu_forward(x.view(), y_wide.view()), "gelu_forward", "argument 'y'",
-                  "[4, 8]", "[4, 9]");
+  TS_EXPECT_ERROR(gelu_forward(x.view(), y_wide.view()), "gelu_forward", "argument 'y'", "[4, 8]",
+                  "[4, 9]");
   TS_EXPECT_ERROR(gelu_forward(x.view(), shifted(x.view())), "gelu_forward", "argument 'y'",
                   "disjoint from 'x'", "partially overlapping");
   TS_EXPECT_ERROR(gelu_forward(x.view(), TensorView(nullptr, DType::kFloat32, {4, 8})),
@@ -324,16 +328,14 @@ TEST(Activation, PlainErrors) {
   TS_EXPECT_ERROR(gelu_forward(x.view(), on_cuda(y.view())), "gelu_forward", "argument 'y'",
                   "cuda:0");
   TS_EXPECT_ERROR(gelu_forward(on_cuda(x.view()), on_cuda(y.view())), "gelu_forward", "CUDA");
-  TS_EXPECT_ERROR(silu_forward(x.view(), big.view()), "silu_forward", "argument 'y'",
-                  "[4, 8]");
+  TS_EXPECT_ERROR(silu_forward(x.view(), big.view()), "silu_forward", "argument 'y'", "[4, 8]");
   TS_EXPECT_ERROR(silu_forward(on_cuda(x.view()), on_cuda(y.view())), "silu_forward", "CUDA");
 
   TS_EXPECT_ERROR(gelu_backward(x.view(), x.view(), y.view(), bad), "gelu_backward",
                   "argument 'approx'");
-  TS_EXPECT_ERROR(gelu_backward(x.view(), TensorView(), y.view()), "gelu_backward",
-                  "argument 'x'");
-  TS_EXPECT_ERROR(gelu_backward(x16.view(), x.view(), y.view()), "gelu_backward",
-                  "argument 'dy'", "float32", "float16");
+  TS_EXPECT_ERROR(gelu_backward(x.view(), TensorView(), y.view()), "gelu_backward", "argument 'x'");
+  TS_EXPECT_ERROR(gelu_backward(x16.view(), x.view(), y.view()), "gelu_backward", "argument 'dy'",
+                  "float32", "float16");
   TS_EXPECT_ERROR(gelu_backward(y_wide.view(), x.view(), y.view()), "gelu_backward",
                   "argument 'dy'", "[4, 9]");
   TS_EXPECT_ERROR(gelu_backward(x.view(), x.view(), y_wide.view()), "gelu_backward",
@@ -346,26 +348,28 @@ TEST(Activation, PlainErrors) {
                   "gelu_backward", "argument 'dx'", "[5, 8]");
   TS_EXPECT_ERROR(gelu_backward(on_cuda(y.view()), on_cuda(x.view()), on_cuda(y.view())),
                   "gelu_backward", "CUDA");
-  TS_EXPECT_ERROR(silu_backward(y.view(), x.view(), x16.view()), "silu_backward",
-                  "argument 'dx'", "float16");
+  TS_EXPECT_ERROR(silu_backward(y.view(), x.view(), x16.view()), "silu_backward", "argument 'dx'",
+                  "float16");
   TS_EXPECT_ERROR(silu_backward(on_cuda(y.view()), on_cuda(x.view()), on_cuda(y.view())),
                   "silu_backward", "CUDA");
 }
 
 TEST(Activation, GatedErrors) {
-  auto a = HostTensor::random(DType::kBFloat16, {3, 6}), b = HostTensor::random(DType::kBFloat16, {3, 6});
+  auto a = HostTensor::random(DType::kBFloat16, {3, 6}),
+       b = HostTensor::random(DType::kBFloat16, {3, 6});
   auto b32 = HostTensor::random(DType::kFloat32, {3, 6});
-  HostTensor y(DType::kBFloat16, {3, 6}), other(DType::kBFloat16, {3, 6}), wide(DType::kBFloat16, {3, 7});
+  HostTensor y(DType::kBFloat16, {3, 6}), other(DType::kBFloat16, {3, 6}),
+      wide(DType::kBFloat16, {3, 7});
   const auto bad = static_cast<GeluApproximation>(-1);
 
   TS_EXPECT_ERROR(swiglu_forward(TensorView(), b.view(), y.view()), "swiglu_forward",
                   "argument 'a'");
-  TS_EXPECT_ERROR(swiglu_forward(a.view(), b32.view(), y.view()), "swiglu_forward",
-                  "argument 'b'", "bfloat16", "float32");
-  TS_EXPECT_ERROR(swiglu_forward(a.view(), wide.view(), y.view()), "swiglu_forward",
-                  "argument 'b'", "[3, 7]");
-  TS_EXPECT_ERROR(swiglu_forward(a.view(), b.view(), wide.view()), "swiglu_forward",
-                  "argument 'y'", "[3, 7]");
+  TS_EXPECT_ERROR(swiglu_forward(a.view(), b32.view(), y.view()), "swiglu_forward", "argument 'b'",
+                  "bfloat16", "float32");
+  TS_EXPECT_ERROR(swiglu_forward(a.view(), wide.view(), y.view()), "swiglu_forward", "argument 'b'",
+                  "[3, 7]");
+  TS_EXPECT_ERROR(swiglu_forward(a.view(), b.view(), wide.view()), "swiglu_forward", "argument 'y'",
+                  "[3, 7]");
   TS_EXPECT_ERROR(swiglu_forward(a.view(), b.view(), shifted(a.view())), "swiglu_forward",
                   "argument 'y'", "disjoint from 'a'");
   TS_EXPECT_ERROR(swiglu_forward(a.view(), b.view(), shifted(b.view())), "swiglu_forward",
@@ -374,8 +378,7 @@ TEST(Activation, GatedErrors) {
                   "swiglu_forward", "CUDA");
   TS_EXPECT_ERROR(geglu_forward(a.view(), b.view(), y.view(), bad), "geglu_forward",
                   "argument 'approx'", "-1");
-  TS_EXPECT_ERROR(geglu_forward(a.view(), b.view(), TensorView()), "geglu_forward",
-                  "argument 'y'");
+  TS_EXPECT_ERROR(geglu_forward(a.view(), b.view(), TensorView()), "geglu_forward", "argument 'y'");
   TS_EXPECT_ERROR(geglu_forward(on_cuda(a.view()), on_cuda(b.view()), on_cuda(y.view())),
                   "geglu_forward", "CUDA");
 
@@ -411,9 +414,11 @@ TEST(Activation, GatedErrors) {
 }
 
 TEST(Activation, PackedErrors) {
-  auto ab = HostTensor::random(DType::kFloat16, {3, 10}), odd = HostTensor::random(DType::kFloat16, {3, 9});
+  auto ab = HostTensor::random(DType::kFloat16, {3, 10}),
+       odd = HostTensor::random(DType::kFloat16, {3, 9});
   auto ab32 = HostTensor::random(DType::kFloat32, {3, 10});
-  HostTensor y(DType::kFloat16, {3, 5}), y32(DType::kFloat32, {3, 5}), y_wide(DType::kFloat16, {3, 10});
+  HostTensor y(DType::kFloat16, {3, 5}), y32(DType::kFloat32, {3, 5}),
+      y_wide(DType::kFloat16, {3, 10});
   HostTensor dab(DType::kFloat16, {3, 10}), dab_narrow(DType::kFloat16, {3, 8});
   const TensorView packed_row_major(ab.data(), DType::kFloat16, {3, 10}, {10, 3});
   const auto bad = static_cast<GeluApproximation>(3);
@@ -449,8 +454,8 @@ TEST(Activation, PackedErrors) {
                   "swiglu_backward_packed", "argument 'dab'", "[3, 10]", "[3, 8]");
   TS_EXPECT_ERROR(swiglu_backward_packed(y.view(), ab.view(), shifted(ab.view())),
                   "swiglu_backward_packed", "argument 'dab'", "disjoint from 'ab'");
-  TS_EXPECT_ERROR(swiglu_backward_packed(y_in_ab, ab32.view(), ab.view()),
-                  "swiglu_backward_packed", "argument 'dy'", "float32");
+  TS_EXPECT_ERROR(swiglu_backward_packed(y_in_ab, ab32.view(), ab.view()), "swiglu_backward_packed",
+                  "argument 'dy'", "float32");
   const TensorView dy_in_dab(dab.data(), DType::kFloat16, {3, 5}, {10, 1});
   TS_EXPECT_ERROR(swiglu_backward_packed(dy_in_dab, ab.view(), dab.view()),
                   "swiglu_backward_packed", "argument 'dab'", "disjoint from 'dy'");
@@ -458,8 +463,8 @@ TEST(Activation, PackedErrors) {
                   "swiglu_backward_packed", "CUDA");
   TS_EXPECT_ERROR(geglu_backward_packed(y.view(), ab.view(), dab.view(), bad),
                   "geglu_backward_packed", "argument 'approx'");
-  TS_EXPECT_ERROR(geglu_backward_packed(y.view(), ab.view(), TensorView()),
-                  "geglu_backward_packed", "argument 'dab'");
+  TS_EXPECT_ERROR(geglu_backward_packed(y.view(), ab.view(), TensorView()), "geglu_backward_packed",
+                  "argument 'dab'");
   TS_EXPECT_ERROR(geglu_backward_packed(on_cuda(y.view()), on_cuda(ab.view()), on_cuda(ab.view())),
                   "geglu_backward_packed", "CUDA");
 }

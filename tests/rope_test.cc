@@ -1,7 +1,8 @@
+#include "trainscale/rope.h"
+
 #include <cmath>
 #include <complex>
 
-#include "trainscale/rope.h"
 #include "util/test_util.h"
 
 namespace trainscale {
@@ -32,8 +33,10 @@ std::vector<double> complex_rotation(const HostTensor& x, RopeStyle style, std::
         for (std::int64_t i = 0; i < half; ++i) {
           const std::int64_t re = style == RopeStyle::kNeox ? i : 2 * i;
           const std::int64_t im = style == RopeStyle::kNeox ? i + half : 2 * i + 1;
-          const double angle = direction * position * std::exp(-std::log(theta) * 2.0 * i / rotary_dim);
-          const std::complex<double> z(x.at(index4(sh, b, s, h, re)), x.at(index4(sh, b, s, h, im)));
+          const double angle =
+              direction * position * std::exp(-std::log(theta) * 2.0 * i / rotary_dim);
+          const std::complex<double> z(x.at(index4(sh, b, s, h, re)),
+                                       x.at(index4(sh, b, s, h, im)));
           const std::complex<double> r = z * std::polar(1.0, angle);
           out[index4(sh, b, s, h, re)] = r.real();
           out[index4(sh, b, s, h, im)] = r.imag();
@@ -77,11 +80,14 @@ TEST(Rope, ForwardMatchesComplexRotationEveryDtypeAndStyle) {
         auto k = HostTensor::random(dt, {B, S, Hk, D}, -2, 2);
         HostTensor q_out(dt, {B, S, Hq, D}), k_out(dt, {B, S, Hk, D}, /*row_pad=*/1);
         rope_forward(q.view(), k.view(), q_out.view(), k_out.view(), {}, {}, offs.view(), opt);
-        const auto what = std::string(dtype_name(dt)) + " " + rope_style_name(style) + " r=" + std::to_string(r);
-        EXPECT_TRUE(test::matches_reference(q_out.values(), complex_rotation(q, style, r, 500.0, offsets),
-                                            test::tolerance(dt))) << what;
-        EXPECT_TRUE(test::matches_reference(k_out.values(), complex_rotation(k, style, r, 500.0, offsets),
-                                            test::tolerance(dt))) << what;
+        const auto what =
+            std::string(dtype_name(dt)) + " " + rope_style_name(style) + " r=" + std::to_string(r);
+        EXPECT_TRUE(test::matches_reference(
+            q_out.values(), complex_rotation(q, style, r, 500.0, offsets), test::tolerance(dt)))
+            << what;
+        EXPECT_TRUE(test::matches_reference(
+            k_out.values(), complex_rotation(k, style, r, 500.0, offsets), test::tolerance(dt)))
+            << what;
       }
     }
   }
@@ -134,7 +140,8 @@ TEST(Rope, BackwardInvertsForward) {
           k_back(dt, {3, 4, 2, 6});
       const RopeOptions opt{style, 4, 10000.0};
       rope_forward(q.view(), k.view(), q_rot.view(), k_rot.view(), {}, {}, offs.view(), opt);
-      rope_backward(q_rot.view(), k_rot.view(), q_back.view(), k_back.view(), {}, {}, offs.view(), opt);
+      rope_backward(q_rot.view(), k_rot.view(), q_back.view(), k_back.view(), {}, {}, offs.view(),
+                    opt);
       const double tol = dt == DType::kFloat64 ? 1e-14 : 1e-6;
       EXPECT_TRUE(test::matches_reference(q_back.values(), q.values(), tol));
       EXPECT_TRUE(test::matches_reference(k_back.values(), k.values(), tol));
@@ -200,7 +207,8 @@ TEST(Rope, TablesGiveTheSameResultAsTheta) {
       for (DType table_dtype : {DType::kFloat32, dt}) {
         const auto [cos, sin] = make_tables(table_dtype, 14, 6, 321.0);
         HostTensor from_tables(dt, {2, 5, 3, 8});
-        rope_forward(q.view(), {}, from_tables.view(), {}, cos.view(), sin.view(), offs.view(), opt);
+        rope_forward(q.view(), {}, from_tables.view(), {}, cos.view(), sin.view(), offs.view(),
+                     opt);
         const double tol = std::max(test::tolerance(dt), test::tolerance(table_dtype));
         EXPECT_TRUE(test::matches_reference(from_tables.values(), from_theta.values(), tol))
             << dtype_name(dt) << " tables " << dtype_name(table_dtype);
@@ -232,7 +240,8 @@ TEST(Rope, BhsdStridedEqualsBshdContiguous) {
   const std::int64_t B = 2, S = 5, H = 3, D = 8;
   for (RopeStyle style : kStyles) {
     auto bshd = HostTensor::random(DType::kFloat16, {B, S, H, D});
-    HostTensor bhsd_storage(DType::kFloat16, {B, H, S, D}), bhsd_out_storage(DType::kFloat16, {B, H, S, D});
+    HostTensor bhsd_storage(DType::kFloat16, {B, H, S, D}),
+        bhsd_out_storage(DType::kFloat16, {B, H, S, D});
     const TensorView bhsd(bhsd_storage.data(), DType::kFloat16, {B, S, H, D},
                           {H * S * D, D, S * D, 1});
     const TensorView bhsd_out(bhsd_out_storage.data(), DType::kFloat16, {B, S, H, D},
@@ -259,7 +268,8 @@ TEST(Rope, InPlaceEqualsOutOfPlaceIncludingFusedQkv) {
   const std::int64_t B = 2, S = 3, Hq = 4, Hk = 2, D = 6;
   const auto offs = offsets_tensor(DType::kInt32, {5, 1});
   const RopeOptions opt{RopeStyle::kGptJ, -1, 10000.0};
-  auto q = HostTensor::random(DType::kBFloat16, {B, S, Hq, D}), k = HostTensor::random(DType::kBFloat16, {B, S, Hk, D});
+  auto q = HostTensor::random(DType::kBFloat16, {B, S, Hq, D}),
+       k = HostTensor::random(DType::kBFloat16, {B, S, Hk, D});
   HostTensor q_out(DType::kBFloat16, {B, S, Hq, D}), k_out(DType::kBFloat16, {B, S, Hk, D});
   rope_forward(q.view(), k.view(), q_out.view(), k_out.view(), {}, {}, offs.view(), opt);
   HostTensor q_in_place = q, k_in_place = k;
@@ -275,7 +285,9 @@ TEST(Rope, InPlaceEqualsOutOfPlaceIncludingFusedQkv) {
   for (std::int64_t t = 0; t < B * S; ++t) {
     for (std::int64_t h = 0; h < H; ++h) {
       for (std::int64_t d = 0; d < D; ++d) {
-        const double v = h < Hq ? q.at((t * Hq + h) * D + d) : h < Hq + Hk ? k.at((t * Hk + h - Hq) * D + d) : 0.5;
+        const double v = h < Hq        ? q.at((t * Hq + h) * D + d)
+                         : h < Hq + Hk ? k.at((t * Hk + h - Hq) * D + d)
+                                       : 0.5;
         qkv.set((t * H + h) * D + d, v);
       }
     }
@@ -290,15 +302,23 @@ TEST(Rope, InPlaceEqualsOutOfPlaceIncludingFusedQkv) {
   for (std::int64_t t = 0; t < B * S; ++t) {
     for (std::int64_t h = 0; h < H; ++h) {
       for (std::int64_t d = 0; d < D; ++d) {
-        const double expected = h < Hq ? dq.at((t * Hq + h) * D + d) : h < Hq + Hk ? dk.at((t * Hk + h - Hq) * D + d) : 0.5;
+        const double expected = h < Hq        ? dq.at((t * Hq + h) * D + d)
+                                : h < Hq + Hk ? dk.at((t * Hk + h - Hq) * D + d)
+                                              : 0.5;
         EXPECT_EQ(qkv.at((t * H + h) * D + d), expected) << t << " " << h << " " << d;
       }
     }
   }
+  // Head ranges that intersect are an overlap, not two slices.
+  const TensorView k_overlapping(static_cast<std::uint16_t*>(qkv.data()) + (Hq - 1) * D,
+                                 DType::kBFloat16, {B, S, Hk, D}, strides);
+  TS_EXPECT_ERROR(rope_forward(q_slice, k_overlapping, q_slice, k_overlapping, {}, {}, {}, opt),
+                  "rope_forward", "argument 'q_out'", "disjoint from 'k'");
 }
 
 TEST(Rope, EmptyTensorsAndNaNPropagation) {
-  for (std::vector<std::int64_t> shape : {std::vector<std::int64_t>{0, 3, 2, 4}, {2, 0, 2, 4}, {2, 3, 0, 4}, {2, 3, 2, 0}}) {
+  for (std::vector<std::int64_t> shape :
+       {std::vector<std::int64_t>{0, 3, 2, 4}, {2, 0, 2, 4}, {2, 3, 0, 4}, {2, 3, 2, 0}}) {
     HostTensor q(DType::kFloat32, shape), out(DType::kFloat32, shape);
     rope_forward(q.view(), q.view(), out.view(), q.view(), {}, {}, {}, {});
     rope_backward(q.view(), {}, out.view(), {}, {}, {}, {}, {});
@@ -329,7 +349,8 @@ TensorView on_cuda(TensorView t) {
 }
 
 TEST(Rope, OptionAndShapeErrors) {
-  auto q = HostTensor::random(DType::kFloat32, {2, 3, 4, 8}), k = HostTensor::random(DType::kFloat32, {2, 3, 2, 8});
+  auto q = HostTensor::random(DType::kFloat32, {2, 3, 4, 8}),
+       k = HostTensor::random(DType::kFloat32, {2, 3, 2, 8});
   HostTensor q_out(DType::kFloat32, {2, 3, 4, 8}), k_out(DType::kFloat32, {2, 3, 2, 8});
   auto q7 = HostTensor::random(DType::kFloat32, {2, 3, 4, 7});
   HostTensor q7_out(DType::kFloat32, {2, 3, 4, 7});
@@ -361,17 +382,23 @@ TEST(Rope, OptionAndShapeErrors) {
   TS_EXPECT_ERROR(fwd(column_major, {}, q_out.view(), {}), "argument 'q'", "stride 1");
   TS_EXPECT_ERROR(fwd(qv, {}, {}, {}), "argument 'q_out'", "none");
   TS_EXPECT_ERROR(fwd(qv, {}, q16.view(), {}), "argument 'q_out'", "float16");
-  TS_EXPECT_ERROR(fwd(qv, {}, k_out.view(), {}), "argument 'q_out'", "[2, 3, 4, 8]", "[2, 3, 2, 8]");
+  TS_EXPECT_ERROR(fwd(qv, {}, k_out.view(), {}), "argument 'q_out'", "[2, 3, 4, 8]",
+                  "[2, 3, 2, 8]");
   TS_EXPECT_ERROR(fwd(qv, {}, column_major, {}), "argument 'q_out'", "stride 1");
 
   TS_EXPECT_ERROR(fwd(qv, kv, q_out.view(), {}), "argument 'k_out'", "both given or both absent");
-  TS_EXPECT_ERROR(fwd(qv, {}, q_out.view(), k_out.view()), "argument 'k'", "both given or both absent");
+  TS_EXPECT_ERROR(fwd(qv, {}, q_out.view(), k_out.view()), "argument 'k'",
+                  "both given or both absent");
   TS_EXPECT_ERROR(fwd(qv, q16.view(), q_out.view(), k_out.view()), "argument 'k'", "float16");
   TS_EXPECT_ERROR(fwd(qv, q3.view(), q_out.view(), k_out.view()), "argument 'k'", "4 dimensions");
-  HostTensor k_b(DType::kFloat32, {1, 3, 2, 8}), k_s(DType::kFloat32, {2, 4, 2, 8}), k_d(DType::kFloat32, {2, 3, 2, 6});
-  TS_EXPECT_ERROR(fwd(qv, k_b.view(), q_out.view(), k_out.view()), "argument 'k'", "the batch size of 'q'");
-  TS_EXPECT_ERROR(fwd(qv, k_s.view(), q_out.view(), k_out.view()), "argument 'k'", "the sequence length of 'q'");
-  TS_EXPECT_ERROR(fwd(qv, k_d.view(), q_out.view(), k_out.view()), "argument 'k'", "the head dim of 'q'");
+  HostTensor k_b(DType::kFloat32, {1, 3, 2, 8}), k_s(DType::kFloat32, {2, 4, 2, 8}),
+      k_d(DType::kFloat32, {2, 3, 2, 6});
+  TS_EXPECT_ERROR(fwd(qv, k_b.view(), q_out.view(), k_out.view()), "argument 'k'",
+                  "the batch size of 'q'");
+  TS_EXPECT_ERROR(fwd(qv, k_s.view(), q_out.view(), k_out.view()), "argument 'k'",
+                  "the sequence length of 'q'");
+  TS_EXPECT_ERROR(fwd(qv, k_d.view(), q_out.view(), k_out.view()), "argument 'k'",
+                  "the head dim of 'q'");
   const TensorView k_column_major(k.data(), DType::kFloat32, {2, 3, 2, 8}, {1, 2, 6, 12});
   TS_EXPECT_ERROR(fwd(qv, k_column_major, q_out.view(), k_out.view()), "argument 'k'", "stride 1");
   TS_EXPECT_ERROR(fwd(qv, kv, q_out.view(), q16.view()), "argument 'k_out'", "float16");
@@ -390,7 +417,8 @@ TEST(Rope, OptionAndShapeErrors) {
 }
 
 TEST(Rope, TableOffsetAndAliasingErrors) {
-  auto q = HostTensor::random(DType::kBFloat16, {2, 3, 4, 8}), k = HostTensor::random(DType::kBFloat16, {2, 3, 2, 8});
+  auto q = HostTensor::random(DType::kBFloat16, {2, 3, 4, 8}),
+       k = HostTensor::random(DType::kBFloat16, {2, 3, 2, 8});
   HostTensor q_out(DType::kBFloat16, {2, 3, 4, 8}), k_out(DType::kBFloat16, {2, 3, 2, 8});
   const auto [cos, sin] = make_tables(DType::kFloat32, 6, 8, 10000.0);
   const auto [cos_bf, sin_bf] = make_tables(DType::kBFloat16, 6, 8, 10000.0);
@@ -405,17 +433,21 @@ TEST(Rope, TableOffsetAndAliasingErrors) {
     rope_forward(qv, kv, q_o.defined() ? q_o : qo, k_o.defined() ? k_o : ko, c, s, offs, {});
   };
 
-  TS_EXPECT_ERROR(fwd(cos.view(), {}), "rope_forward", "argument 'sin'", "both given or both absent");
+  TS_EXPECT_ERROR(fwd(cos.view(), {}), "rope_forward", "argument 'sin'",
+                  "both given or both absent");
   TS_EXPECT_ERROR(fwd({}, sin.view()), "argument 'cos'", "both given or both absent");
-  TS_EXPECT_ERROR(fwd(cos64.view(), sin64.view()), "argument 'cos'", "float32, bfloat16", "float64");
+  TS_EXPECT_ERROR(fwd(cos64.view(), sin64.view()), "argument 'cos'", "float32, bfloat16",
+                  "float64");
   TS_EXPECT_ERROR(fwd(cos3.view(), cos3.view()), "argument 'cos'", "2 dimensions");
-  TS_EXPECT_ERROR(fwd(cos_narrow.view(), sin_narrow.view()), "argument 'cos'", "size 4 in dim 1", "rotary_dim / 2");
+  TS_EXPECT_ERROR(fwd(cos_narrow.view(), sin_narrow.view()), "argument 'cos'", "size 4 in dim 1",
+                  "rotary_dim / 2");
   TS_EXPECT_ERROR(fwd(cos_column_major, sin.view()), "argument 'cos'", "stride 1");
   TS_EXPECT_ERROR(fwd(cos.view(), sin_bf.view()), "argument 'sin'", "float32", "bfloat16");
   TS_EXPECT_ERROR(fwd(cos.view(), sin_short.view()), "argument 'sin'", "[6, 4]", "[2, 4]");
   const TensorView sin_column_major(sin.data(), DType::kFloat32, {6, 4}, {1, 6});
   TS_EXPECT_ERROR(fwd(cos.view(), sin_column_major), "argument 'sin'", "stride 1");
-  TS_EXPECT_ERROR(fwd(cos_short.view(), sin_short.view()), "argument 'cos'", "at least 3 positions", "2 rows");
+  TS_EXPECT_ERROR(fwd(cos_short.view(), sin_short.view()), "argument 'cos'", "at least 3 positions",
+                  "2 rows");
   fwd(cos_bf.view(), sin_bf.view());  // q's dtype is accepted too
 
   const auto offs_ok = offsets_tensor(DType::kInt64, {3, 0});
@@ -427,22 +459,26 @@ TEST(Rope, TableOffsetAndAliasingErrors) {
   TS_EXPECT_ERROR(fwd({}, {}, offs_negative.view()), "argument 'position_offsets'", "offsets >= 0",
                   "offset -1 for batch 0");
   const auto offs_float = HostTensor::random(DType::kFloat32, {2});
-  TS_EXPECT_ERROR(fwd({}, {}, offs_float.view()), "argument 'position_offsets'", "int32, int64", "float32");
+  TS_EXPECT_ERROR(fwd({}, {}, offs_float.view()), "argument 'position_offsets'", "int32, int64",
+                  "float32");
   const HostTensor offs_2d(DType::kInt32, {2, 1}), offs_3(DType::kInt32, {3});
   TS_EXPECT_ERROR(fwd({}, {}, offs_2d.view()), "argument 'position_offsets'", "1 dimensions");
-  TS_EXPECT_ERROR(fwd({}, {}, offs_3.view()), "argument 'position_offsets'", "the batch size of 'q'");
+  TS_EXPECT_ERROR(fwd({}, {}, offs_3.view()), "argument 'position_offsets'",
+                  "the batch size of 'q'");
   // On CUDA the offsets' values are not read, but their shape still is.
   const auto far_on_cuda = on_cuda(offs_far.view());
-  TS_EXPECT_ERROR(rope_forward(on_cuda(qv), {}, on_cuda(qo), {}, on_cuda(cos.view()), on_cuda(sin.view()),
-                               far_on_cuda, {}),
+  TS_EXPECT_ERROR(rope_forward(on_cuda(qv), {}, on_cuda(qo), {}, on_cuda(cos.view()),
+                               on_cuda(sin.view()), far_on_cuda, {}),
                   "rope_forward", "CUDA");
-  TS_EXPECT_ERROR(rope_forward(on_cuda(qv), {}, on_cuda(qo), {}, {}, {}, on_cuda(offs_3.view()), {}),
-                  "argument 'position_offsets'", "the batch size");
+  TS_EXPECT_ERROR(
+      rope_forward(on_cuda(qv), {}, on_cuda(qo), {}, {}, {}, on_cuda(offs_3.view()), {}),
+      "argument 'position_offsets'", "the batch size");
 
   // Aliasing: partial overlap with the input, outputs over other inputs / each other / tables.
   TensorView q_shifted = qv;
   q_shifted.data = static_cast<std::uint16_t*>(q_shifted.data) + 1;
-  TS_EXPECT_ERROR(fwd({}, {}, {}, q_shifted), "argument 'q_out'", "disjoint from 'q' or exactly its view");
+  TS_EXPECT_ERROR(fwd({}, {}, {}, q_shifted), "argument 'q_out'",
+                  "disjoint from 'q' or exactly its view");
   TensorView k_over_k_out = ko;
   k_over_k_out.data = static_cast<std::uint16_t*>(k_over_k_out.data) + 2;
   TS_EXPECT_ERROR(rope_forward(qv, k_over_k_out, qo, ko, {}, {}, {}, {}), "argument 'k_out'",
@@ -452,7 +488,8 @@ TEST(Rope, TableOffsetAndAliasingErrors) {
   TensorView k_out_over_q(q.data(), DType::kBFloat16, {2, 3, 2, 8});
   TS_EXPECT_ERROR(fwd({}, {}, {}, {}, k_out_over_q), "argument 'k_out'", "disjoint from 'q'");
   TensorView k_out_over_q_out(q_out.data(), DType::kBFloat16, {2, 3, 2, 8});
-  TS_EXPECT_ERROR(fwd({}, {}, {}, {}, k_out_over_q_out), "argument 'q_out'", "disjoint from 'k_out'");
+  TS_EXPECT_ERROR(fwd({}, {}, {}, {}, k_out_over_q_out), "argument 'q_out'",
+                  "disjoint from 'k_out'");
   HostTensor big_table(DType::kBFloat16, {6, 4}, /*row_pad=*/200);
   big_table.fill_random(-1, 1);
   TensorView q_out_over_table(big_table.data(), DType::kBFloat16, {2, 3, 4, 8});

@@ -36,14 +36,13 @@ void silu_backward(const TensorView& dy, const TensorView& x, TensorView dx,
 // Gated, separate halves: a, b, y [..., F]; da = dy * b * act'(a), db = dy * act(a).
 void swiglu_forward(const TensorView& a, const TensorView& b, TensorView y,
                     cudaStream_t stream = nullptr);
-void swiglu_backward(const TensorView& dy, const TensorView& a, const TensorView& b,
-                     TensorView da, TensorView db, cudaStream_t stream = nullptr);
+void swiglu_backward(const TensorView& dy, const TensorView& a, const TensorView& b, TensorView da,
+                     TensorView db, cudaStream_t stream = nullptr);
 void geglu_forward(const TensorView& a, const TensorView& b, TensorView y,
                    GeluApproximation approx = GeluApproximation::kNone,
                    cudaStream_t stream = nullptr);
-void geglu_backward(const TensorView& dy, const TensorView& a, const TensorView& b,
-                    TensorView da, TensorView db,
-                    GeluApproximation approx = GeluApproximation::kNone,
+void geglu_backward(const TensorView& dy, const TensorView& a, const TensorView& b, TensorView da,
+                    TensorView db, GeluApproximation approx = GeluApproximation::kNone,
                     cudaStream_t stream = nullptr);
 
 // Gated, packed (the output of a fused gate/up projection): ab [..., 2F] holds a in its first

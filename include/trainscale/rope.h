@@ -42,15 +42,13 @@ struct RopeOptions {
 // The CPU path checks this; on CUDA the offsets stay on the device, so out-of-range positions
 // there are the caller's responsibility (the shape-only S <= P check is still made).
 void rope_forward(const TensorView& q, const TensorView& k, TensorView q_out, TensorView k_out,
-                  const TensorView& cos, const TensorView& sin,
-                  const TensorView& position_offsets, const RopeOptions& options = {},
-                  cudaStream_t stream = nullptr);
+                  const TensorView& cos, const TensorView& sin, const TensorView& position_offsets,
+                  const RopeOptions& options = {}, cudaStream_t stream = nullptr);
 
 // dq = R(-angle) dq_out, dk = R(-angle) dk_out, with every argument rule of rope_forward
 // (dq_out in q's place, dq in q_out's).
-void rope_backward(const TensorView& dq_out, const TensorView& dk_out, TensorView dq,
-                   TensorView dk, const TensorView& cos, const TensorView& sin,
-                   const TensorView& position_offsets, const RopeOptions& options = {},
-                   cudaStream_t stream = nullptr);
+void rope_backward(const TensorView& dq_out, const TensorView& dk_out, TensorView dq, TensorView dk,
+                   const TensorView& cos, const TensorView& sin, const TensorView& position_offsets,
+                   const RopeOptions& options = {}, cudaStream_t stream = nullptr);
 
 }  // namespace trainscale

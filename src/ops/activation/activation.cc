@@ -49,8 +49,8 @@ void check_first_input(detail::OpChecker& c, const TensorView& t, const char* na
   c.rows(t, name);
 }
 
-void check_like(detail::OpChecker& c, const TensorView& t, const char* name,
-                const TensorView& ref, const char* ref_name) {
+void check_like(detail::OpChecker& c, const TensorView& t, const char* name, const TensorView& ref,
+                const char* ref_name) {
   c.present(t, name).same_dtype(t, name, ref, ref_name).same_shape(t, name, ref, ref_name);
   c.rows(t, name);
 }
@@ -97,8 +97,8 @@ void plain_forward(detail::OpChecker& c, Activation act, const TensorView& x, Te
   ops::activation::activation_forward_cpu(act, x, y);
 }
 
-void plain_backward(detail::OpChecker& c, Activation act, const TensorView& dy,
-                    const TensorView& x, TensorView dx) {
+void plain_backward(detail::OpChecker& c, Activation act, const TensorView& dy, const TensorView& x,
+                    TensorView dx) {
   check_first_input(c, x, "x");
   check_like(c, dy, "dy", x, "x");
   check_like(c, dx, "dx", x, "x");
@@ -119,8 +119,8 @@ void gated_forward(detail::OpChecker& c, Activation act, const TensorView& a, co
   ops::activation::gated_forward_cpu(act, a, b, y);
 }
 
-void gated_backward(detail::OpChecker& c, Activation act, const TensorView& dy,
-                    const TensorView& a, const TensorView& b, TensorView da, TensorView db) {
+void gated_backward(detail::OpChecker& c, Activation act, const TensorView& dy, const TensorView& a,
+                    const TensorView& b, TensorView da, TensorView db) {
   check_first_input(c, a, "a");
   check_like(c, b, "b", a, "a");
   check_like(c, dy, "dy", a, "a");
@@ -151,9 +151,8 @@ void packed_backward(detail::OpChecker& c, Activation act, const TensorView& dy,
   check_in_place_or_disjoint(c, dab, "dab", ab, "ab");
   c.no_overlap(dab, "dab", dy, "dy");
   finish_on_cuda(c);
-  ops::activation::gated_backward_cpu(act, dy, packed_half(ab, Half::kA),
-                                      packed_half(ab, Half::kB), packed_half(dab, Half::kA),
-                                      packed_half(dab, Half::kB));
+  ops::activation::gated_backward_cpu(act, dy, packed_half(ab, Half::kA), packed_half(ab, Half::kB),
+                                      packed_half(dab, Half::kA), packed_half(dab, Half::kB));
 }
 
 }  // namespace
@@ -189,22 +188,21 @@ void swiglu_forward(const TensorView& a, const TensorView& b, TensorView y,
   gated_forward(c, Activation::kSilu, a, b, y);
 }
 
-void swiglu_backward(const TensorView& dy, const TensorView& a, const TensorView& b,
-                     TensorView da, TensorView db, cudaStream_t /*stream*/) {
+void swiglu_backward(const TensorView& dy, const TensorView& a, const TensorView& b, TensorView da,
+                     TensorView db, cudaStream_t /*stream*/) {
   detail::OpChecker c("swiglu_backward");
   gated_backward(c, Activation::kSilu, dy, a, b, da, db);
 }
 
-void geglu_forward(const TensorView& a, const TensorView& b, TensorView y,
-                   GeluApproximation approx, cudaStream_t /*stream*/) {
+void geglu_forward(const TensorView& a, const TensorView& b, TensorView y, GeluApproximation approx,
+                   cudaStream_t /*stream*/) {
   detail::OpChecker c("geglu_forward");
   check_approximation(c, approx);
   gated_forward(c, ops::activation::gelu_activation(approx), a, b, y);
 }
 
-void geglu_backward(const TensorView& dy, const TensorView& a, const TensorView& b,
-                    TensorView da, TensorView db, GeluApproximation approx,
-                    cudaStream_t /*stream*/) {
+void geglu_backward(const TensorView& dy, const TensorView& a, const TensorView& b, TensorView da,
+                    TensorView db, GeluApproximation approx, cudaStream_t /*stream*/) {
   detail::OpChecker c("geglu_backward");
   check_approximation(c, approx);
   gated_backward(c, ops::activation::gelu_activation(approx), dy, a, b, da, db);

@@ -72,7 +72,8 @@ void for_each_element(const std::array<TensorView, NumIn>& in,
   for (std::size_t k = 0; k < NumIn; ++k) in_stride[k] = row_layout(in[k]).row_stride;
   for (std::size_t k = 0; k < NumOut; ++k) out_stride[k] = row_layout(out[k]).row_stride;
   const detail::Rows shape = row_layout(out[0]);
-  const std::int64_t rows_per_chunk = std::max<std::int64_t>(1, 16384 / std::max<std::int64_t>(shape.cols, 1));
+  const std::int64_t rows_per_chunk =
+      std::max<std::int64_t>(1, 16384 / std::max<std::int64_t>(shape.cols, 1));
   detail::parallel_for(shape.rows, rows_per_chunk, [&](std::int64_t lo, std::int64_t hi) {
     for (std::int64_t i = lo; i < hi; ++i) {
       for (std::int64_t j = 0; j < shape.cols; ++j) {
@@ -100,17 +101,15 @@ void activation_forward_cpu(Activation act, const TensorView& x, TensorView y) {
 void activation_backward_cpu(Activation act, const TensorView& dy, const TensorView& x,
                              TensorView dx) {
   with_activation(act, [&](auto f) {
-    for_each_element<2, 1>({dy, x}, {dx}, [f](const auto& v) {
-      return std::array{v[0] * f.derivative(v[1])};
-    });
+    for_each_element<2, 1>({dy, x}, {dx},
+                           [f](const auto& v) { return std::array{v[0] * f.derivative(v[1])}; });
   });
 }
 
 void gated_forward_cpu(Activation act, const TensorView& a, const TensorView& b, TensorView y) {
   with_activation(act, [&](auto f) {
-    for_each_element<2, 1>({a, b}, {y}, [f](const auto& v) {
-      return std::array{f.value(v[0]) * v[1]};
-    });
+    for_each_element<2, 1>({a, b}, {y},
+                           [f](const auto& v) { return std::array{f.value(v[0]) * v[1]}; });
   });
 }
 

@@ -2,6 +2,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "core/host_dtype.h"
 #include "ops/rope/rope_internal.h"
@@ -61,8 +62,8 @@ bool disjoint_slices(const TensorView& a, const TensorView& b) {
     return false;
   }
   const auto element = static_cast<std::int64_t>(a.element_size());
-  const std::int64_t byte_delta = static_cast<std::int64_t>(reinterpret_cast<std::uintptr_t>(b.data) -
-                                                            reinterpret_cast<std::uintptr_t>(a.data));
+  const std::int64_t byte_delta = static_cast<std::int64_t>(
+      reinterpret_cast<std::uintptr_t>(b.data) - reinterpret_cast<std::uintptr_t>(a.data));
   if (byte_delta % element != 0) return false;
   const std::int64_t delta = byte_delta / element;
   for (int h = 0; h < a.ndim; ++h) {
@@ -92,22 +93,22 @@ void check_disjoint(detail::OpChecker& c, const TensorView& out, const char* out
 }
 
 // Each pair is read before it is written, so an output may be exactly its input's view.
-void check_in_place_or_disjoint(detail::OpChecker& c, const TensorView& out,
-                                const char* out_name, const TensorView& in, const char* in_name) {
+void check_in_place_or_disjoint(detail::OpChecker& c, const TensorView& out, const char* out_name,
+                                const TensorView& in, const char* in_name) {
   c.require(same_view(out, in) || elements_disjoint(out, in), out_name,
             std::string("memory disjoint from '") + in_name + "' or exactly its view (in place)",
             "a partially overlapping view");
 }
 
-std::int64_t check_options(detail::OpChecker& c, const RopeOptions& options, std::int64_t head_dim) {
-  c.require(options.style == RopeStyle::kNeox || options.style == RopeStyle::kGptJ,
-            "options.style", "RopeStyle::kNeox or kGptJ",
+std::int64_t check_options(detail::OpChecker& c, const RopeOptions& options,
+                           std::int64_t head_dim) {
+  c.require(options.style == RopeStyle::kNeox || options.style == RopeStyle::kGptJ, "options.style",
+            "RopeStyle::kNeox or kGptJ",
             "value " + std::to_string(static_cast<int>(options.style)));
   c.require(std::isfinite(options.theta) && options.theta > 0, "options.theta",
             "a finite value > 0", std::to_string(options.theta));
   const std::int64_t rotary_dim = options.rotary_dim == -1 ? head_dim : options.rotary_dim;
-  c.require(rotary_dim >= 0 && rotary_dim <= head_dim && rotary_dim % 2 == 0,
-            "options.rotary_dim",
+  c.require(rotary_dim >= 0 && rotary_dim <= head_dim && rotary_dim % 2 == 0, "options.rotary_dim",
             "-1 (the head dim) or an even number in [0, " + std::to_string(head_dim) + "]",
             std::to_string(options.rotary_dim) +
                 (options.rotary_dim == -1 ? " (head dim " + std::to_string(head_dim) + ")" : ""));
@@ -149,28 +150,31 @@ std::int64_t check_tables(detail::OpChecker& c, const TensorView& cos, const Ten
   c.present(sin, "sin").same_dtype(sin, "sin", cos, "cos").same_shape(sin, "sin", cos, "cos");
   c.unit_last_stride(sin, "sin");
   const std::int64_t positions = cos.size(0), seq = q.size(1);
-  c.require(seq <= positions, "cos",
-            "at least " + std::to_string(seq) + " positions (the sequence length of '" + q_name + "')",
-            std::to_string(positions) + " rows");
+  c.require(
+      seq <= positions, "cos",
+      "at least " + std::to_string(seq) + " positions (the sequence length of '" + q_name + "')",
+      std::to_string(positions) + " rows");
   return positions;
 }
 
 void check_offsets(detail::OpChecker& c, const TensorView& offsets, const TensorView& q,
                    const char* q_name, std::int64_t table_positions) {
   if (!offsets.defined()) return;
-  c.present(offsets, "position_offsets").dtype_in(offsets, "position_offsets", {DType::kInt32, DType::kInt64});
+  c.present(offsets, "position_offsets")
+      .dtype_in(offsets, "position_offsets", {DType::kInt32, DType::kInt64});
   c.ndim(offsets, "position_offsets", 1);
   c.dim_size(offsets, "position_offsets", 0, q.size(0),
              (std::string("the batch size of '") + q_name + "'").c_str());
   if (c.on_cuda() || q.size(1) == 0) return;  // the device's values are not read here
   for (std::int64_t b = 0; b < offsets.size(0); ++b) {
-    const std::int64_t first = detail::load_index(offsets.dtype, offsets.data, b * offsets.stride(0));
+    const std::int64_t first =
+        detail::load_index(offsets.dtype, offsets.data, b * offsets.stride(0));
     const std::int64_t last = first + q.size(1) - 1;
     const bool in_range = first >= 0 && (table_positions < 0 || last < table_positions);
     c.require(in_range, "position_offsets",
               table_positions < 0 ? std::string("offsets >= 0")
-                                  : "offsets with offset + " + std::to_string(q.size(1)) +
-                                        " <= " + std::to_string(table_positions) + " (the rows of 'cos')",
+                                  : "offsets with offset + " + std::to_string(q.size(1)) + " <= " +
+                                        std::to_string(table_positions) + " (the rows of 'cos')",
               "offset " + std::to_string(first) + " for batch " + std::to_string(b));
   }
 }
@@ -184,11 +188,10 @@ void rope(const char* op, const ArgNames& n, ops::rope::Direction direction, con
   check_heads(c, n, q, k, q_out, k_out);
   const std::int64_t table_positions = check_tables(c, cos, sin, q, n.q, rotary_dim);
   check_offsets(c, offsets, q, n.q, table_positions);
-  for (const TensorView* out : {&q_out, &k_out}) {
-    const char* out_name = out == &q_out ? n.q_out : n.k_out;
-    check_disjoint(c, *out, out_name, cos, "cos");
-    check_disjoint(c, *out, out_name, sin, "sin");
-    check_disjoint(c, *out, out_name, offsets, "position_offsets");
+  for (auto [out, out_name] : {std::pair{q_out, n.q_out}, std::pair{k_out, n.k_out}}) {
+    check_disjoint(c, out, out_name, cos, "cos");
+    check_disjoint(c, out, out_name, sin, "sin");
+    check_disjoint(c, out, out_name, offsets, "position_offsets");
   }
   if (c.on_cuda()) detail::throw_no_cuda_kernel(c.op());
   ops::rope::rope_cpu(direction, q, k, q_out, k_out, cos, sin, offsets, rotary_dim, options);
@@ -197,17 +200,15 @@ void rope(const char* op, const ArgNames& n, ops::rope::Direction direction, con
 }  // namespace
 
 void rope_forward(const TensorView& q, const TensorView& k, TensorView q_out, TensorView k_out,
-                  const TensorView& cos, const TensorView& sin,
-                  const TensorView& position_offsets, const RopeOptions& options,
-                  cudaStream_t /*stream*/) {
-  rope("rope_forward", kForwardNames, ops::rope::Direction::kForward, q, k, q_out, k_out, cos,
-       sin, position_offsets, options);
+                  const TensorView& cos, const TensorView& sin, const TensorView& position_offsets,
+                  const RopeOptions& options, cudaStream_t /*stream*/) {
+  rope("rope_forward", kForwardNames, ops::rope::Direction::kForward, q, k, q_out, k_out, cos, sin,
+       position_offsets, options);
 }
 
-void rope_backward(const TensorView& dq_out, const TensorView& dk_out, TensorView dq,
-                   TensorView dk, const TensorView& cos, const TensorView& sin,
-                   const TensorView& position_offsets, const RopeOptions& options,
-                   cudaStream_t /*stream*/) {
+void rope_backward(const TensorView& dq_out, const TensorView& dk_out, TensorView dq, TensorView dk,
+                   const TensorView& cos, const TensorView& sin, const TensorView& position_offsets,
+                   const RopeOptions& options, cudaStream_t /*stream*/) {
   rope("rope_backward", kBackwardNames, ops::rope::Direction::kBackward, dq_out, dk_out, dq, dk,
        cos, sin, position_offsets, options);
 }

@@ -47,8 +47,8 @@ void rotate_token(const TensorView& x, TensorView out, std::int64_t b, std::int6
 
 }  // namespace
 
-void rope_cpu(Direction direction, const TensorView& x_q, const TensorView& x_k,
-              TensorView out_q, TensorView out_k, const TensorView& cos, const TensorView& sin,
+void rope_cpu(Direction direction, const TensorView& x_q, const TensorView& x_k, TensorView out_q,
+              TensorView out_k, const TensorView& cos, const TensorView& sin,
               const TensorView& position_offsets, std::int64_t rotary_dim,
               const RopeOptions& options) {
   const std::int64_t batch = x_q.size(0), seq = x_q.size(1), pairs = rotary_dim / 2;
@@ -56,7 +56,8 @@ void rope_cpu(Direction direction, const TensorView& x_q, const TensorView& x_k,
   const bool tables = cos.defined();
   std::vector<double> inv_freq(tables ? 0 : pairs);
   for (std::int64_t i = 0; i < static_cast<std::int64_t>(inv_freq.size()); ++i) {
-    inv_freq[i] = std::pow(options.theta, -2.0 * static_cast<double>(i) / static_cast<double>(rotary_dim));
+    inv_freq[i] =
+        std::pow(options.theta, -2.0 * static_cast<double>(i) / static_cast<double>(rotary_dim));
   }
   const std::int64_t heads = x_q.size(2) + (x_k.defined() ? x_k.size(2) : 0);
   const std::int64_t tokens_per_chunk =
@@ -72,8 +73,10 @@ void rope_cpu(Direction direction, const TensorView& x_q, const TensorView& x_k,
       }
       for (std::int64_t i = 0; i < pairs; ++i) {
         if (tables) {
-          cos_v[i] = load_as_double(cos.dtype, cos.data, position * cos.stride(0) + i * cos.stride(1));
-          sin_v[i] = load_as_double(sin.dtype, sin.data, position * sin.stride(0) + i * sin.stride(1));
+          cos_v[i] =
+              load_as_double(cos.dtype, cos.data, position * cos.stride(0) + i * cos.stride(1));
+          sin_v[i] =
+              load_as_double(sin.dtype, sin.data, position * sin.stride(0) + i * sin.stride(1));
         } else {
           const double angle = static_cast<double>(position) * inv_freq[i];
           cos_v[i] = std::cos(angle);
