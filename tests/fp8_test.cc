@@ -433,6 +433,16 @@ TEST(Fp8Quantize, ExactBytesE5M2) {
   for (DType input : kInputTypes) expect_exact_rows(c, input, DType::kFloat8E5M2);
 }
 
+// The contract rounds x / s to float32 first, then to fp8: here the float32 quotient is exactly
+// the e4m3 tie 1.0625 (-> 1.0, even) although the exact quotient lies above it (-> 1.125).
+TEST(Fp8Quantize, QuotientIsRoundedToFloat32BeforeTheFp8Cast) {
+  const float amax = 0x1.c072bcp+8f, x = 0x1.1045aap+0f;
+  ASSERT_EQ(x / (amax / 448.0f), 1.0625f);
+  ASSERT_GT(static_cast<double>(x) / static_cast<double>(amax / 448.0f), 1.0625);
+  expect_exact_rows({{{amax, x}}, {amax / 448.0f}, {{0x7E, 0x38}}}, DType::kFloat32,
+                    DType::kFloat8E4M3);
+}
+
 // Only a scale rounded below amax / fmax can push x / s past fmax: with float32 subnormal
 // inputs, r = fl(600 * 2^-149 / 448) = 2^-149, so the quotients are the integers themselves
 // and meet the saturation boundary (448 | tie 464 | 480 for e4m3).
@@ -653,6 +663,22 @@ TEST(Fp8Dequantize, ExactValues) {
   EXPECT_EQ(y32.values(), (std::vector<double>{896, -2, sub + sub * ulp16, 1.125 + 1.125 * ulp16}));
   EXPECT_EQ(y16.values(), (std::vector<double>{896, -2, sub + sub * ulp16, 1.125 + ulp16}));
   EXPECT_EQ(ybf.values(), (std::vector<double>{896, -2, sub, 1.125}));
+}
+
+// y = float(q) * s is rounded to float32 before y's dtype: 1.125 * s here is exactly the bfloat16
+// tie 1 + 2^-8 in float32 (-> 1.0, even) although the exact product lies above it.
+TEST(Fp8Dequantize, ProductIsRoundedToFloat32BeforeTheOutputDtype) {
+  const float s = 0x1.c8e39p-1f, tie = 1.0f + pow2f(-8);
+  ASSERT_EQ(1.125f * s, tie);
+  ASSERT_GT(1.125 * static_cast<double>(s), tie);
+  HostTensor q(DType::kFloat8E4M3, {1, 1});
+  *static_cast<std::uint8_t*>(q.data()) = 0x39;  // 1.125
+  const HostTensor scales = HostTensor::from_values(DType::kFloat32, {1}, {s});
+  HostTensor y32(DType::kFloat32, {1, 1}), ybf(DType::kBFloat16, {1, 1});
+  fp8_dequantize(q.view(), scales.view(), y32.view());
+  fp8_dequantize(q.view(), scales.view(), ybf.view());
+  EXPECT_EQ(y32.at(0), tie);
+  EXPECT_EQ(ybf.at(0), 1.0);
 }
 
 // |dequant(quant(x)) - x| <= s * ulp_fp8(q) / 2, plus float32 rounding of the division and
