@@ -1,6 +1,5 @@
 #include <cmath>
 #include <limits>
-#include <numeric>
 
 #include "core/host_dtype.h"
 #include "trainscale/attention.h"
@@ -524,11 +523,18 @@ TEST(Attention, BackwardArgumentErrors) {
   TS_EXPECT_ERROR(bwd(with([&](Args& a) { a.dk = a.k; })), op, "'dk'", "disjoint from 'k'");
   TS_EXPECT_ERROR(bwd(with([&](Args& a) { a.dv = a.v; })), op, "'dv'", "disjoint from 'v'");
   TS_EXPECT_ERROR(bwd(with([&](Args& a) { a.dk = a.dv; })), op, "'dk'", "disjoint from 'dv'");
-  TS_EXPECT_ERROR(bwd(with([&](Args& a) { a.dq = TensorView(a.dq.data, DType::kFloat32, {2, 4, 4, 8}); a.dq.shape[1] = 3; a.dv = TensorView(static_cast<float*>(a.dq.data) + 100, DType::kFloat32, {2, 4, 2, 8}); })),
+  // One buffer for outputs placed over each other or over lse.
+  HostTensor buffer(DType::kFloat32, {400});
+  auto at = [&](std::int64_t element, std::initializer_list<std::int64_t> shape) {
+    return TensorView(static_cast<float*>(buffer.data()) + element, DType::kFloat32, shape);
+  };
+  TS_EXPECT_ERROR(bwd(with([&](Args& a) { a.dq = at(100, {2, 3, 4, 8}); a.dv = at(250, {2, 4, 2, 8}); })),
                   op, "'dq'", "disjoint from 'dv'");
-  TS_EXPECT_ERROR(bwd(with([&](Args& a) { a.dk = TensorView(a.dq.data, DType::kFloat32, {2, 4, 2, 8}); })), op,
-                  "'dq'", "disjoint from 'dk'");
-  TS_EXPECT_ERROR(bwd(with([&](Args& a) { a.dv = TensorView(a.lse.data, DType::kFloat32, {2, 4, 2, 8}); })), op,
+  TS_EXPECT_ERROR(bwd(with([&](Args& a) { a.dq = at(100, {2, 3, 4, 8}); a.dk = at(0, {2, 4, 2, 8}); })),
+                  op, "'dq'", "disjoint from 'dk'");
+  const TensorView lse_in_buffer = at(0, {2, 4, 3});
+  for (std::int64_t i = 0; i < f.lse.numel(); ++i) static_cast<float*>(buffer.data())[i] = static_cast<float>(f.lse.at(i));
+  TS_EXPECT_ERROR(bwd(with([&](Args& a) { a.lse = lse_in_buffer; a.dv = at(10, {2, 4, 2, 8}); })), op,
                   "'dv'", "disjoint from 'lse'");
   TS_EXPECT_ERROR(bwd(with([&](Args& a) { a.dk = TensorView(a.q.data, DType::kFloat32, {2, 4, 2, 8}); })), op,
                   "'dk'", "disjoint from 'q'");
