@@ -1,8 +1,9 @@
+#include "trainscale/attention.h"
+
 #include <cmath>
 #include <limits>
 
 #include "core/host_dtype.h"
-#include "trainscale/attention.h"
 #include "util/gpu_util.h"
 
 namespace trainscale {
@@ -10,7 +11,8 @@ namespace {
 
 using test::HostTensor;
 
-constexpr DType kFloatTypes[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kFloat64};
+constexpr DType kFloatTypes[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16,
+                                 DType::kFloat64};
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
 struct Shape {
@@ -52,8 +54,8 @@ Grads backward(const Inputs& in, const Forward& f, const HostTensor& dout,
                const AttentionOptions& options = {}) {
   Grads g{HostTensor(in.q.dtype(), in.q.shape()), HostTensor(in.k.dtype(), in.k.shape()),
           HostTensor(in.v.dtype(), in.v.shape())};
-  attention_backward(dout.view(), in.q.view(), in.k.view(), in.v.view(), f.out.view(),
-                     f.lse.view(), g.dq.view(), g.dk.view(), g.dv.view(), options);
+  attention_backward(dout.view(), in.q.view(), in.k.view(), in.v.view(), f.out.view(), f.lse.view(),
+                     g.dq.view(), g.dk.view(), g.dv.view(), options);
   return g;
 }
 
@@ -73,7 +75,8 @@ std::vector<double> logical_values(const TensorView& t) {
 
 // View of `t` restricted to [begin, begin + length) along dim `dim`.
 TensorView narrow(TensorView t, int dim, std::int64_t begin, std::int64_t length) {
-  t.data = static_cast<char*>(t.data) + begin * t.strides[dim] * static_cast<std::int64_t>(t.element_size());
+  t.data = static_cast<char*>(t.data) +
+           begin * t.strides[dim] * static_cast<std::int64_t>(t.element_size());
   t.shape[dim] = length;
   return t;
 }
@@ -84,6 +87,8 @@ double scale_of(const AttentionOptions& options, std::int64_t head_dim) {
 
 TEST(Attention, OneKeyReturnsItsValueEveryDtype) {
   const Shape s{2, 5, 1, 6, 3, 7};
+  const std::int64_t group = s.q_heads / s.kv_heads;
+  const double scale = 1 / std::sqrt(static_cast<double>(s.head_dim));
   for (DType dt : kFloatTypes) {
     for (bool causal : {false, true}) {
       auto in = random_inputs(dt, s);
@@ -93,7 +98,7 @@ TEST(Attention, OneKeyReturnsItsValueEveryDtype) {
       for (std::int64_t b = 0; b < s.batch; ++b) {
         for (std::int64_t i = 0; i < s.q_len; ++i) {
           for (std::int64_t h = 0; h < s.q_heads; ++h) {
-            const std::int64_t kv = (b * s.kv_heads + h / 2) * s.head_dim;
+            const std::int64_t kv = (b * s.kv_heads + h / group) * s.head_dim;
             const std::int64_t row = ((b * s.q_len + i) * s.q_heads + h) * s.head_dim;
             const bool sees_key = !causal || i == s.q_len - 1;  // bottom-right: only the last
             double score = 0;
@@ -101,7 +106,7 @@ TEST(Attention, OneKeyReturnsItsValueEveryDtype) {
               want_out[row + d] = sees_key ? v[kv + d] : 0.0;
               score += q[row + d] * k[kv + d];
             }
-            want_lse[(b * s.q_heads + h) * s.q_len + i] = sees_key ? score / std::sqrt(7.0) : -kInf;
+            want_lse[(b * s.q_heads + h) * s.q_len + i] = sees_key ? score * scale : -kInf;
           }
         }
       }
@@ -114,6 +119,9 @@ TEST(Attention, OneKeyReturnsItsValueEveryDtype) {
 
 TEST(Attention, IdenticalKeysAverageTheValuesEveryDtype) {
   const Shape s{2, 3, 9, 4, 2, 5};
+  const std::int64_t group = s.q_heads / s.kv_heads;
+  const double scale = 1 / std::sqrt(static_cast<double>(s.head_dim));
+  const auto kv_len = static_cast<double>(s.kv_len);
   for (DType dt : kFloatTypes) {
     auto in = random_inputs(dt, s);
     // Every key of a (batch, kv head) equals its first: all scores of a query tie.
@@ -131,16 +139,18 @@ TEST(Attention, IdenticalKeysAverageTheValuesEveryDtype) {
           const std::int64_t row = ((b * s.q_len + i) * s.q_heads + h) * s.head_dim;
           double score = 0;
           for (std::int64_t d = 0; d < s.head_dim; ++d) {
-            score += q[row + d] * k[(b * s.kv_len * s.kv_heads + h / 2) * s.head_dim + d];
+            score += q[row + d] * k[(b * s.kv_len * s.kv_heads + h / group) * s.head_dim + d];
             for (std::int64_t j = 0; j < s.kv_len; ++j) {
-              want_out[row + d] += v[((b * s.kv_len + j) * s.kv_heads + h / 2) * s.head_dim + d] / 9.0;
+              want_out[row + d] +=
+                  v[((b * s.kv_len + j) * s.kv_heads + h / group) * s.head_dim + d] / kv_len;
             }
           }
-          want_lse[(b * s.q_heads + h) * s.q_len + i] = score / std::sqrt(5.0) + std::log(9.0);
+          want_lse[(b * s.q_heads + h) * s.q_len + i] = score * scale + std::log(kv_len);
         }
       }
     }
-    EXPECT_TRUE(test::matches_reference(f.out.values(), want_out, test::tolerance(dt))) << dtype_name(dt);
+    EXPECT_TRUE(test::matches_reference(f.out.values(), want_out, test::tolerance(dt)))
+        << dtype_name(dt);
     EXPECT_TRUE(test::matches_reference(f.lse.values(), want_lse, 1e-6)) << dtype_name(dt);
   }
 }
@@ -215,14 +225,17 @@ TEST(Attention, GroupedQueryEqualsRepeatedKvHeads) {
       const AttentionOptions options{.causal = causal};
       auto gqa = random_inputs(DType::kFloat64, s);
       Inputs mha{gqa.q, repeat_heads(gqa.k, group), repeat_heads(gqa.v, group)};
-      auto f_gqa = forward(gqa, options, DType::kFloat64), f_mha = forward(mha, options, DType::kFloat64);
+      auto f_gqa = forward(gqa, options, DType::kFloat64),
+           f_mha = forward(mha, options, DType::kFloat64);
       EXPECT_TRUE(test::matches_reference(f_gqa.out.values(), f_mha.out.values(), 1e-14));
       EXPECT_TRUE(test::matches_reference(f_gqa.lse.values(), f_mha.lse.values(), 1e-14));
       auto dout = HostTensor::random(DType::kFloat64, gqa.q.shape());
       auto g_gqa = backward(gqa, f_gqa, dout, options), g_mha = backward(mha, f_mha, dout, options);
       EXPECT_TRUE(test::matches_reference(g_gqa.dq.values(), g_mha.dq.values(), 1e-13));
-      EXPECT_TRUE(test::matches_reference(g_gqa.dk.values(), sum_repeated_heads(g_mha.dk, group), 1e-13));
-      EXPECT_TRUE(test::matches_reference(g_gqa.dv.values(), sum_repeated_heads(g_mha.dv, group), 1e-13));
+      EXPECT_TRUE(
+          test::matches_reference(g_gqa.dk.values(), sum_repeated_heads(g_mha.dk, group), 1e-13));
+      EXPECT_TRUE(
+          test::matches_reference(g_gqa.dv.values(), sum_repeated_heads(g_mha.dv, group), 1e-13));
     }
   }
 }
@@ -292,7 +305,8 @@ TEST_P(AttentionGrad, BackwardMatchesFiniteDifferences) {
   const auto& [name, s, options] = GetParam();
   auto in = random_inputs(DType::kFloat64, s);
   const auto w = test::random_values(in.q.numel());
-  auto loss = [&](const std::vector<double>& q, const std::vector<double>& k, const std::vector<double>& v) {
+  auto loss = [&](const std::vector<double>& q, const std::vector<double>& k,
+                  const std::vector<double>& v) {
     Inputs x{HostTensor::from_values(DType::kFloat64, in.q.shape(), q),
              HostTensor::from_values(DType::kFloat64, in.k.shape(), k),
              HostTensor::from_values(DType::kFloat64, in.v.shape(), v)};
@@ -312,10 +326,11 @@ TEST_P(AttentionGrad, BackwardMatchesFiniteDifferences) {
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, AttentionGrad,
-    ::testing::Values(GradCase{"Mha", {2, 3, 4, 2, 2, 3}, {}},
-                      GradCase{"GqaCausalShortQueries", {1, 4, 6, 4, 2, 3}, {.causal = true}},
-                      GradCase{"CausalRowsSeeingNoKey", {2, 5, 3, 3, 1, 2}, {.causal = true, .scale = 0.7}},
-                      GradCase{"MqaCausalSquare", {1, 5, 5, 2, 1, 5}, {.causal = true}}),
+    ::testing::Values(
+        GradCase{"Mha", {2, 3, 4, 2, 2, 3}, {}},
+        GradCase{"GqaCausalShortQueries", {1, 4, 6, 4, 2, 3}, {.causal = true}},
+        GradCase{"CausalRowsSeeingNoKey", {2, 5, 3, 3, 1, 2}, {.causal = true, .scale = 0.7}},
+        GradCase{"MqaCausalSquare", {1, 5, 5, 2, 1, 5}, {.causal = true}}),
     [](const auto& param_info) { return std::string(param_info.param.name); });
 
 // A [B, H, S, D] buffer seen as [B, S, H, D]: the layout of a transposed projection.
@@ -330,7 +345,8 @@ BhsdTensor to_bhsd(const HostTensor& bshd, bool copy_values = true) {
   t.view = TensorView(t.storage.data(), bshd.dtype(), {s[0], s[1], s[2], s[3]},
                       {s[2] * s[1] * s[3], s[3], s[1] * s[3], 1});
   for (std::int64_t i = 0; copy_values && i < bshd.numel(); ++i) {
-    const std::int64_t d = i % s[3], h = i / s[3] % s[2], q = i / s[3] / s[2] % s[1], b = i / (s[3] * s[2] * s[1]);
+    const std::int64_t d = i % s[3], h = i / s[3] % s[2], q = i / s[3] / s[2] % s[1],
+                       b = i / (s[3] * s[2] * s[1]);
     t.storage.set(((b * s[2] + h) * s[1] + q) * s[3] + d, bshd.at(i));
   }
   return t;
@@ -375,7 +391,8 @@ TEST(Attention, EmptyTensors) {
       auto f = forward(in, {.causal = causal});
       for (double x : f.out.values()) EXPECT_EQ(x, 0.0);  // no key seen (Sk == 0)
       for (double x : f.lse.values()) EXPECT_EQ(x, -kInf);
-      auto g = backward(in, f, HostTensor::random(DType::kFloat32, in.q.shape()), {.causal = causal});
+      auto g =
+          backward(in, f, HostTensor::random(DType::kFloat32, in.q.shape()), {.causal = causal});
       for (const auto* grad : {&g.dq, &g.dk, &g.dv}) {
         for (double x : grad->values()) EXPECT_EQ(x, 0.0);  // no query (Sq == 0) or no key
       }
@@ -392,14 +409,16 @@ TEST(Attention, NaNPropagates) {
     const bool poisoned_row = i / s.head_dim == 1 * s.q_heads + 1;
     EXPECT_EQ(std::isnan(f.out.at(i)), poisoned_row) << i;
   }
-  for (std::int64_t i = 0; i < f.lse.numel(); ++i) EXPECT_EQ(std::isnan(f.lse.at(i)), i == 1 * s.q_len + 1);
-  // A NaN in one value row reaches every query through the weights.
+  for (std::int64_t i = 0; i < f.lse.numel(); ++i)
+    EXPECT_EQ(std::isnan(f.lse.at(i)), i == 1 * s.q_len + 1);
+  // A NaN value element poisons its column of every output: every query sees that key.
   auto clean = random_inputs(DType::kFloat32, s);
   clean.v.set(7, NAN);
   auto fv = forward(clean);
   auto dout = HostTensor::random(DType::kFloat32, clean.q.shape());
   auto g = backward(clean, fv, dout);
-  for (std::int64_t i = 0; i < clean.q.numel(); ++i) EXPECT_EQ(std::isnan(fv.out.at(i)), i % s.head_dim == 2);
+  for (std::int64_t i = 0; i < clean.q.numel(); ++i)
+    EXPECT_EQ(std::isnan(fv.out.at(i)), i % s.head_dim == 2);
   for (double x : g.dq.values()) EXPECT_TRUE(std::isnan(x));
   for (double x : g.dk.values()) EXPECT_TRUE(std::isnan(x));
 }
@@ -410,7 +429,9 @@ TEST(Attention, ForwardArgumentErrors) {
   HostTensor out(DType::kFloat32, in.q.shape()), lse(DType::kFloat32, {2, 4, 3});
   const TensorView q = in.q.view(), k = in.k.view(), v = in.v.view();
   auto fwd = [&](TensorView q_, TensorView k_, TensorView v_, TensorView out_, TensorView lse_,
-                 AttentionOptions options = {}) { attention_forward(q_, k_, v_, out_, lse_, options); };
+                 AttentionOptions options = {}) {
+    attention_forward(q_, k_, v_, out_, lse_, options);
+  };
   const char* op = "attention_forward";
   TS_EXPECT_ERROR(fwd({}, k, v, out.view(), lse.view()), op, "argument 'q'", "a tensor", "none");
   HostTensor ints(DType::kInt32, in.q.shape());
@@ -432,9 +453,11 @@ TEST(Attention, ForwardArgumentErrors) {
   TS_EXPECT_ERROR(fwd(q, k_heads.view(), k_heads.view(), out.view(), lse.view()), op, "'k'",
                   "divides the 4 heads", "3 heads");
   auto k_none = HostTensor::random(DType::kFloat32, {2, 4, 0, 8});
-  TS_EXPECT_ERROR(fwd(q, k_none.view(), k_none.view(), out.view(), lse.view()), op, "'k'", "0 heads");
+  TS_EXPECT_ERROR(fwd(q, k_none.view(), k_none.view(), out.view(), lse.view()), op, "'k'",
+                  "0 heads");
   auto v_len = HostTensor::random(DType::kFloat32, {2, 5, 2, 8});
-  TS_EXPECT_ERROR(fwd(q, k, v_len.view(), out.view(), lse.view()), op, "'v'", "[2, 4, 2, 8]", "[2, 5, 2, 8]");
+  TS_EXPECT_ERROR(fwd(q, k, v_len.view(), out.view(), lse.view()), op, "'v'", "[2, 4, 2, 8]",
+                  "[2, 5, 2, 8]");
   auto v16 = HostTensor::random(DType::kBFloat16, in.v.shape());
   TS_EXPECT_ERROR(fwd(q, k, v16.view(), out.view(), lse.view()), op, "'v'", "bfloat16");
   HostTensor out16(DType::kFloat16, in.q.shape()), out_short(DType::kFloat32, {2, 3, 4, 7});
@@ -442,7 +465,8 @@ TEST(Attention, ForwardArgumentErrors) {
   TS_EXPECT_ERROR(fwd(q, k, v, out_short.view(), lse.view()), op, "'out'", "[2, 3, 4, 8]");
   TensorView out_aliased = out.view();
   out_aliased.strides[1] = 0;  // every query row writes the same memory
-  TS_EXPECT_ERROR(fwd(q, k, v, out_aliased, lse.view()), op, "'out'", "no two elements share memory");
+  TS_EXPECT_ERROR(fwd(q, k, v, out_aliased, lse.view()), op, "'out'",
+                  "no two elements share memory");
   TensorView out_overlapping = out.view();
   out_overlapping.strides[2] = 4;  // heads 8 wide stored 4 apart
   TS_EXPECT_ERROR(fwd(q, k, v, out_overlapping, lse.view()), op, "'out'", "no two elements");
@@ -463,16 +487,22 @@ TEST(Attention, ForwardArgumentErrors) {
     return TensorView(static_cast<float*>(buffer.data()) + element, DType::kFloat32, shape);
   };
   const TensorView k_in = at(0, {2, 4, 2, 8}), v_in = at(300, {2, 4, 2, 8});
-  TS_EXPECT_ERROR(fwd(q, k_in, v_in, at(100, {2, 3, 4, 8}), lse.view()), op, "'out'", "disjoint from 'k'");
-  TS_EXPECT_ERROR(fwd(q, k_in, v_in, at(250, {2, 3, 4, 8}), lse.view()), op, "'out'", "disjoint from 'v'");
-  TS_EXPECT_ERROR(fwd(q, k_in, v_in, out.view(), at(120, {2, 4, 3})), op, "'lse'", "disjoint from 'k'");
-  TS_EXPECT_ERROR(fwd(q, k_in, v_in, out.view(), at(400, {2, 4, 3})), op, "'lse'", "disjoint from 'v'");
+  TS_EXPECT_ERROR(fwd(q, k_in, v_in, at(100, {2, 3, 4, 8}), lse.view()), op, "'out'",
+                  "disjoint from 'k'");
+  TS_EXPECT_ERROR(fwd(q, k_in, v_in, at(250, {2, 3, 4, 8}), lse.view()), op, "'out'",
+                  "disjoint from 'v'");
+  TS_EXPECT_ERROR(fwd(q, k_in, v_in, out.view(), at(120, {2, 4, 3})), op, "'lse'",
+                  "disjoint from 'k'");
+  TS_EXPECT_ERROR(fwd(q, k_in, v_in, out.view(), at(400, {2, 4, 3})), op, "'lse'",
+                  "disjoint from 'v'");
   TS_EXPECT_ERROR(fwd(q, k, v, out.view(), TensorView(q.data, DType::kFloat32, {2, 4, 3})), op,
                   "'lse'", "disjoint from 'q'");
   TS_EXPECT_ERROR(fwd(q, k, v, out.view(), TensorView(out.data(), DType::kFloat32, {2, 4, 3})), op,
                   "'lse'", "disjoint from 'out'");
-  TS_EXPECT_ERROR(fwd(q, k, v, out.view(), lse.view(), {.scale = NAN}), op, "'options.scale'", "finite");
-  TS_EXPECT_ERROR(fwd(q, k, v, out.view(), lse.view(), {.scale = kInf}), op, "'options.scale'", "inf");
+  TS_EXPECT_ERROR(fwd(q, k, v, out.view(), lse.view(), {.scale = NAN}), op, "'options.scale'",
+                  "finite");
+  TS_EXPECT_ERROR(fwd(q, k, v, out.view(), lse.view(), {.scale = kInf}), op, "'options.scale'",
+                  "inf");
   TensorView null_k = k;
   null_k.data = nullptr;
   TS_EXPECT_ERROR(fwd(q, null_k, v, out.view(), lse.view()), op, "'k'", "non-null");
@@ -492,8 +522,8 @@ TEST(Attention, BackwardArgumentErrors) {
     TensorView dout, q, k, v, out, lse, dq, dk, dv;
     AttentionOptions options;
   };
-  const Args good{dout.view(), in.q.view(), in.k.view(), in.v.view(), f.out.view(), f.lse.view(),
-                  dq.view(), dk.view(), dv.view(), {}};
+  const Args good{dout.view(),  in.q.view(), in.k.view(), in.v.view(), f.out.view(),
+                  f.lse.view(), dq.view(),   dk.view(),   dv.view(),   {}};
   auto bwd = [](const Args& a) {
     attention_backward(a.dout, a.q, a.k, a.v, a.out, a.lse, a.dq, a.dk, a.dv, a.options);
   };
@@ -508,13 +538,16 @@ TEST(Attention, BackwardArgumentErrors) {
   TS_EXPECT_ERROR(bwd(with([](Args& a) { a.k.shape[2] = 3; })), op, "'k'", "divides");
   TS_EXPECT_ERROR(bwd(with([](Args& a) { a.options.scale = NAN; })), op, "'options.scale'");
   TS_EXPECT_ERROR(bwd(with([](Args& a) { a.out = {}; })), op, "'out'", "none");
-  TS_EXPECT_ERROR(bwd(with([](Args& a) { a.out.dtype = DType::kFloat16; })), op, "'out'", "float16");
-  TS_EXPECT_ERROR(bwd(with([](Args& a) { a.dout.shape[1] = 2; })), op, "'dout'", "[2, 3, 4, 8]", "[2, 2, 4, 8]");
+  TS_EXPECT_ERROR(bwd(with([](Args& a) { a.out.dtype = DType::kFloat16; })), op, "'out'",
+                  "float16");
+  TS_EXPECT_ERROR(bwd(with([](Args& a) { a.dout.shape[1] = 2; })), op, "'dout'", "[2, 3, 4, 8]",
+                  "[2, 2, 4, 8]");
   TS_EXPECT_ERROR(bwd(with([](Args& a) { a.dout.strides[3] = 2; })), op, "'dout'", "stride 1");
   TS_EXPECT_ERROR(bwd(with([](Args& a) { a.lse = {}; })), op, "'lse'", "a tensor", "none");
   TS_EXPECT_ERROR(bwd(with([](Args& a) { a.lse.shape[2] = 2; })), op, "'lse'", "Sq of 'q'");
   TS_EXPECT_ERROR(bwd(with([](Args& a) { a.dq = {}; })), op, "'dq'", "none");
-  TS_EXPECT_ERROR(bwd(with([](Args& a) { a.dq.dtype = DType::kBFloat16; })), op, "'dq'", "bfloat16");
+  TS_EXPECT_ERROR(bwd(with([](Args& a) { a.dq.dtype = DType::kBFloat16; })), op, "'dq'",
+                  "bfloat16");
   TS_EXPECT_ERROR(bwd(with([](Args& a) { a.dk.shape[1] = 3; })), op, "'dk'", "the shape of 'k'");
   TS_EXPECT_ERROR(bwd(with([](Args& a) { a.dv.ndim = 3; })), op, "'dv'", "4 dimensions");
   TS_EXPECT_ERROR(bwd(with([](Args& a) { a.dv.strides[0] = 0; })), op, "'dv'", "no two elements");
@@ -528,17 +561,30 @@ TEST(Attention, BackwardArgumentErrors) {
   auto at = [&](std::int64_t element, std::initializer_list<std::int64_t> shape) {
     return TensorView(static_cast<float*>(buffer.data()) + element, DType::kFloat32, shape);
   };
-  TS_EXPECT_ERROR(bwd(with([&](Args& a) { a.dq = at(100, {2, 3, 4, 8}); a.dv = at(250, {2, 4, 2, 8}); })),
+  TS_EXPECT_ERROR(bwd(with([&](Args& a) {
+                    a.dq = at(100, {2, 3, 4, 8});
+                    a.dv = at(250, {2, 4, 2, 8});
+                  })),
                   op, "'dq'", "disjoint from 'dv'");
-  TS_EXPECT_ERROR(bwd(with([&](Args& a) { a.dq = at(100, {2, 3, 4, 8}); a.dk = at(0, {2, 4, 2, 8}); })),
+  TS_EXPECT_ERROR(bwd(with([&](Args& a) {
+                    a.dq = at(100, {2, 3, 4, 8});
+                    a.dk = at(0, {2, 4, 2, 8});
+                  })),
                   op, "'dq'", "disjoint from 'dk'");
   const TensorView lse_in_buffer = at(0, {2, 4, 3});
-  for (std::int64_t i = 0; i < f.lse.numel(); ++i) static_cast<float*>(buffer.data())[i] = static_cast<float>(f.lse.at(i));
-  TS_EXPECT_ERROR(bwd(with([&](Args& a) { a.lse = lse_in_buffer; a.dv = at(10, {2, 4, 2, 8}); })), op,
-                  "'dv'", "disjoint from 'lse'");
-  TS_EXPECT_ERROR(bwd(with([&](Args& a) { a.dk = TensorView(a.q.data, DType::kFloat32, {2, 4, 2, 8}); })), op,
-                  "'dk'", "disjoint from 'q'");
-  TS_EXPECT_ERROR(bwd(with([](Args& a) { a.dv.device = Device::cuda(0); })), op, "'dv'", "on cuda:0");
+  for (std::int64_t i = 0; i < f.lse.numel(); ++i)
+    static_cast<float*>(buffer.data())[i] = static_cast<float>(f.lse.at(i));
+  TS_EXPECT_ERROR(bwd(with([&](Args& a) {
+                    a.lse = lse_in_buffer;
+                    a.dv = at(10, {2, 4, 2, 8});
+                  })),
+                  op, "'dv'", "disjoint from 'lse'");
+  TS_EXPECT_ERROR(bwd(with([&](Args& a) {
+                    a.dk = TensorView(a.q.data, DType::kFloat32, {2, 4, 2, 8});
+                  })),
+                  op, "'dk'", "disjoint from 'q'");
+  TS_EXPECT_ERROR(bwd(with([](Args& a) { a.dv.device = Device::cuda(0); })), op, "'dv'",
+                  "on cuda:0");
 }
 
 TEST(Attention, CudaTensorsReachNoKernelYet) {
@@ -550,17 +596,19 @@ TEST(Attention, CudaTensorsReachNoKernelYet) {
     t.device = Device::cuda(0);
     return t;
   };
-  TS_EXPECT_ERROR(attention_forward(on_cuda(in.q.view()), on_cuda(in.k.view()), on_cuda(in.v.view()),
-                                    on_cuda(f.out.view()), on_cuda(f.lse.view())),
-                  "attention_forward", "CUDA", "CPU reference");
-  TS_EXPECT_ERROR(attention_backward(on_cuda(f.out.view()), on_cuda(in.q.view()), on_cuda(in.k.view()),
-                                     on_cuda(in.v.view()), on_cuda(in.q.view()), on_cuda(f.lse.view()),
-                                     on_cuda(dq.view()), on_cuda(dk.view()), on_cuda(dv.view())),
-                  "attention_backward", "CUDA", "CPU reference");
+  TS_EXPECT_ERROR(
+      attention_forward(on_cuda(in.q.view()), on_cuda(in.k.view()), on_cuda(in.v.view()),
+                        on_cuda(f.out.view()), on_cuda(f.lse.view())),
+      "attention_forward", "CUDA", "CPU reference");
+  TS_EXPECT_ERROR(
+      attention_backward(on_cuda(f.out.view()), on_cuda(in.q.view()), on_cuda(in.k.view()),
+                         on_cuda(in.v.view()), on_cuda(in.q.view()), on_cuda(f.lse.view()),
+                         on_cuda(dq.view()), on_cuda(dk.view()), on_cuda(dv.view())),
+      "attention_backward", "CUDA", "CPU reference");
   auto in64 = random_inputs(DType::kFloat64, {1, 2, 2, 2, 1, 8});
   HostTensor out64(DType::kFloat64, in64.q.shape());
-  TS_EXPECT_ERROR(attention_forward(on_cuda(in64.q.view()), on_cuda(in64.k.view()), on_cuda(in64.v.view()),
-                                    on_cuda(out64.view()), TensorView{}),
+  TS_EXPECT_ERROR(attention_forward(on_cuda(in64.q.view()), on_cuda(in64.k.view()),
+                                    on_cuda(in64.v.view()), on_cuda(out64.view()), TensorView{}),
                   "attention_forward", "'q'", "float64 tensors on the CPU only");
 }
 

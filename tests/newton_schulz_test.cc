@@ -1,7 +1,8 @@
+#include "trainscale/newton_schulz.h"
+
 #include <algorithm>
 #include <cmath>
 
-#include "trainscale/newton_schulz.h"
 #include "util/gpu_util.h"
 
 namespace trainscale {
@@ -9,7 +10,8 @@ namespace {
 
 using test::HostTensor;
 
-constexpr DType kFloatTypes[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kFloat64};
+constexpr DType kFloatTypes[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16,
+                                 DType::kFloat64};
 constexpr std::array<double, 3> kDefaultCoefficients{3.4445, -4.7750, 2.0315};
 
 HostTensor run_newton_schulz(const HostTensor& g, const NewtonSchulzOptions& options = {}) {
@@ -30,7 +32,8 @@ HostTensor transposed(const HostTensor& t) {
 // Diagonal ones plus small noise: singular values near 1, far from 0.
 HostTensor well_conditioned(DType dtype, std::int64_t rows, std::int64_t cols) {
   auto g = HostTensor::random(dtype, {rows, cols}, -0.15, 0.15);
-  for (std::int64_t i = 0; i < std::min(rows, cols); ++i) g.set(i * cols + i, 1.0 + g.at(i * cols + i));
+  for (std::int64_t i = 0; i < std::min(rows, cols); ++i)
+    g.set(i * cols + i, 1.0 + g.at(i * cols + i));
   return g;
 }
 
@@ -48,7 +51,8 @@ std::vector<double> symmetric_eigenvalues(std::vector<double> a, std::int64_t n)
       for (std::int64_t q = p + 1; q < n; ++q) {
         if (at(p, q) == 0) continue;
         const double theta = (at(q, q) - at(p, p)) / (2 * at(p, q));
-        const double t = (theta >= 0 ? 1.0 : -1.0) / (std::fabs(theta) + std::sqrt(theta * theta + 1));
+        const double t =
+            (theta >= 0 ? 1.0 : -1.0) / (std::fabs(theta) + std::sqrt(theta * theta + 1));
         const double c = 1 / std::sqrt(t * t + 1), s = t * c;
         for (std::int64_t k = 0; k < n; ++k) {  // columns p, q
           const double kp = at(k, p), kq = at(k, q);
@@ -73,11 +77,14 @@ std::vector<double> symmetric_eigenvalues(std::vector<double> a, std::int64_t n)
 std::vector<double> singular_values(const HostTensor& m) {
   const std::int64_t R = m.shape()[0], C = m.shape()[1], n = std::min(R, C);
   const auto v = m.values();
-  auto element = [&](std::int64_t i, std::int64_t j) { return R <= C ? v[i * C + j] : v[j * C + i]; };
+  auto element = [&](std::int64_t i, std::int64_t j) {
+    return R <= C ? v[i * C + j] : v[j * C + i];
+  };
   std::vector<double> gram(n * n, 0.0);
   for (std::int64_t i = 0; i < n; ++i) {
     for (std::int64_t j = 0; j < n; ++j) {
-      for (std::int64_t p = 0; p < std::max(R, C); ++p) gram[i * n + j] += element(i, p) * element(j, p);
+      for (std::int64_t p = 0; p < std::max(R, C); ++p)
+        gram[i * n + j] += element(i, p) * element(j, p);
     }
   }
   auto s = symmetric_eigenvalues(gram, n);
@@ -92,7 +99,8 @@ double frobenius_norm(const HostTensor& m) {
 }
 
 // Newton-Schulz maps every normalized singular value x through the step's odd polynomial.
-std::vector<double> predicted_singular_values(const HostTensor& g, const NewtonSchulzOptions& options) {
+std::vector<double> predicted_singular_values(const HostTensor& g,
+                                              const NewtonSchulzOptions& options) {
   auto s = singular_values(g);
   const double norm = frobenius_norm(g) + options.eps;
   for (double& x : s) {
@@ -147,7 +155,8 @@ HostTensor householder(std::int64_t n) {
   const auto v = test::random_values(n);
   const double vv = test::dot(v, v);
   HostTensor h(DType::kFloat64, {n, n});
-  for (std::int64_t i = 0; i < n * n; ++i) h.set(i, (i / n == i % n ? 1.0 : 0.0) - 2 * v[i / n] * v[i % n] / vv);
+  for (std::int64_t i = 0; i < n * n; ++i)
+    h.set(i, (i / n == i % n ? 1.0 : 0.0) - 2 * v[i / n] * v[i % n] / vv);
   return h;
 }
 
@@ -185,8 +194,8 @@ TEST(NewtonSchulz, ZeroStepsReturnsTheNormalizedInput) {
       const double norm = frobenius_norm(g);
       std::vector<double> want = g.values();
       for (double& x : want) x /= norm + eps;
-      EXPECT_TRUE(test::matches_reference(run_newton_schulz(g, {.steps = 0, .eps = eps}).values(), want,
-                                          test::tolerance(dt)))
+      EXPECT_TRUE(test::matches_reference(run_newton_schulz(g, {.steps = 0, .eps = eps}).values(),
+                                          want, test::tolerance(dt)))
           << dtype_name(dt) << " eps " << eps;
     }
   }
@@ -200,8 +209,10 @@ TEST(NewtonSchulz, EveryDtypeMatchesFloat64OnItsInputs) {
       auto g = HostTensor::random(dt, {rows, cols}, -1, 1, /*row_pad=*/2);
       HostTensor out(dt, {rows, cols}, /*row_pad=*/3);
       newton_schulz(g.view(), out.view());
-      const auto want = run_newton_schulz(HostTensor::from_values(DType::kFloat64, g.shape(), g.values()));
-      EXPECT_TRUE(test::matches_reference(out.values(), want.values(), test::tolerance(dt))) << dtype_name(dt);
+      const auto want =
+          run_newton_schulz(HostTensor::from_values(DType::kFloat64, g.shape(), g.values()));
+      EXPECT_TRUE(test::matches_reference(out.values(), want.values(), test::tolerance(dt)))
+          << dtype_name(dt);
     }
   }
 }
@@ -249,18 +260,21 @@ TEST(NewtonSchulz, ArgumentErrors) {
   HostTensor workspace(DType::kFloat32, {64});
   ns(g.view(), out.view(), {}, workspace.view());  // ignored on the CPU
   TS_EXPECT_ERROR(ns(g.view(), out.view(), {}, g.view()), op, "'workspace'", "disjoint from 'g'");
-  TS_EXPECT_ERROR(ns(g.view(), out.view(), {}, out.view()), op, "'workspace'", "disjoint from 'out'");
+  TS_EXPECT_ERROR(ns(g.view(), out.view(), {}, out.view()), op, "'workspace'",
+                  "disjoint from 'out'");
   TensorView cuda_workspace = workspace.view();
   cuda_workspace.device = Device::cuda(0);
   TS_EXPECT_ERROR(ns(g.view(), out.view(), {}, cuda_workspace), op, "'workspace'", "cuda:0");
-  TS_EXPECT_ERROR(ns(g.view(), out.view(), {.steps = -1}), op, "'options.steps'", "steps >= 0", "-1");
+  TS_EXPECT_ERROR(ns(g.view(), out.view(), {.steps = -1}), op, "'options.steps'", "steps >= 0",
+                  "-1");
   TS_EXPECT_ERROR(ns(g.view(), out.view(), {.a = NAN}), op, "'options.a'", "finite", "nan");
   TS_EXPECT_ERROR(ns(g.view(), out.view(), {.b = INFINITY}), op, "'options.b'", "finite", "inf");
   TS_EXPECT_ERROR(ns(g.view(), out.view(), {.c = -INFINITY}), op, "'options.c'", "finite");
   TS_EXPECT_ERROR(ns(g.view(), out.view(), {.steps = 2, .per_step = {kDefaultCoefficients}}), op,
                   "'options.per_step'", "2 entries", "got 1 entries");
-  TS_EXPECT_ERROR(ns(g.view(), out.view(), {.steps = 2, .per_step = {kDefaultCoefficients, {1, NAN, 0}}}), op,
-                  "'options.per_step[1]'", "finite");
+  TS_EXPECT_ERROR(
+      ns(g.view(), out.view(), {.steps = 2, .per_step = {kDefaultCoefficients, {1, NAN, 0}}}), op,
+      "'options.per_step[1]'", "finite");
   TS_EXPECT_ERROR(ns(g.view(), out.view(), {.eps = -1e-7}), op, "'options.eps'", ">= 0");
   TS_EXPECT_ERROR(ns(g.view(), out.view(), {.eps = NAN}), op, "'options.eps'", "finite");
   TensorView cuda_g = g.view();
@@ -295,14 +309,18 @@ TEST(Muon, StepMatchesTheFormula) {
   for (auto [rows, cols] : {std::pair{5, 9}, std::pair{9, 5}, std::pair{6, 6}}) {
     for (bool nesterov : {true, false}) {
       for (double weight_decay : {0.0, 0.1}) {
-        const MuonOptions options{.lr = 0.05, .momentum = 0.9, .weight_decay = weight_decay,
-                                  .nesterov = nesterov, .newton_schulz = {.steps = 4}};
+        const MuonOptions options{.lr = 0.05,
+                                  .momentum = 0.9,
+                                  .weight_decay = weight_decay,
+                                  .nesterov = nesterov,
+                                  .newton_schulz = {.steps = 4}};
         auto param = HostTensor::random(DType::kFloat64, {rows, cols});
         auto grad = HostTensor::random(DType::kFloat64, {rows, cols});
         auto buffer = HostTensor::random(DType::kFloat64, {rows, cols});
         const auto want = muon_by_hand(param, grad, buffer, options);
         muon_step(param.view(), grad.view(), buffer.view(), options);
-        SCOPED_TRACE(testing::Message() << rows << "x" << cols << " nesterov " << nesterov << " wd " << weight_decay);
+        SCOPED_TRACE(testing::Message()
+                     << rows << "x" << cols << " nesterov " << nesterov << " wd " << weight_decay);
         EXPECT_TRUE(test::matches_reference(buffer.values(), want.buffer, 1e-15));
         EXPECT_TRUE(test::matches_reference(param.values(), want.param, 1e-14));
       }
@@ -316,11 +334,13 @@ TEST(Muon, TallParameterStepIsScaledBySqrtRowsOverCols) {
   auto param = HostTensor::random(DType::kFloat64, {8, 4});
   const auto before = param.values();
   auto grad = HostTensor::random(DType::kFloat64, {8, 4});
-  HostTensor buffer = HostTensor::from_values(DType::kFloat64, {8, 4}, std::vector<double>(32, 0.0));
+  HostTensor buffer =
+      HostTensor::from_values(DType::kFloat64, {8, 4}, std::vector<double>(32, 0.0));
   const MuonOptions options{.lr = 0.1, .momentum = 0.0, .nesterov = false};
   muon_step(param.view(), grad.view(), buffer.view(), options);
   const auto o = run_newton_schulz(grad).values();
-  for (std::int64_t i = 0; i < 32; ++i) EXPECT_NEAR(before[i] - param.at(i), 0.1 * std::sqrt(2.0) * o[i], 1e-14);
+  for (std::int64_t i = 0; i < 32; ++i)
+    EXPECT_NEAR(before[i] - param.at(i), 0.1 * std::sqrt(2.0) * o[i], 1e-14);
   EXPECT_EQ(buffer.values(), grad.values());
 }
 
@@ -335,7 +355,8 @@ TEST(Muon, EveryDtypeMatchesFloat64OnItsInputs) {
       muon_step(param.view(), grad.view(), buffer.view(), options);
       SCOPED_TRACE(testing::Message() << dtype_name(dt) << " buffer " << dtype_name(buffer_dt));
       EXPECT_TRUE(test::matches_reference(param.values(), want.param, test::tolerance(dt)));
-      EXPECT_TRUE(test::matches_reference(buffer.values(), want.buffer, test::tolerance(buffer_dt)));
+      EXPECT_TRUE(
+          test::matches_reference(buffer.values(), want.buffer, test::tolerance(buffer_dt)));
     }
   }
 }
@@ -374,7 +395,8 @@ TEST(Muon, ArgumentErrors) {
   auto buffer16 = HostTensor::random(DType::kFloat16, {4, 6});
   auto buffer_t = HostTensor::random(DType::kFloat32, {6, 4});
   TS_EXPECT_ERROR(step(P, G, {}), op, "'momentum_buffer'", "none");
-  TS_EXPECT_ERROR(step(P, G, buffer16.view()), op, "'momentum_buffer'", "float32 or bfloat16", "float16");
+  TS_EXPECT_ERROR(step(P, G, buffer16.view()), op, "'momentum_buffer'", "float32 or bfloat16",
+                  "float16");
   TS_EXPECT_ERROR(step(P, G, buffer_t.view()), op, "'momentum_buffer'", "[4, 6]");
   TensorView b_rows_alias = B;
   b_rows_alias.strides[0] = 0;
@@ -394,12 +416,15 @@ TEST(Muon, ArgumentErrors) {
   TS_EXPECT_ERROR(step(P, G, B, {.lr = NAN}), op, "'options.lr'", "finite");
   TS_EXPECT_ERROR(step(P, G, B, {.lr = -0.1}), op, "'options.lr'", ">= 0");
   TS_EXPECT_ERROR(step(P, G, B, {.momentum = -0.5}), op, "'options.momentum'", ">= 0");
-  TS_EXPECT_ERROR(step(P, G, B, {.weight_decay = INFINITY}), op, "'options.weight_decay'", "finite");
-  TS_EXPECT_ERROR(step(P, G, B, {.newton_schulz = {.steps = -2}}), op, "'options.newton_schulz.steps'", "-2");
+  TS_EXPECT_ERROR(step(P, G, B, {.weight_decay = INFINITY}), op, "'options.weight_decay'",
+                  "finite");
+  TS_EXPECT_ERROR(step(P, G, B, {.newton_schulz = {.steps = -2}}), op,
+                  "'options.newton_schulz.steps'", "-2");
   TS_EXPECT_ERROR(step(P, G, B, {.newton_schulz = {.steps = 1, .per_step = {}, .eps = -1}}), op,
                   "'options.newton_schulz.eps'");
-  TS_EXPECT_ERROR(step(P, G, B, {.newton_schulz = {.steps = 3, .per_step = {kDefaultCoefficients}}}), op,
-                  "'options.newton_schulz.per_step'", "3 entries");
+  TS_EXPECT_ERROR(
+      step(P, G, B, {.newton_schulz = {.steps = 3, .per_step = {kDefaultCoefficients}}}), op,
+      "'options.newton_schulz.per_step'", "3 entries");
   auto on_cuda = [](TensorView t) {
     t.device = Device::cuda(0);
     return t;

@@ -97,7 +97,8 @@ void attention_forward_cpu(const TensorView& q, const TensorView& k, const Tenso
           const double p = std::exp(scores[j] - max_score);
           sum += p;
           const std::int64_t v_offset = vector_offset(v, b, j, kv_head);
-          for (std::int64_t d = 0; d < D; ++d) acc[d] += p * load_as_double(v.dtype, v.data, v_offset + d);
+          for (std::int64_t d = 0; d < D; ++d)
+            acc[d] += p * load_as_double(v.dtype, v.data, v_offset + d);
         }
         for (double& a : acc) a /= sum;
         row_lse = max_score + std::log(sum);
