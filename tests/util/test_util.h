@@ -37,7 +37,9 @@ class HostTensor {
   DType dtype() const { return view_.dtype; }
   const std::vector<std::int64_t>& shape() const { return shape_; }
   std::int64_t numel() const { return view_.numel(); }
-  std::int64_t storage_bytes() const { return static_cast<std::int64_t>(storage_.size()); }
+  std::int64_t storage_bytes() const {
+    return static_cast<std::int64_t>(storage_.size() * sizeof(std::uint64_t));
+  }
   void* data() const { return view_.data; }
 
   // Logical (row-major over shape) element access; set() rounds to the dtype.

@@ -183,7 +183,9 @@ __global__ void __launch_bounds__(kTwoPassThreads) forward_two_pass_kernel(Forwa
     }
     row_sum<kTwoPassThreads, 2>(sums, scratch);  // its barriers also publish the residual
     const float mean_shifted = kKind == Kind::kLayer ? sums[0] / static_cast<float>(n) : 0.f;
-    const float var = fmaxf(sums[1] / static_cast<float>(n) - mean_shifted * mean_shifted, 0.f);
+    // Clamp the rounding-negative variance without fmaxf, which would turn NaN into 0.
+    const float raw_var = sums[1] / static_cast<float>(n) - mean_shifted * mean_shifted;
+    const float var = raw_var < 0.f ? 0.f : raw_var;
     const float mean = pivot + mean_shifted;
     const float rstd = rsqrtf(var + a.eps);
     T* y_row = static_cast<T*>(a.y) + row * a.y_stride;
