@@ -1,5 +1,6 @@
 #include "core/check.h"
 
+#include <algorithm>
 #include <utility>
 
 namespace trainscale::detail {
@@ -158,6 +159,25 @@ OpChecker& OpChecker::no_overlap(const TensorView& a, const char* a_name, const 
   auto [b_lo, b_hi] = byte_extent(b);
   if (a_lo < b_hi && b_lo < a_hi) {
     throw_arg_error(op_, a_name, std::string("memory disjoint from '") + b_name + "'",
+                    "overlapping views");
+  }
+  return *this;
+}
+
+bool same_view(const TensorView& a, const TensorView& b) {
+  return a.data == b.data && a.dtype == b.dtype && a.ndim == b.ndim && a.device == b.device &&
+         std::equal(a.shape.begin(), a.shape.begin() + std::max(a.ndim, 0), b.shape.begin()) &&
+         std::equal(a.strides.begin(), a.strides.begin() + std::max(a.ndim, 0), b.strides.begin());
+}
+
+OpChecker& OpChecker::in_place_or_disjoint(const TensorView& out, const char* out_name,
+                                           const TensorView& in, const char* in_name) {
+  if (!out.defined() || !in.defined() || same_view(out, in)) return *this;
+  auto [out_lo, out_hi] = byte_extent(out);
+  auto [in_lo, in_hi] = byte_extent(in);
+  if (out_lo < in_hi && in_lo < out_hi) {
+    throw_arg_error(op_, out_name,
+                    std::string("memory disjoint from '") + in_name + "' or exactly its view (in place)",
                     "overlapping views");
   }
   return *this;

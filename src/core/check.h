@@ -55,6 +55,9 @@ class OpChecker {
                         const char* ref_name);
   OpChecker& contiguous(const TensorView& t, const char* name);
   OpChecker& unit_last_stride(const TensorView& t, const char* name);
+  // An output documented as in place: exactly `in`'s view (same_view), or disjoint from it.
+  OpChecker& in_place_or_disjoint(const TensorView& out, const char* out_name, const TensorView& in,
+                                  const char* in_name);
   // Byte ranges of a and b must not intersect (outputs vs inputs, outputs vs outputs).
   OpChecker& no_overlap(const TensorView& a, const char* a_name, const TensorView& b,
                         const char* b_name);
@@ -71,6 +74,9 @@ class OpChecker {
   Device device_{};
   const char* device_arg_ = nullptr;
 };
+
+// Same memory element for element: pointer, dtype, device, shape and strides.
+bool same_view(const TensorView& a, const TensorView& b);
 
 // Lowest and one-past-highest byte a view can touch (equal when empty).
 std::pair<std::uintptr_t, std::uintptr_t> byte_extent(const TensorView& t);

@@ -18,25 +18,6 @@ namespace {
 using ops::activation::Activation;
 
 constexpr auto kFloatTypes = {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kFloat64};
-
-bool same_view(const TensorView& a, const TensorView& b) {
-  return a.data == b.data && a.dtype == b.dtype && a.ndim == b.ndim && a.device == b.device &&
-         std::equal(a.shape.begin(), a.shape.begin() + a.ndim, b.shape.begin()) &&
-         std::equal(a.strides.begin(), a.strides.begin() + a.ndim, b.strides.begin());
-}
-
-// Elementwise ops may write an output over an input of the same view (in place); anything
-// between that and disjoint memory would read elements another element already overwrote.
-void check_in_place_or_disjoint(detail::OpChecker& c, const TensorView& out, const char* out_name,
-                                const TensorView& in, const char* in_name) {
-  if (same_view(out, in)) return;
-  const auto [out_lo, out_hi] = detail::byte_extent(out);
-  const auto [in_lo, in_hi] = detail::byte_extent(in);
-  c.require(out_hi <= in_lo || in_hi <= out_lo, out_name,
-            std::string("memory disjoint from '") + in_name + "' or exactly its view (in place)",
-            "a partially overlapping view");
-}
-
 void check_approximation(detail::OpChecker& c, GeluApproximation approx) {
   c.require(approx == GeluApproximation::kNone || approx == GeluApproximation::kTanh, "approx",
             "GeluApproximation::kNone or kTanh",
@@ -92,7 +73,7 @@ void finish_on_cuda(const detail::OpChecker& c) {
 void plain_forward(detail::OpChecker& c, Activation act, const TensorView& x, TensorView y) {
   check_first_input(c, x, "x");
   check_like(c, y, "y", x, "x");
-  check_in_place_or_disjoint(c, y, "y", x, "x");
+  c.in_place_or_disjoint(y, "y", x, "x");
   finish_on_cuda(c);
   ops::activation::activation_forward_cpu(act, x, y);
 }
@@ -102,8 +83,8 @@ void plain_backward(detail::OpChecker& c, Activation act, const TensorView& dy, 
   check_first_input(c, x, "x");
   check_like(c, dy, "dy", x, "x");
   check_like(c, dx, "dx", x, "x");
-  check_in_place_or_disjoint(c, dx, "dx", dy, "dy");
-  check_in_place_or_disjoint(c, dx, "dx", x, "x");
+  c.in_place_or_disjoint(dx, "dx", dy, "dy");
+  c.in_place_or_disjoint(dx, "dx", x, "x");
   finish_on_cuda(c);
   ops::activation::activation_backward_cpu(act, dy, x, dx);
 }
@@ -113,8 +94,8 @@ void gated_forward(detail::OpChecker& c, Activation act, const TensorView& a, co
   check_first_input(c, a, "a");
   check_like(c, b, "b", a, "a");
   check_like(c, y, "y", a, "a");
-  check_in_place_or_disjoint(c, y, "y", a, "a");
-  check_in_place_or_disjoint(c, y, "y", b, "b");
+  c.in_place_or_disjoint(y, "y", a, "a");
+  c.in_place_or_disjoint(y, "y", b, "b");
   finish_on_cuda(c);
   ops::activation::gated_forward_cpu(act, a, b, y);
 }
@@ -126,9 +107,9 @@ void gated_backward(detail::OpChecker& c, Activation act, const TensorView& dy, 
   check_like(c, dy, "dy", a, "a");
   for (auto [grad, name] : {std::pair{da, "da"}, std::pair{db, "db"}}) {
     check_like(c, grad, name, a, "a");
-    check_in_place_or_disjoint(c, grad, name, dy, "dy");
-    check_in_place_or_disjoint(c, grad, name, a, "a");
-    check_in_place_or_disjoint(c, grad, name, b, "b");
+    c.in_place_or_disjoint(grad, name, dy, "dy");
+    c.in_place_or_disjoint(grad, name, a, "a");
+    c.in_place_or_disjoint(grad, name, b, "b");
   }
   c.no_overlap(da, "da", db, "db");
   finish_on_cuda(c);
@@ -148,7 +129,7 @@ void packed_backward(detail::OpChecker& c, Activation act, const TensorView& dy,
   check_packed(c, ab);
   check_packed_half_like(c, dy, "dy", ab);
   check_like(c, dab, "dab", ab, "ab");
-  check_in_place_or_disjoint(c, dab, "dab", ab, "ab");
+  c.in_place_or_disjoint(dab, "dab", ab, "ab");
   c.no_overlap(dab, "dab", dy, "dy");
   finish_on_cuda(c);
   ops::activation::gated_backward_cpu(act, dy, packed_half(ab, Half::kA), packed_half(ab, Half::kB),

@@ -103,18 +103,6 @@ void check_like(detail::OpChecker& c, const TensorView& t, const char* name, con
   c.present(t, name).same_dtype(t, name, ref, ref_name).same_shape(t, name, ref, ref_name);
   if (t.ndim == 2) c.rows(t, name);
 }
-
-bool same_view(const TensorView& a, const TensorView& b) {
-  return a.data == b.data && a.dtype == b.dtype && a.ndim == b.ndim && a.shape == b.shape &&
-         a.strides == b.strides && a.device == b.device;
-}
-
-// An output documented as in place: exactly the input's view, or memory disjoint from it.
-void in_place_or_disjoint(detail::OpChecker& c, const TensorView& out, const char* out_name,
-                          const TensorView& in, const char* in_name) {
-  if (!same_view(out, in)) c.no_overlap(out, out_name, in, in_name);
-}
-
 struct NamedView {
   const TensorView* view;
   const char* name;
@@ -176,7 +164,7 @@ void cross_entropy_forward(const TensorView& logits, const TensorView& targets, 
   check_row_loss(c, loss, "loss", rows, "one per row of 'logits'", options.reduction);
   if (lse.defined()) check_row_values(c, lse, "lse", rows, "one per row of 'logits'");
   if (grad_logits.defined()) check_like(c, grad_logits, "grad_logits", logits, "logits");
-  in_place_or_disjoint(c, grad_logits, "grad_logits", logits, "logits");
+  c.in_place_or_disjoint(grad_logits, "grad_logits", logits, "logits");
   check_disjoint(c, {{&loss, "loss"}, {&lse, "lse"}, {&grad_logits, "grad_logits"}},
                  {{&targets, "targets"}});
   c.no_overlap(loss, "loss", logits, "logits").no_overlap(lse, "lse", logits, "logits");
@@ -195,7 +183,7 @@ void cross_entropy_backward(const TensorView& grad_loss, const TensorView& logit
   check_row_loss(c, grad_loss, "grad_loss", rows, "one per row of 'logits'", options.reduction);
   check_row_values(c, lse, "lse", rows, "one per row of 'logits'");
   check_like(c, grad_logits, "grad_logits", logits, "logits");
-  in_place_or_disjoint(c, grad_logits, "grad_logits", logits, "logits");
+  c.in_place_or_disjoint(grad_logits, "grad_logits", logits, "logits");
   check_disjoint(c, {{&grad_logits, "grad_logits"}},
                  {{&grad_loss, "grad_loss"}, {&targets, "targets"}, {&lse, "lse"}});
   if (c.on_cuda()) detail::throw_no_cuda_kernel(c.op());

@@ -23,18 +23,6 @@ struct Named {
   const TensorView& view;
   const char* name;
 };
-
-// Same memory, element for element: the only aliasing the in-place variants accept.
-bool same_view(const TensorView& a, const TensorView& b) {
-  if (a.data != b.data || a.dtype != b.dtype || a.ndim != b.ndim || !(a.device == b.device)) {
-    return false;
-  }
-  for (int d = 0; d < a.ndim; ++d) {
-    if (a.shape[d] != b.shape[d] || a.strides[d] != b.strides[d]) return false;
-  }
-  return true;
-}
-
 // Every output disjoint from every input and from the other outputs, except the one
 // (output, input) pair `in_place` when the two are exactly the same view.
 void check_disjoint(OpChecker& c, std::initializer_list<Named> outputs,
@@ -43,7 +31,7 @@ void check_disjoint(OpChecker& c, std::initializer_list<Named> outputs,
   for (auto out = outputs.begin(); out != outputs.end(); ++out) {
     for (const Named& in : inputs) {
       const bool allowed_alias = &out->view == in_place.first && &in.view == in_place.second &&
-                                 same_view(out->view, in.view);
+                                 detail::same_view(out->view, in.view);
       if (!allowed_alias) c.no_overlap(out->view, out->name, in.view, in.name);
     }
     for (auto earlier = outputs.begin(); earlier != out; ++earlier) {

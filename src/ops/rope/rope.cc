@@ -31,12 +31,6 @@ struct ArgNames {
 constexpr ArgNames kForwardNames{"q", "k", "q_out", "k_out"};
 constexpr ArgNames kBackwardNames{"dq_out", "dk_out", "dq", "dk"};
 
-bool same_view(const TensorView& a, const TensorView& b) {
-  return a.data == b.data && a.dtype == b.dtype && a.ndim == b.ndim && a.device == b.device &&
-         std::equal(a.shape.begin(), a.shape.begin() + a.ndim, b.shape.begin()) &&
-         std::equal(a.strides.begin(), a.strides.begin() + a.ndim, b.strides.begin());
-}
-
 // Sufficient condition for no two indices of `shape` under `strides` sharing an address: every
 // stride exceeds the largest offset the finer dims (smaller stride; ties by position) reach.
 bool injective_layout(const std::array<std::int64_t, kMaxDims>& shape,
@@ -95,7 +89,7 @@ void check_disjoint(detail::OpChecker& c, const TensorView& out, const char* out
 // Each pair is read before it is written, so an output may be exactly its input's view.
 void check_in_place_or_disjoint(detail::OpChecker& c, const TensorView& out, const char* out_name,
                                 const TensorView& in, const char* in_name) {
-  c.require(same_view(out, in) || elements_disjoint(out, in), out_name,
+  c.require(detail::same_view(out, in) || elements_disjoint(out, in), out_name,
             std::string("memory disjoint from '") + in_name + "' or exactly its view (in place)",
             "a partially overlapping view");
 }
