@@ -178,7 +178,7 @@ OpChecker& OpChecker::in_place_or_disjoint(const TensorView& out, const char* ou
   if (out_lo < in_hi && in_lo < out_hi) {
     throw_arg_error(op_, out_name,
                     std::string("memory disjoint from '") + in_name + "' or exactly its view (in place)",
-                    "overlapping views");
+                    "a partially overlapping view");
   }
   return *this;
 }
