@@ -33,12 +33,6 @@ struct BackwardArgs {
   float weight_offset;
 };
 
-template <class T, Kind kKind>
-__device__ __forceinline__ float load_scale(const BackwardArgs& a, std::int64_t col) {
-  const float w = a.weight ? load_param<T>(a.weight, a.weight_f32, col) : 1.f;
-  return kKind == Kind::kRms ? w + a.weight_offset : w;
-}
-
 // dx for V elements given the row's reductions: sum(g) (LayerNorm) and sum(g * xhat).
 template <Kind kKind, int V>
 __device__ __forceinline__ void input_gradient(const float (&g)[V], const float (&xhat)[V],

@@ -55,6 +55,14 @@ inline bool use_registers(NormVariant variant, bool aligned, std::int64_t vecs) 
   return fits;
 }
 
+// The factor a normalized element is multiplied by: weight (+ offset for RMSNorm; an absent
+// weight counts as ones). Args: the kernel's argument struct.
+template <class T, Kind kKind, class Args>
+__device__ __forceinline__ float load_scale(const Args& a, std::int64_t col) {
+  const float w = a.weight ? detail::load_param<T>(a.weight, a.weight_f32, col) : 1.f;
+  return kKind == Kind::kRms ? w + a.weight_offset : w;
+}
+
 inline std::int64_t blocks_for(std::int64_t work_items, std::int64_t per_sm) {
   const auto& info = detail::current_device_info();
   return std::max<std::int64_t>(1, std::min<std::int64_t>(work_items, info.sm_count * per_sm));

@@ -33,12 +33,6 @@ struct ForwardArgs {
   float weight_offset;
 };
 
-template <class T, Kind kKind>
-__device__ __forceinline__ float load_scale(const ForwardArgs& a, std::int64_t col) {
-  const float w = a.weight ? load_param<T>(a.weight, a.weight_f32, col) : 1.f;
-  return kKind == Kind::kRms ? w + a.weight_offset : w;
-}
-
 template <class T>
 __device__ __forceinline__ float load_shift(const ForwardArgs& a, std::int64_t col) {
   return a.bias ? load_param<T>(a.bias, a.bias_f32, col) : 0.f;
