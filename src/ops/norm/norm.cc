@@ -149,6 +149,7 @@ void rmsnorm_forward(const TensorView& x, const TensorView& weight, TensorView y
     ops::norm::rmsnorm_forward_cuda(x, weight, y, rstd, options, stream);
     return;
 #else
+    (void)stream;
     detail::throw_no_cuda_build(c.op());
 #endif
   }
@@ -175,6 +176,7 @@ void rmsnorm_backward(const TensorView& dy, const TensorView& x, const TensorVie
     ops::norm::rmsnorm_backward_cuda(dy, x, weight, rstd, dx, dw, workspace, options, stream);
     return;
 #else
+    (void)stream;
     detail::throw_no_cuda_build(c.op());
 #endif
   }
@@ -197,6 +199,7 @@ void fused_add_rmsnorm_forward(TensorView x, TensorView residual, const TensorVi
     ops::norm::fused_add_rmsnorm_forward_cuda(x, residual, weight, rstd, options, stream);
     return;
 #else
+    (void)stream;
     detail::throw_no_cuda_build(c.op());
 #endif
   }
@@ -229,6 +232,7 @@ void fused_add_rmsnorm_backward(const TensorView& dy, const TensorView& d_residu
                                                workspace, options, stream);
     return;
 #else
+    (void)stream;
     detail::throw_no_cuda_build(c.op());
 #endif
   }
@@ -255,6 +259,7 @@ void layernorm_forward(const TensorView& x, const TensorView& weight, const Tens
     ops::norm::layernorm_forward_cuda(x, weight, bias, y, mean, rstd, options, stream);
     return;
 #else
+    (void)stream;
     detail::throw_no_cuda_build(c.op());
 #endif
   }
@@ -286,6 +291,7 @@ void layernorm_backward(const TensorView& dy, const TensorView& x, const TensorV
     ops::norm::layernorm_backward_cuda(dy, x, weight, mean, rstd, dx, dw, db, workspace, options, stream);
     return;
 #else
+    (void)stream;
     detail::throw_no_cuda_build(c.op());
 #endif
   }
