@@ -1,6 +1,8 @@
 // Losses: mean squared error, cross-entropy, fused linear cross-entropy.
 #pragma once
 
+#include <cstdint>
+
 #include "trainscale/tensor.h"
 
 namespace trainscale {
@@ -19,5 +21,50 @@ void mse_forward(const TensorView& a, const TensorView& b, TensorView out, Reduc
 void mse_backward(const TensorView& grad_out, const TensorView& a, const TensorView& b,
                   TensorView grad_a, TensorView grad_b, Reduction reduction,
                   cudaStream_t stream = nullptr);
+
+struct CrossEntropyOptions {
+  std::int64_t ignore_index = -100;  // rows with this target contribute 0 and leave the mean
+  double label_smoothing = 0.0;      // e in [0, 1]
+  double z_loss = 0.0;               // lambda >= 0: adds lambda * lse^2 per row
+  double softcap = 0.0;              // c > 0: logits x <- c * tanh(x / c) first; 0 = off
+  Reduction reduction = Reduction::kMean;
+};
+
+// Per row i with target t (x = the softcapped logits, lse = logsumexp(x), e, lambda above):
+//   loss_i = (1 - e)(lse - x_t) + e (lse - mean(x)) + lambda lse^2, and 0 for ignored rows.
+// logits: [M, V] (float32, float16, bfloat16; float64 on the CPU), V >= 1, rows contiguous.
+// targets: [M] int32/int64, each in [0, V) or ignore_index (checked on the CPU path).
+// loss: kNone -> [M]; kMean / kSum -> one element; float32 (float64 on the CPU). As torch,
+//   kMean divides by the count of non-ignored rows, so it is NaN when every row is ignored.
+// lse: optional [M] float32 (float64 on the CPU): logsumexp of the softcapped logits of every
+//   row, ignored rows included.
+// grad_logits: optional, like logits: when given, the same pass writes d(sum of loss)/d(logits)
+//   (an upstream gradient of 1; 0 on ignored rows). It may be exactly logits' view (the
+//   gradient overwrites the logits) or disjoint from it.
+void cross_entropy_forward(const TensorView& logits, const TensorView& targets, TensorView loss,
+                           TensorView lse, TensorView grad_logits,
+                           const CrossEntropyOptions& options = {}, cudaStream_t stream = nullptr);
+
+// grad_logits = grad_loss * d(loss)/d(logits):
+//   (softmax(x) (1 + 2 lambda lse) - (1 - e) onehot(t) - e / V) * (1 - tanh^2(raw / c)),
+// scaled by 1 / (non-ignored rows) for kMean; 0 on ignored rows. grad_loss: like forward's loss.
+// lse: forward's lse output (required). grad_logits: like logits, may be exactly logits' view.
+void cross_entropy_backward(const TensorView& grad_loss, const TensorView& logits,
+                            const TensorView& targets, const TensorView& lse,
+                            TensorView grad_logits, const CrossEntropyOptions& options = {},
+                            cudaStream_t stream = nullptr);
+
+// cross_entropy_forward(hidden @ weight^T + bias, targets) without materializing every row's
+// logits at once. hidden [T, H], weight [V, H] and bias [V] (optional): one dtype (float32,
+// float16, bfloat16; float64 on the CPU). targets, loss, lse: as cross_entropy_forward with
+// M = T. grad_hidden [T, H], grad_weight [V, H], grad_bias [V] (needs bias): optional outputs,
+// dtypes of their inputs, computed in the same pass for an upstream gradient of 1 (of the
+// sum of loss for kNone).
+void fused_linear_cross_entropy_forward(const TensorView& hidden, const TensorView& weight,
+                                        const TensorView& bias, const TensorView& targets,
+                                        TensorView loss, TensorView lse, TensorView grad_hidden,
+                                        TensorView grad_weight, TensorView grad_bias,
+                                        const CrossEntropyOptions& options = {},
+                                        cudaStream_t stream = nullptr);
 
 }  // namespace trainscale

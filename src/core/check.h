@@ -20,6 +20,9 @@ namespace trainscale::detail {
 // A CUDA tensor reached an op that has only its CPU reference so far.
 [[noreturn]] void throw_no_cuda_kernel(std::string_view op);
 
+// CUDA tensors must live on the caller's current device (kernels launch there).
+void require_current_device(std::string_view op, Device device);
+
 std::string dtype_list(std::initializer_list<DType> dtypes);  // "float32, bfloat16"
 
 // A tensor seen as M rows of N contiguous elements: leading dims flattened into rows,

@@ -12,4 +12,22 @@ void mse_forward_cpu(const TensorView& a, const TensorView& b, TensorView out,
 void mse_backward_cpu(const TensorView& grad_out, const TensorView& a, const TensorView& b,
                       TensorView grad_a, TensorView grad_b, Reduction reduction);
 
+void cross_entropy_forward_cpu(const TensorView& logits, const TensorView& targets,
+                               TensorView loss, TensorView lse, TensorView grad_logits,
+                               const CrossEntropyOptions& options);
+void cross_entropy_backward_cpu(const TensorView& grad_loss, const TensorView& logits,
+                                const TensorView& targets, const TensorView& lse,
+                                TensorView grad_logits, const CrossEntropyOptions& options);
+
+// Rows of logits the fused linear cross-entropy reference holds (in double) at once. The
+// results do not depend on it; tests pass other values to show that.
+inline constexpr std::int64_t kFusedLinearChunkRows = 32;
+void fused_linear_cross_entropy_forward_cpu(const TensorView& hidden, const TensorView& weight,
+                                            const TensorView& bias, const TensorView& targets,
+                                            TensorView loss, TensorView lse,
+                                            TensorView grad_hidden, TensorView grad_weight,
+                                            TensorView grad_bias,
+                                            const CrossEntropyOptions& options,
+                                            std::int64_t chunk_rows = kFusedLinearChunkRows);
+
 }  // namespace trainscale::ops::loss

@@ -1,0 +1,34 @@
+// Scaled dot-product attention: O = softmax(Q K^T * scale + mask) V, with grouped-query heads
+// and a bottom-right aligned causal mask.
+#pragma once
+
+#include "trainscale/tensor.h"
+
+namespace trainscale {
+
+struct AttentionOptions {
+  bool causal = false;
+  double scale = 0.0;  // 0 -> 1/sqrt(D); otherwise any finite value
+};
+
+// q [B, Sq, Hq, D]; k and v [B, Sk, Hkv, D] with Hq % Hkv == 0 (query head h reads kv head
+// h / (Hq / Hkv)). float32 / float16 / bfloat16 (float64 on the CPU), one dtype for all; any
+// non-negative strides with stride 1 in the last dim.
+// out [B, Sq, Hq, D] in q's dtype (any such strides, elements must not alias).
+// lse [B, Hq, Sq] contiguous, float32 (float64 accepted on the CPU): log-sum-exp of each
+// query's scaled, masked scores; optional (TensorView{}).
+// Causal: query i sees key j iff j <= i + (Sk - Sq). A query that sees no key (Sq > Sk, or
+// Sk == 0) gets out = 0 and lse = -inf, as in FlashAttention.
+void attention_forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                       TensorView out, TensorView lse, const AttentionOptions& options = {},
+                       cudaStream_t stream = nullptr);
+
+// dout and out like the forward's out, lse as the forward wrote it (both required: the
+// backward recomputes P = exp(S - lse) and D_i = rowsum(dout * out) as a kernel does).
+// dq like q; dk, dv like k, v (all three required, written in full).
+void attention_backward(const TensorView& dout, const TensorView& q, const TensorView& k,
+                        const TensorView& v, const TensorView& out, const TensorView& lse,
+                        TensorView dq, TensorView dk, TensorView dv,
+                        const AttentionOptions& options = {}, cudaStream_t stream = nullptr);
+
+}  // namespace trainscale

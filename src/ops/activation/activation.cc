@@ -1,0 +1,236 @@
+#include <algorithm>
+#include <string>
+
+#include "ops/activation/activation_internal.h"
+
+namespace trainscale {
+
+const char* gelu_approximation_name(GeluApproximation approx) {
+  switch (approx) {
+    case GeluApproximation::kNone: return "none";
+    case GeluApproximation::kTanh: return "tanh";
+  }
+  return "unknown";
+}
+
+namespace {
+
+using ops::activation::Activation;
+
+constexpr auto kFloatTypes = {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kFloat64};
+
+bool same_view(const TensorView& a, const TensorView& b) {
+  return a.data == b.data && a.dtype == b.dtype && a.ndim == b.ndim && a.device == b.device &&
+         std::equal(a.shape.begin(), a.shape.begin() + a.ndim, b.shape.begin()) &&
+         std::equal(a.strides.begin(), a.strides.begin() + a.ndim, b.strides.begin());
+}
+
+// Elementwise ops may write an output over an input of the same view (in place); anything
+// between that and disjoint memory would read elements another element already overwrote.
+void check_in_place_or_disjoint(detail::OpChecker& c, const TensorView& out, const char* out_name,
+                                const TensorView& in, const char* in_name) {
+  if (same_view(out, in)) return;
+  const auto [out_lo, out_hi] = detail::byte_extent(out);
+  const auto [in_lo, in_hi] = detail::byte_extent(in);
+  c.require(out_hi <= in_lo || in_hi <= out_lo, out_name,
+            std::string("memory disjoint from '") + in_name + "' or exactly its view (in place)",
+            "a partially overlapping view");
+}
+
+void check_approximation(detail::OpChecker& c, GeluApproximation approx) {
+  c.require(approx == GeluApproximation::kNone || approx == GeluApproximation::kTanh, "approx",
+            "GeluApproximation::kNone or kTanh",
+            "value " + std::to_string(static_cast<int>(approx)));
+}
+
+// The tensor every other argument of the call is compared with.
+void check_first_input(detail::OpChecker& c, const TensorView& t, const char* name) {
+  c.present(t, name).dtype_in(t, name, kFloatTypes);
+  c.rows(t, name);
+}
+
+void check_like(detail::OpChecker& c, const TensorView& t, const char* name, const TensorView& ref,
+                const char* ref_name) {
+  c.present(t, name).same_dtype(t, name, ref, ref_name).same_shape(t, name, ref, ref_name);
+  c.rows(t, name);
+}
+
+// ab [..., 2F] seen as its a (first F columns) or b (last F columns) half.
+enum class Half { kA, kB };
+TensorView packed_half(const TensorView& ab, Half half) {
+  TensorView h = ab;
+  const std::int64_t f = ab.size(-1) / 2;
+  h.shape[h.ndim - 1] = f;
+  if (half == Half::kB && ab.data != nullptr) {
+    h.data = static_cast<char*>(ab.data) + f * static_cast<std::int64_t>(ab.element_size());
+  }
+  return h;
+}
+
+void check_packed(detail::OpChecker& c, const TensorView& ab) {
+  check_first_input(c, ab, "ab");
+  c.require(ab.size(-1) % 2 == 0, "ab", "an even last dim (the a and b halves of [..., 2F])",
+            "shape " + ab.shape_str());
+}
+
+// y or dy of a packed call: [..., F] with ab's dtype.
+void check_packed_half_like(detail::OpChecker& c, const TensorView& t, const char* name,
+                            const TensorView& ab) {
+  c.present(t, name).same_dtype(t, name, ab, "ab");
+  const TensorView a = packed_half(ab, Half::kA);
+  bool same = t.ndim == a.ndim;
+  for (int d = 0; same && d < t.ndim; ++d) same = t.shape[d] == a.shape[d];
+  c.require(same, name, "shape " + a.shape_str() + " ('ab' with its last dim halved)",
+            t.shape_str());
+  c.rows(t, name);
+}
+
+void finish_on_cuda(const detail::OpChecker& c) {
+  if (c.on_cuda()) detail::throw_no_cuda_kernel(c.op());
+}
+
+void plain_forward(detail::OpChecker& c, Activation act, const TensorView& x, TensorView y) {
+  check_first_input(c, x, "x");
+  check_like(c, y, "y", x, "x");
+  check_in_place_or_disjoint(c, y, "y", x, "x");
+  finish_on_cuda(c);
+  ops::activation::activation_forward_cpu(act, x, y);
+}
+
+void plain_backward(detail::OpChecker& c, Activation act, const TensorView& dy, const TensorView& x,
+                    TensorView dx) {
+  check_first_input(c, x, "x");
+  check_like(c, dy, "dy", x, "x");
+  check_like(c, dx, "dx", x, "x");
+  check_in_place_or_disjoint(c, dx, "dx", dy, "dy");
+  check_in_place_or_disjoint(c, dx, "dx", x, "x");
+  finish_on_cuda(c);
+  ops::activation::activation_backward_cpu(act, dy, x, dx);
+}
+
+void gated_forward(detail::OpChecker& c, Activation act, const TensorView& a, const TensorView& b,
+                   TensorView y) {
+  check_first_input(c, a, "a");
+  check_like(c, b, "b", a, "a");
+  check_like(c, y, "y", a, "a");
+  check_in_place_or_disjoint(c, y, "y", a, "a");
+  check_in_place_or_disjoint(c, y, "y", b, "b");
+  finish_on_cuda(c);
+  ops::activation::gated_forward_cpu(act, a, b, y);
+}
+
+void gated_backward(detail::OpChecker& c, Activation act, const TensorView& dy, const TensorView& a,
+                    const TensorView& b, TensorView da, TensorView db) {
+  check_first_input(c, a, "a");
+  check_like(c, b, "b", a, "a");
+  check_like(c, dy, "dy", a, "a");
+  for (auto [grad, name] : {std::pair{da, "da"}, std::pair{db, "db"}}) {
+    check_like(c, grad, name, a, "a");
+    check_in_place_or_disjoint(c, grad, name, dy, "dy");
+    check_in_place_or_disjoint(c, grad, name, a, "a");
+    check_in_place_or_disjoint(c, grad, name, b, "b");
+  }
+  c.no_overlap(da, "da", db, "db");
+  finish_on_cuda(c);
+  ops::activation::gated_backward_cpu(act, dy, a, b, da, db);
+}
+
+void packed_forward(detail::OpChecker& c, Activation act, const TensorView& ab, TensorView y) {
+  check_packed(c, ab);
+  check_packed_half_like(c, y, "y", ab);
+  c.no_overlap(y, "y", ab, "ab");
+  finish_on_cuda(c);
+  ops::activation::gated_forward_cpu(act, packed_half(ab, Half::kA), packed_half(ab, Half::kB), y);
+}
+
+void packed_backward(detail::OpChecker& c, Activation act, const TensorView& dy,
+                     const TensorView& ab, TensorView dab) {
+  check_packed(c, ab);
+  check_packed_half_like(c, dy, "dy", ab);
+  check_like(c, dab, "dab", ab, "ab");
+  check_in_place_or_disjoint(c, dab, "dab", ab, "ab");
+  c.no_overlap(dab, "dab", dy, "dy");
+  finish_on_cuda(c);
+  ops::activation::gated_backward_cpu(act, dy, packed_half(ab, Half::kA), packed_half(ab, Half::kB),
+                                      packed_half(dab, Half::kA), packed_half(dab, Half::kB));
+}
+
+}  // namespace
+
+void gelu_forward(const TensorView& x, TensorView y, GeluApproximation approx,
+                  cudaStream_t /*stream*/) {
+  detail::OpChecker c("gelu_forward");
+  check_approximation(c, approx);
+  plain_forward(c, ops::activation::gelu_activation(approx), x, y);
+}
+
+void gelu_backward(const TensorView& dy, const TensorView& x, TensorView dx,
+                   GeluApproximation approx, cudaStream_t /*stream*/) {
+  detail::OpChecker c("gelu_backward");
+  check_approximation(c, approx);
+  plain_backward(c, ops::activation::gelu_activation(approx), dy, x, dx);
+}
+
+void silu_forward(const TensorView& x, TensorView y, cudaStream_t /*stream*/) {
+  detail::OpChecker c("silu_forward");
+  plain_forward(c, Activation::kSilu, x, y);
+}
+
+void silu_backward(const TensorView& dy, const TensorView& x, TensorView dx,
+                   cudaStream_t /*stream*/) {
+  detail::OpChecker c("silu_backward");
+  plain_backward(c, Activation::kSilu, dy, x, dx);
+}
+
+void swiglu_forward(const TensorView& a, const TensorView& b, TensorView y,
+                    cudaStream_t /*stream*/) {
+  detail::OpChecker c("swiglu_forward");
+  gated_forward(c, Activation::kSilu, a, b, y);
+}
+
+void swiglu_backward(const TensorView& dy, const TensorView& a, const TensorView& b, TensorView da,
+                     TensorView db, cudaStream_t /*stream*/) {
+  detail::OpChecker c("swiglu_backward");
+  gated_backward(c, Activation::kSilu, dy, a, b, da, db);
+}
+
+void geglu_forward(const TensorView& a, const TensorView& b, TensorView y, GeluApproximation approx,
+                   cudaStream_t /*stream*/) {
+  detail::OpChecker c("geglu_forward");
+  check_approximation(c, approx);
+  gated_forward(c, ops::activation::gelu_activation(approx), a, b, y);
+}
+
+void geglu_backward(const TensorView& dy, const TensorView& a, const TensorView& b, TensorView da,
+                    TensorView db, GeluApproximation approx, cudaStream_t /*stream*/) {
+  detail::OpChecker c("geglu_backward");
+  check_approximation(c, approx);
+  gated_backward(c, ops::activation::gelu_activation(approx), dy, a, b, da, db);
+}
+
+void swiglu_forward_packed(const TensorView& ab, TensorView y, cudaStream_t /*stream*/) {
+  detail::OpChecker c("swiglu_forward_packed");
+  packed_forward(c, Activation::kSilu, ab, y);
+}
+
+void swiglu_backward_packed(const TensorView& dy, const TensorView& ab, TensorView dab,
+                            cudaStream_t /*stream*/) {
+  detail::OpChecker c("swiglu_backward_packed");
+  packed_backward(c, Activation::kSilu, dy, ab, dab);
+}
+
+void geglu_forward_packed(const TensorView& ab, TensorView y, GeluApproximation approx,
+                          cudaStream_t /*stream*/) {
+  detail::OpChecker c("geglu_forward_packed");
+  check_approximation(c, approx);
+  packed_forward(c, ops::activation::gelu_activation(approx), ab, y);
+}
+
+void geglu_backward_packed(const TensorView& dy, const TensorView& ab, TensorView dab,
+                           GeluApproximation approx, cudaStream_t /*stream*/) {
+  detail::OpChecker c("geglu_backward_packed");
+  check_approximation(c, approx);
+  packed_backward(c, ops::activation::gelu_activation(approx), dy, ab, dab);
+}
+
+}  // namespace trainscale

@@ -1,0 +1,92 @@
+#include <cmath>
+#include <string>
+#include <utility>
+
+#include "ops/newton_schulz/newton_schulz_internal.h"
+
+namespace trainscale {
+
+namespace {
+
+constexpr auto kFloatTypes = {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kFloat64};
+
+// A [R, C] matrix with contiguous rows.
+void check_matrix(detail::OpChecker& c, const TensorView& t, const char* name) {
+  c.present(t, name).ndim(t, name, 2);
+  c.rows(t, name);
+}
+
+void check_finite(detail::OpChecker& c, double value, const std::string& name, bool non_negative) {
+  const bool ok = std::isfinite(value) && (!non_negative || value >= 0);
+  c.require(ok, name.c_str(), non_negative ? "a finite value >= 0" : "a finite value",
+            std::to_string(value));
+}
+
+// `prefix` names the options in messages ("options." or "options.newton_schulz.").
+void check_newton_schulz_options(detail::OpChecker& c, const NewtonSchulzOptions& options,
+                                 const std::string& prefix) {
+  c.require(options.steps >= 0, (prefix + "steps").c_str(), "steps >= 0",
+            std::to_string(options.steps));
+  check_finite(c, options.a, prefix + "a", false);
+  check_finite(c, options.b, prefix + "b", false);
+  check_finite(c, options.c, prefix + "c", false);
+  if (!options.per_step.empty()) {
+    c.require(options.per_step.size() == static_cast<std::size_t>(options.steps),
+              (prefix + "per_step").c_str(),
+              "one (a, b, c) per step: " + std::to_string(options.steps) + " entries",
+              std::to_string(options.per_step.size()) + " entries");
+    for (std::size_t step = 0; step < options.per_step.size(); ++step) {
+      for (double coefficient : options.per_step[step]) {
+        check_finite(c, coefficient, prefix + "per_step[" + std::to_string(step) + "]", false);
+      }
+    }
+  }
+  check_finite(c, options.eps, prefix + "eps", true);
+}
+
+}  // namespace
+
+void newton_schulz(const TensorView& g, TensorView out, const NewtonSchulzOptions& options,
+                   TensorView workspace, cudaStream_t /*stream*/) {
+  detail::OpChecker c("newton_schulz");
+  check_matrix(c, g, "g");
+  c.dtype_in(g, "g", kFloatTypes);
+  check_matrix(c, out, "out");
+  c.same_dtype(out, "out", g, "g").same_shape(out, "out", g, "g").no_overlap(out, "out", g, "g");
+  c.optional(workspace, "workspace");
+  c.no_overlap(workspace, "workspace", g, "g").no_overlap(workspace, "workspace", out, "out");
+  check_newton_schulz_options(c, options, "options.");
+  if (c.on_cuda()) detail::throw_no_cuda_kernel(c.op());
+  ops::newton_schulz::newton_schulz_cpu(g, out, options);
+}
+
+void muon_step(TensorView param, const TensorView& grad, TensorView momentum_buffer,
+               const MuonOptions& options, TensorView workspace, cudaStream_t /*stream*/) {
+  detail::OpChecker c("muon_step");
+  check_matrix(c, param, "param");
+  c.dtype_in(param, "param", kFloatTypes);
+  check_matrix(c, grad, "grad");
+  c.same_dtype(grad, "grad", param, "param").same_shape(grad, "grad", param, "param");
+  check_matrix(c, momentum_buffer, "momentum_buffer");
+  c.same_shape(momentum_buffer, "momentum_buffer", param, "param");
+  c.require(momentum_buffer.dtype == DType::kFloat32 || momentum_buffer.dtype == param.dtype,
+            "momentum_buffer",
+            std::string("float32 or ") + dtype_name(param.dtype) + " (the dtype of 'param')",
+            dtype_name(momentum_buffer.dtype));
+  c.no_overlap(param, "param", grad, "grad")
+      .no_overlap(momentum_buffer, "momentum_buffer", grad, "grad")
+      .no_overlap(momentum_buffer, "momentum_buffer", param, "param");
+  c.optional(workspace, "workspace");
+  for (auto [t, name] : {std::pair{param, "param"}, std::pair{grad, "grad"},
+                         std::pair{momentum_buffer, "momentum_buffer"}}) {
+    c.no_overlap(workspace, "workspace", t, name);
+  }
+  check_finite(c, options.lr, "options.lr", true);
+  check_finite(c, options.momentum, "options.momentum", true);
+  check_finite(c, options.weight_decay, "options.weight_decay", true);
+  check_newton_schulz_options(c, options.newton_schulz, "options.newton_schulz.");
+  if (c.on_cuda()) detail::throw_no_cuda_kernel(c.op());
+  ops::newton_schulz::muon_step_cpu(param, grad, momentum_buffer, options);
+}
+
+}  // namespace trainscale

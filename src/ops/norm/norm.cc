@@ -1,0 +1,323 @@
+#include <cmath>
+#include <initializer_list>
+#include <sstream>
+#include <string>
+#include <utility>
+
+#include "ops/norm/norm_internal.h"
+
+#if TRAINSCALE_HAVE_CUDA
+#include "ops/norm/norm_cuda.h"
+#endif
+
+namespace trainscale {
+namespace {
+
+using detail::OpChecker;
+
+constexpr auto kActivationTypes = {DType::kFloat32, DType::kFloat16, DType::kBFloat16,
+                                   DType::kFloat64};
+
+// An argument and the name error messages give it.
+struct Named {
+  const TensorView& view;
+  const char* name;
+};
+
+// Same memory, element for element: the only aliasing the in-place variants accept.
+bool same_view(const TensorView& a, const TensorView& b) {
+  if (a.data != b.data || a.dtype != b.dtype || a.ndim != b.ndim || !(a.device == b.device)) {
+    return false;
+  }
+  for (int d = 0; d < a.ndim; ++d) {
+    if (a.shape[d] != b.shape[d] || a.strides[d] != b.strides[d]) return false;
+  }
+  return true;
+}
+
+// Every output disjoint from every input and from the other outputs, except the one
+// (output, input) pair `in_place` when the two are exactly the same view.
+void check_disjoint(OpChecker& c, std::initializer_list<Named> outputs,
+                    std::initializer_list<Named> inputs,
+                    std::pair<const TensorView*, const TensorView*> in_place = {}) {
+  for (auto out = outputs.begin(); out != outputs.end(); ++out) {
+    for (const Named& in : inputs) {
+      const bool allowed_alias = &out->view == in_place.first && &in.view == in_place.second &&
+                                 same_view(out->view, in.view);
+      if (!allowed_alias) c.no_overlap(out->view, out->name, in.view, in.name);
+    }
+    for (auto earlier = outputs.begin(); earlier != out; ++earlier) {
+      c.no_overlap(out->view, out->name, earlier->view, earlier->name);
+    }
+  }
+}
+
+// The activation every other argument is measured against.
+detail::Rows check_activation(OpChecker& c, const TensorView& t, const char* name) {
+  c.present(t, name).dtype_in(t, name, kActivationTypes);
+  return c.rows(t, name);
+}
+
+// Same shape and dtype as `ref`, rows of its own stride.
+void check_like(OpChecker& c, const TensorView& t, const char* name, const TensorView& ref,
+                const char* ref_name) {
+  c.present(t, name).same_dtype(t, name, ref, ref_name).same_shape(t, name, ref, ref_name);
+  c.rows(t, name);
+}
+
+void check_float32_or_dtype_of(OpChecker& c, const TensorView& t, const char* name,
+                               const TensorView& ref, const char* ref_name) {
+  if (t.dtype == DType::kFloat32 || t.dtype == ref.dtype) return;
+  const std::string ref_dtype = std::string(dtype_name(ref.dtype)) + " (the dtype of '" +
+                                ref_name + "')";
+  detail::throw_arg_error(c.op(), name,
+                          ref.dtype == DType::kFloat32 ? ref_dtype : "float32 or " + ref_dtype,
+                          dtype_name(t.dtype));
+}
+
+// residual of the fused op: x's shape, x's dtype or float32 (a float32 residual stream).
+void check_residual(OpChecker& c, const TensorView& t, const char* name, const TensorView& x,
+                    const char* x_name) {
+  c.present(t, name);
+  check_float32_or_dtype_of(c, t, name, x, x_name);
+  c.same_shape(t, name, x, x_name);
+  c.rows(t, name);
+}
+
+// weight / bias: optional, [N] contiguous, float32 or the activation's dtype.
+void check_param(OpChecker& c, const TensorView& p, const char* name, const TensorView& x,
+                 const char* x_name, std::int64_t cols) {
+  if (!p.defined()) return;
+  c.present(p, name);
+  check_float32_or_dtype_of(c, p, name, x, x_name);
+  c.ndim(p, name, 1).dim_size(p, name, 0, cols, "the row length").contiguous(p, name);
+}
+
+// dw / db: given exactly when its parameter is, then shaped and typed like it.
+void check_param_grad(OpChecker& c, const TensorView& g, const char* name, const TensorView& p,
+                      const char* p_name) {
+  if (!p.defined()) {
+    c.require(!g.defined(), name, std::string("no tensor (there is no '") + p_name + "')",
+              g.describe());
+    return;
+  }
+  c.present(g, name).same_dtype(g, name, p, p_name).same_shape(g, name, p, p_name);
+  c.contiguous(g, name);
+}
+
+// mean / rstd: one element per row, contiguous, float32 (or float64 beside float64
+// activations, so finite differences are not limited by a float32 statistic).
+void check_stat(OpChecker& c, const TensorView& s, const char* name, const TensorView& x,
+                std::int64_t rows) {
+  c.present(s, name);
+  const bool float64_allowed = x.dtype == DType::kFloat64;
+  const bool dtype_ok =
+      s.dtype == DType::kFloat32 || (float64_allowed && s.dtype == DType::kFloat64);
+  c.require(dtype_ok, name, float64_allowed ? "dtype in {float32, float64}" : "dtype float32",
+            dtype_name(s.dtype));
+  c.require(s.numel() == rows, name, std::to_string(rows) + " elements (one per row)",
+            "shape " + s.shape_str());
+  c.contiguous(s, name);
+}
+
+void check_optional_stat(OpChecker& c, const TensorView& s, const char* name,
+                         const TensorView& x, std::int64_t rows) {
+  if (s.defined()) check_stat(c, s, name, x, rows);
+}
+
+std::string to_text(double v) {
+  std::ostringstream os;
+  os << v;
+  return os.str();
+}
+
+void check_eps(OpChecker& c, double eps) {
+  c.require(std::isfinite(eps) && eps >= 0, "options.eps", "a finite value >= 0",
+            to_text(eps));
+}
+
+void check_options(OpChecker& c, const RMSNormOptions& options) {
+  check_eps(c, options.eps);
+  c.require(std::isfinite(options.weight_offset), "options.weight_offset", "a finite value",
+            to_text(options.weight_offset));
+}
+
+void check_options(OpChecker& c, const LayerNormOptions& options) { check_eps(c, options.eps); }
+
+}  // namespace
+
+void rmsnorm_forward(const TensorView& x, const TensorView& weight, TensorView y, TensorView rstd,
+                     const RMSNormOptions& options, cudaStream_t stream) {
+  OpChecker c("rmsnorm_forward");
+  const auto rows = check_activation(c, x, "x");
+  check_param(c, weight, "weight", x, "x", rows.cols);
+  check_like(c, y, "y", x, "x");
+  check_optional_stat(c, rstd, "rstd", x, rows.rows);
+  check_options(c, options);
+  check_disjoint(c, {{y, "y"}, {rstd, "rstd"}}, {{x, "x"}, {weight, "weight"}});
+  if (c.on_cuda()) {
+#if TRAINSCALE_HAVE_CUDA
+    detail::require_current_device(c.op(), c.device());
+    ops::norm::rmsnorm_forward_cuda(x, weight, y, rstd, options, stream);
+    return;
+#else
+    detail::throw_no_cuda_build(c.op());
+#endif
+  }
+  ops::norm::rmsnorm_forward_cpu(x, weight, y, rstd, options);
+}
+
+void rmsnorm_backward(const TensorView& dy, const TensorView& x, const TensorView& weight,
+                      const TensorView& rstd, TensorView dx, TensorView dw, TensorView workspace,
+                      const RMSNormOptions& options, cudaStream_t stream) {
+  OpChecker c("rmsnorm_backward");
+  const auto rows = check_activation(c, x, "x");
+  check_like(c, dy, "dy", x, "x");
+  check_param(c, weight, "weight", x, "x", rows.cols);
+  check_stat(c, rstd, "rstd", x, rows.rows);
+  check_like(c, dx, "dx", x, "x");
+  check_param_grad(c, dw, "dw", weight, "weight");
+  c.optional(workspace, "workspace");
+  check_options(c, options);
+  check_disjoint(c, {{dx, "dx"}, {dw, "dw"}, {workspace, "workspace"}},
+                 {{dy, "dy"}, {x, "x"}, {weight, "weight"}, {rstd, "rstd"}}, {&dx, &dy});
+  if (c.on_cuda()) {
+#if TRAINSCALE_HAVE_CUDA
+    detail::require_current_device(c.op(), c.device());
+    ops::norm::rmsnorm_backward_cuda(dy, x, weight, rstd, dx, dw, workspace, options, stream);
+    return;
+#else
+    detail::throw_no_cuda_build(c.op());
+#endif
+  }
+  ops::norm::rmsnorm_backward_cpu(dy, x, weight, rstd, dx, dw, options);
+}
+
+void fused_add_rmsnorm_forward(TensorView x, TensorView residual, const TensorView& weight,
+                               TensorView rstd, const RMSNormOptions& options,
+                               cudaStream_t stream) {
+  OpChecker c("fused_add_rmsnorm_forward");
+  const auto rows = check_activation(c, x, "x");
+  check_residual(c, residual, "residual", x, "x");
+  check_param(c, weight, "weight", x, "x", rows.cols);
+  check_optional_stat(c, rstd, "rstd", x, rows.rows);
+  check_options(c, options);
+  check_disjoint(c, {{x, "x"}, {residual, "residual"}, {rstd, "rstd"}}, {{weight, "weight"}});
+  if (c.on_cuda()) {
+#if TRAINSCALE_HAVE_CUDA
+    detail::require_current_device(c.op(), c.device());
+    ops::norm::fused_add_rmsnorm_forward_cuda(x, residual, weight, rstd, options, stream);
+    return;
+#else
+    detail::throw_no_cuda_build(c.op());
+#endif
+  }
+  ops::norm::fused_add_rmsnorm_forward_cpu(x, residual, weight, rstd, options);
+}
+
+void fused_add_rmsnorm_backward(const TensorView& dy, const TensorView& d_residual,
+                                const TensorView& residual, const TensorView& weight,
+                                const TensorView& rstd, TensorView dx, TensorView dw,
+                                TensorView workspace, const RMSNormOptions& options,
+                                cudaStream_t stream) {
+  OpChecker c("fused_add_rmsnorm_backward");
+  const auto rows = check_activation(c, dy, "dy");
+  check_residual(c, residual, "residual", dy, "dy");
+  if (d_residual.defined()) check_like(c, d_residual, "d_residual", residual, "residual");
+  check_param(c, weight, "weight", dy, "dy", rows.cols);
+  check_stat(c, rstd, "rstd", dy, rows.rows);
+  check_like(c, dx, "dx", dy, "dy");
+  check_param_grad(c, dw, "dw", weight, "weight");
+  c.optional(workspace, "workspace");
+  check_options(c, options);
+  check_disjoint(c, {{dx, "dx"}, {dw, "dw"}, {workspace, "workspace"}},
+                 {{dy, "dy"}, {d_residual, "d_residual"}, {residual, "residual"},
+                  {weight, "weight"}, {rstd, "rstd"}},
+                 {&dx, &dy});
+  if (c.on_cuda()) {
+#if TRAINSCALE_HAVE_CUDA
+    detail::require_current_device(c.op(), c.device());
+    ops::norm::fused_add_rmsnorm_backward_cuda(dy, d_residual, residual, weight, rstd, dx, dw,
+                                               workspace, options, stream);
+    return;
+#else
+    detail::throw_no_cuda_build(c.op());
+#endif
+  }
+  ops::norm::fused_add_rmsnorm_backward_cpu(dy, d_residual, residual, weight, rstd, dx, dw,
+                                            options);
+}
+
+void layernorm_forward(const TensorView& x, const TensorView& weight, const TensorView& bias,
+                       TensorView y, TensorView mean, TensorView rstd,
+                       const LayerNormOptions& options, cudaStream_t stream) {
+  OpChecker c("layernorm_forward");
+  const auto rows = check_activation(c, x, "x");
+  check_param(c, weight, "weight", x, "x", rows.cols);
+  check_param(c, bias, "bias", x, "x", rows.cols);
+  check_like(c, y, "y", x, "x");
+  check_optional_stat(c, mean, "mean", x, rows.rows);
+  check_optional_stat(c, rstd, "rstd", x, rows.rows);
+  check_options(c, options);
+  check_disjoint(c, {{y, "y"}, {mean, "mean"}, {rstd, "rstd"}},
+                 {{x, "x"}, {weight, "weight"}, {bias, "bias"}});
+  if (c.on_cuda()) {
+#if TRAINSCALE_HAVE_CUDA
+    detail::require_current_device(c.op(), c.device());
+    ops::norm::layernorm_forward_cuda(x, weight, bias, y, mean, rstd, options, stream);
+    return;
+#else
+    detail::throw_no_cuda_build(c.op());
+#endif
+  }
+  ops::norm::layernorm_forward_cpu(x, weight, bias, y, mean, rstd, options);
+}
+
+void layernorm_backward(const TensorView& dy, const TensorView& x, const TensorView& weight,
+                        const TensorView& mean, const TensorView& rstd, TensorView dx,
+                        TensorView dw, TensorView db, TensorView workspace,
+                        const LayerNormOptions& options, cudaStream_t stream) {
+  OpChecker c("layernorm_backward");
+  const auto rows = check_activation(c, x, "x");
+  check_like(c, dy, "dy", x, "x");
+  check_param(c, weight, "weight", x, "x", rows.cols);
+  check_stat(c, mean, "mean", x, rows.rows);
+  check_stat(c, rstd, "rstd", x, rows.rows);
+  check_like(c, dx, "dx", x, "x");
+  check_param_grad(c, dw, "dw", weight, "weight");
+  // The bias is no input of the backward pass, so db is optional and checked like a bias.
+  check_param(c, db, "db", x, "x", rows.cols);
+  c.optional(workspace, "workspace");
+  check_options(c, options);
+  check_disjoint(c, {{dx, "dx"}, {dw, "dw"}, {db, "db"}, {workspace, "workspace"}},
+                 {{dy, "dy"}, {x, "x"}, {weight, "weight"}, {mean, "mean"}, {rstd, "rstd"}},
+                 {&dx, &dy});
+  if (c.on_cuda()) {
+#if TRAINSCALE_HAVE_CUDA
+    detail::require_current_device(c.op(), c.device());
+    ops::norm::layernorm_backward_cuda(dy, x, weight, mean, rstd, dx, dw, db, workspace, options, stream);
+    return;
+#else
+    detail::throw_no_cuda_build(c.op());
+#endif
+  }
+  ops::norm::layernorm_backward_cpu(dy, x, weight, mean, rstd, dx, dw, db);
+}
+
+std::size_t norm_backward_workspace_bytes(std::int64_t rows, std::int64_t cols, DType dtype,
+                                          Device device) {
+  OpChecker c("norm_backward_workspace_bytes");
+  c.require(rows >= 0 && cols >= 0, "rows/cols", "non-negative sizes",
+            std::to_string(rows) + " x " + std::to_string(cols));
+  c.require(dtype == DType::kFloat32 || dtype == DType::kFloat16 || dtype == DType::kBFloat16 ||
+                dtype == DType::kFloat64,
+            "dtype", "a float dtype", dtype_name(dtype));
+  if (!device.is_cuda()) return 0;
+#if TRAINSCALE_HAVE_CUDA
+  return ops::norm::backward_workspace_bytes_cuda(rows, cols, dtype);
+#else
+  detail::throw_no_cuda_build(c.op());
+#endif
+}
+
+}  // namespace trainscale

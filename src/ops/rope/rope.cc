@@ -1,0 +1,216 @@
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "core/host_dtype.h"
+#include "ops/rope/rope_internal.h"
+
+namespace trainscale {
+
+const char* rope_style_name(RopeStyle style) {
+  switch (style) {
+    case RopeStyle::kNeox: return "neox";
+    case RopeStyle::kGptJ: return "gptj";
+  }
+  return "unknown";
+}
+
+namespace {
+
+constexpr auto kFloatTypes = {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kFloat64};
+
+// Forward and backward take the same arguments under different names.
+struct ArgNames {
+  const char* q;
+  const char* k;
+  const char* q_out;
+  const char* k_out;
+};
+constexpr ArgNames kForwardNames{"q", "k", "q_out", "k_out"};
+constexpr ArgNames kBackwardNames{"dq_out", "dk_out", "dq", "dk"};
+
+bool same_view(const TensorView& a, const TensorView& b) {
+  return a.data == b.data && a.dtype == b.dtype && a.ndim == b.ndim && a.device == b.device &&
+         std::equal(a.shape.begin(), a.shape.begin() + a.ndim, b.shape.begin()) &&
+         std::equal(a.strides.begin(), a.strides.begin() + a.ndim, b.strides.begin());
+}
+
+// Sufficient condition for no two indices of `shape` under `strides` sharing an address: every
+// stride exceeds the largest offset the finer dims (smaller stride; ties by position) reach.
+bool injective_layout(const std::array<std::int64_t, kMaxDims>& shape,
+                      const std::array<std::int64_t, kMaxDims>& strides, int ndim) {
+  for (int d = 0; d < ndim; ++d) {
+    if (shape[d] <= 1) continue;
+    std::int64_t finer_reach = 0;
+    for (int e = 0; e < ndim; ++e) {
+      const bool finer = strides[e] < strides[d] || (strides[e] == strides[d] && e < d);
+      if (e != d && finer && shape[e] > 1) finer_reach += (shape[e] - 1) * strides[e];
+    }
+    if (strides[d] <= finer_reach) return false;
+  }
+  return true;
+}
+
+// True when a and b are slices of one injective layout that differ along a single dim over
+// non-intersecting index ranges: q and k as head ranges of one fused QKV buffer, whose byte
+// ranges interleave although no element is shared.
+bool disjoint_slices(const TensorView& a, const TensorView& b) {
+  if (a.dtype != b.dtype || a.ndim != b.ndim ||
+      !std::equal(a.strides.begin(), a.strides.begin() + a.ndim, b.strides.begin())) {
+    return false;
+  }
+  const auto element = static_cast<std::int64_t>(a.element_size());
+  const std::int64_t byte_delta = static_cast<std::int64_t>(
+      reinterpret_cast<std::uintptr_t>(b.data) - reinterpret_cast<std::uintptr_t>(a.data));
+  if (byte_delta % element != 0) return false;
+  const std::int64_t delta = byte_delta / element;
+  for (int h = 0; h < a.ndim; ++h) {
+    const std::int64_t step = a.strides[h];
+    if (step <= 0 || delta % step != 0) continue;
+    const std::int64_t shift = delta / step;  // b's index 0 along h is a's index `shift`
+    if (shift < a.shape[h] && -shift < b.shape[h]) continue;  // the index ranges intersect
+    std::array<std::int64_t, kMaxDims> extent{};
+    for (int d = 0; d < a.ndim; ++d) extent[d] = std::max(a.shape[d], b.shape[d]);
+    extent[h] = std::max(a.shape[h], shift + b.shape[h]) - std::min<std::int64_t>(0, shift);
+    if (injective_layout(extent, a.strides, a.ndim)) return true;
+  }
+  return false;
+}
+
+bool elements_disjoint(const TensorView& a, const TensorView& b) {
+  if (!a.defined() || !b.defined()) return true;
+  const auto [a_lo, a_hi] = detail::byte_extent(a);
+  const auto [b_lo, b_hi] = detail::byte_extent(b);
+  return a_hi <= b_lo || b_hi <= a_lo || disjoint_slices(a, b);
+}
+
+void check_disjoint(detail::OpChecker& c, const TensorView& out, const char* out_name,
+                    const TensorView& other, const char* other_name) {
+  c.require(elements_disjoint(out, other), out_name,
+            std::string("memory disjoint from '") + other_name + "'", "overlapping views");
+}
+
+// Each pair is read before it is written, so an output may be exactly its input's view.
+void check_in_place_or_disjoint(detail::OpChecker& c, const TensorView& out, const char* out_name,
+                                const TensorView& in, const char* in_name) {
+  c.require(same_view(out, in) || elements_disjoint(out, in), out_name,
+            std::string("memory disjoint from '") + in_name + "' or exactly its view (in place)",
+            "a partially overlapping view");
+}
+
+std::int64_t check_options(detail::OpChecker& c, const RopeOptions& options,
+                           std::int64_t head_dim) {
+  c.require(options.style == RopeStyle::kNeox || options.style == RopeStyle::kGptJ, "options.style",
+            "RopeStyle::kNeox or kGptJ",
+            "value " + std::to_string(static_cast<int>(options.style)));
+  c.require(std::isfinite(options.theta) && options.theta > 0, "options.theta",
+            "a finite value > 0", std::to_string(options.theta));
+  const std::int64_t rotary_dim = options.rotary_dim == -1 ? head_dim : options.rotary_dim;
+  c.require(rotary_dim >= 0 && rotary_dim <= head_dim && rotary_dim % 2 == 0, "options.rotary_dim",
+            "-1 (the head dim) or an even number in [0, " + std::to_string(head_dim) + "]",
+            std::to_string(options.rotary_dim) +
+                (options.rotary_dim == -1 ? " (head dim " + std::to_string(head_dim) + ")" : ""));
+  return rotary_dim;
+}
+
+// q and k (or their gradients) and the outputs written from them.
+void check_heads(detail::OpChecker& c, const ArgNames& n, const TensorView& q, const TensorView& k,
+                 const TensorView& q_out, const TensorView& k_out) {
+  c.present(q_out, n.q_out).same_dtype(q_out, n.q_out, q, n.q).same_shape(q_out, n.q_out, q, n.q);
+  c.unit_last_stride(q_out, n.q_out);
+  c.require(k_out.defined() == k.defined(), k.defined() ? n.k_out : n.k,
+            std::string("'") + n.k + "' and '" + n.k_out + "' both given or both absent",
+            k.defined() ? "no '" + std::string(n.k_out) + "'" : "no '" + std::string(n.k) + "'");
+  if (k.defined()) {
+    c.present(k, n.k).same_dtype(k, n.k, q, n.q).ndim(k, n.k, 4);
+    const std::string of_q = std::string(" of '") + n.q + "'";
+    c.dim_size(k, n.k, 0, q.size(0), ("the batch size" + of_q).c_str());
+    c.dim_size(k, n.k, 1, q.size(1), ("the sequence length" + of_q).c_str());
+    c.dim_size(k, n.k, 3, q.size(3), ("the head dim" + of_q).c_str()).unit_last_stride(k, n.k);
+    c.present(k_out, n.k_out).same_dtype(k_out, n.k_out, k, n.k).same_shape(k_out, n.k_out, k, n.k);
+    c.unit_last_stride(k_out, n.k_out);
+  }
+  check_in_place_or_disjoint(c, q_out, n.q_out, q, n.q);
+  check_in_place_or_disjoint(c, k_out, n.k_out, k, n.k);
+  check_disjoint(c, q_out, n.q_out, k, n.k);
+  check_disjoint(c, k_out, n.k_out, q, n.q);
+  check_disjoint(c, q_out, n.q_out, k_out, n.k_out);
+}
+
+// Returns P, the number of positions the tables hold (-1 without tables).
+std::int64_t check_tables(detail::OpChecker& c, const TensorView& cos, const TensorView& sin,
+                          const TensorView& q, const char* q_name, std::int64_t rotary_dim) {
+  c.require(cos.defined() == sin.defined(), cos.defined() ? "sin" : "cos",
+            "'cos' and 'sin' both given or both absent", "none");
+  if (!cos.defined()) return -1;
+  c.present(cos, "cos").dtype_in(cos, "cos", {DType::kFloat32, q.dtype}).ndim(cos, "cos", 2);
+  c.dim_size(cos, "cos", 1, rotary_dim / 2, "rotary_dim / 2").unit_last_stride(cos, "cos");
+  c.present(sin, "sin").same_dtype(sin, "sin", cos, "cos").same_shape(sin, "sin", cos, "cos");
+  c.unit_last_stride(sin, "sin");
+  const std::int64_t positions = cos.size(0), seq = q.size(1);
+  c.require(
+      seq <= positions, "cos",
+      "at least " + std::to_string(seq) + " positions (the sequence length of '" + q_name + "')",
+      std::to_string(positions) + " rows");
+  return positions;
+}
+
+void check_offsets(detail::OpChecker& c, const TensorView& offsets, const TensorView& q,
+                   const char* q_name, std::int64_t table_positions) {
+  if (!offsets.defined()) return;
+  c.present(offsets, "position_offsets")
+      .dtype_in(offsets, "position_offsets", {DType::kInt32, DType::kInt64});
+  c.ndim(offsets, "position_offsets", 1);
+  c.dim_size(offsets, "position_offsets", 0, q.size(0),
+             (std::string("the batch size of '") + q_name + "'").c_str());
+  if (c.on_cuda() || q.size(1) == 0) return;  // the device's values are not read here
+  for (std::int64_t b = 0; b < offsets.size(0); ++b) {
+    const std::int64_t first =
+        detail::load_index(offsets.dtype, offsets.data, b * offsets.stride(0));
+    const std::int64_t last = first + q.size(1) - 1;
+    const bool in_range = first >= 0 && (table_positions < 0 || last < table_positions);
+    c.require(in_range, "position_offsets",
+              table_positions < 0 ? std::string("offsets >= 0")
+                                  : "offsets with offset + " + std::to_string(q.size(1)) + " <= " +
+                                        std::to_string(table_positions) + " (the rows of 'cos')",
+              "offset " + std::to_string(first) + " for batch " + std::to_string(b));
+  }
+}
+
+void rope(const char* op, const ArgNames& n, ops::rope::Direction direction, const TensorView& q,
+          const TensorView& k, TensorView q_out, TensorView k_out, const TensorView& cos,
+          const TensorView& sin, const TensorView& offsets, const RopeOptions& options) {
+  detail::OpChecker c(op);
+  c.present(q, n.q).dtype_in(q, n.q, kFloatTypes).ndim(q, n.q, 4).unit_last_stride(q, n.q);
+  const std::int64_t rotary_dim = check_options(c, options, q.size(3));
+  check_heads(c, n, q, k, q_out, k_out);
+  const std::int64_t table_positions = check_tables(c, cos, sin, q, n.q, rotary_dim);
+  check_offsets(c, offsets, q, n.q, table_positions);
+  for (auto [out, out_name] : {std::pair{q_out, n.q_out}, std::pair{k_out, n.k_out}}) {
+    check_disjoint(c, out, out_name, cos, "cos");
+    check_disjoint(c, out, out_name, sin, "sin");
+    check_disjoint(c, out, out_name, offsets, "position_offsets");
+  }
+  if (c.on_cuda()) detail::throw_no_cuda_kernel(c.op());
+  ops::rope::rope_cpu(direction, q, k, q_out, k_out, cos, sin, offsets, rotary_dim, options);
+}
+
+}  // namespace
+
+void rope_forward(const TensorView& q, const TensorView& k, TensorView q_out, TensorView k_out,
+                  const TensorView& cos, const TensorView& sin, const TensorView& position_offsets,
+                  const RopeOptions& options, cudaStream_t /*stream*/) {
+  rope("rope_forward", kForwardNames, ops::rope::Direction::kForward, q, k, q_out, k_out, cos, sin,
+       position_offsets, options);
+}
+
+void rope_backward(const TensorView& dq_out, const TensorView& dk_out, TensorView dq, TensorView dk,
+                   const TensorView& cos, const TensorView& sin, const TensorView& position_offsets,
+                   const RopeOptions& options, cudaStream_t /*stream*/) {
+  rope("rope_backward", kBackwardNames, ops::rope::Direction::kBackward, dq_out, dk_out, dq, dk,
+       cos, sin, position_offsets, options);
+}
+
+}  // namespace trainscale

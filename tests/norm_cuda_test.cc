@@ -1,0 +1,246 @@
+// Norm kernels against the fp64 CPU reference. Inputs are rounded to the kernel's dtype first;
+// the reference runs on float64 copies of exactly those values.
+#include <cmath>
+#include <cstring>
+
+#include "ops/norm/norm_cuda.h"
+#include "trainscale/norm.h"
+#include "util/gpu_util.h"
+
+namespace trainscale {
+namespace {
+
+using ops::norm::NormVariant;
+using test::DeviceTensor;
+using test::HostTensor;
+
+HostTensor as_f64(const HostTensor& t) {
+  return HostTensor::from_values(DType::kFloat64, t.shape(), t.values());
+}
+
+struct Shape {
+  std::int64_t rows, cols, pad;
+};
+
+std::string shape_name(DType dt, const Shape& s, DType wdt, NormVariant v) {
+  return std::string(dtype_name(dt)) + " " + std::to_string(s.rows) + "x" + std::to_string(s.cols) +
+         " pad " + std::to_string(s.pad) + " weight " + dtype_name(wdt) + " variant " +
+         std::to_string(static_cast<int>(v));
+}
+
+std::vector<Shape> shapes() {
+  return {{5, 1, 0},    {9, 7, 1},     {33, 127, 0},  {17, 1000, 8}, {64, 4096, 0},
+          {7, 5123, 3}, {5, 8192, 16}, {3, 65536, 0}, {2, 262144, 0}};
+}
+
+std::vector<NormVariant> variants_for(const Shape& s, DType dt) {
+  const std::int64_t vec = 16 / static_cast<std::int64_t>(dtype_size(dt));
+  const bool registers_apply = s.cols % vec == 0 && s.pad % vec == 0 && s.cols / vec <= 4096;
+  if (registers_apply) return {NormVariant::kRegisters, NormVariant::kTwoPass};
+  return {NormVariant::kAuto};
+}
+
+constexpr DType kDtypes[] = {DType::kBFloat16, DType::kFloat16, DType::kFloat32};
+
+std::size_t workspace_bytes(std::int64_t rows, std::int64_t cols, DType dt) {
+  return norm_backward_workspace_bytes(rows, cols, dt, Device::cuda(0));
+}
+
+HostTensor byte_buffer(std::size_t bytes) {
+  return HostTensor(DType::kFloat32, {static_cast<std::int64_t>((bytes + 3) / 4 + 4)});
+}
+
+// Checks one norm (RMS or Layer) forward and backward for every dtype, shape and variant.
+void check_norm(bool layer) {
+  TS_REQUIRE_GPU();
+  for (DType dt : kDtypes) {
+    for (DType wdt : {dt, DType::kFloat32}) {
+      for (const Shape& s : shapes()) {
+        for (NormVariant variant : variants_for(s, dt)) {
+          SCOPED_TRACE(shape_name(dt, s, wdt, variant));
+          const double tol = test::tolerance(dt);
+          auto x = HostTensor::random(dt, {s.rows, s.cols}, -2, 2, s.pad);
+          x.set(0, x.at(0) + 3.0);  // a row with a non-zero mean
+          auto w = HostTensor::random(wdt, {s.cols}, 0.5, 1.5);
+          auto b = HostTensor::random(wdt, {s.cols}, -0.5, 0.5);
+          auto dy = HostTensor::random(dt, {s.rows, s.cols}, -1, 1, s.pad);
+          DeviceTensor d_x(x), d_w(w), d_b(b), d_dy(dy);
+          DeviceTensor d_y(HostTensor(dt, {s.rows, s.cols}, s.pad), false);
+          DeviceTensor d_mean(HostTensor(DType::kFloat32, {s.rows}), false);
+          DeviceTensor d_rstd(HostTensor(DType::kFloat32, {s.rows}), false);
+          DeviceTensor d_dx(HostTensor(dt, {s.rows, s.cols}, s.pad), false);
+          DeviceTensor d_dw(HostTensor(wdt, {s.cols}), false), d_db(HostTensor(wdt, {s.cols}), false);
+          DeviceTensor d_ws(byte_buffer(workspace_bytes(s.rows, s.cols, dt)), false);
+
+          // fp64 reference.
+          auto x64 = as_f64(x), w64 = as_f64(w), b64 = as_f64(b), dy64 = as_f64(dy);
+          HostTensor y64(DType::kFloat64, {s.rows, s.cols}), mean64(DType::kFloat64, {s.rows}),
+              rstd64(DType::kFloat64, {s.rows}), dx64(DType::kFloat64, {s.rows, s.cols}),
+              dw64(DType::kFloat64, {s.cols}), db64(DType::kFloat64, {s.cols});
+          if (layer) {
+            layernorm_forward(x64.view(), w64.view(), b64.view(), y64.view(), mean64.view(),
+                              rstd64.view());
+            layernorm_backward(dy64.view(), x64.view(), w64.view(), mean64.view(), rstd64.view(),
+                               dx64.view(), dw64.view(), db64.view(), {});
+            ops::norm::layernorm_forward_cuda(d_x.view(), d_w.view(), d_b.view(), d_y.view(),
+                                              d_mean.view(), d_rstd.view(), {}, nullptr, variant);
+            ops::norm::layernorm_backward_cuda(d_dy.view(), d_x.view(), d_w.view(), d_mean.view(),
+                                               d_rstd.view(), d_dx.view(), d_dw.view(),
+                                               d_db.view(), d_ws.view(), {}, nullptr, variant);
+          } else {
+            RMSNormOptions opt;
+            opt.weight_offset = 0.25;
+            rmsnorm_forward(x64.view(), w64.view(), y64.view(), rstd64.view(), opt);
+            rmsnorm_backward(dy64.view(), x64.view(), w64.view(), rstd64.view(), dx64.view(),
+                             dw64.view(), {}, opt);
+            ops::norm::rmsnorm_forward_cuda(d_x.view(), d_w.view(), d_y.view(), d_rstd.view(),
+                                            opt, nullptr, variant);
+            ops::norm::rmsnorm_backward_cuda(d_dy.view(), d_x.view(), d_w.view(), d_rstd.view(),
+                                             d_dx.view(), d_dw.view(), d_ws.view(), opt, nullptr,
+                                             variant);
+          }
+          EXPECT_TRUE(test::matches_reference(d_y.to_host().values(), y64.values(), tol)) << "y";
+          EXPECT_TRUE(test::matches_reference(d_rstd.to_host().values(), rstd64.values(), 1e-5))
+              << "rstd";
+          if (layer) {
+            EXPECT_TRUE(test::matches_reference(d_mean.to_host().values(), mean64.values(), 1e-5))
+                << "mean";
+          }
+          EXPECT_TRUE(test::matches_reference(d_dx.to_host().values(), dx64.values(), tol)) << "dx";
+          const double wtol = test::tolerance(wdt) * (wdt == DType::kFloat32 ? 10 : 1);
+          EXPECT_TRUE(test::matches_reference(d_dw.to_host().values(), dw64.values(), wtol)) << "dw";
+          if (layer) {
+            EXPECT_TRUE(test::matches_reference(d_db.to_host().values(), db64.values(), wtol))
+                << "db";
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(NormCuda, RMSNormMatchesReference) { check_norm(false); }
+TEST(NormCuda, LayerNormMatchesReference) { check_norm(true); }
+
+TEST(NormCuda, FusedAddRMSNormMatchesReference) {
+  TS_REQUIRE_GPU();
+  for (DType dt : kDtypes) {
+    for (DType rdt : {dt, DType::kFloat32}) {
+      for (const Shape& s : shapes()) {
+        for (NormVariant variant : variants_for(s, dt)) {
+          SCOPED_TRACE(shape_name(dt, s, rdt, variant));
+          const double tol = test::tolerance(dt);
+          auto x = HostTensor::random(dt, {s.rows, s.cols}, -2, 2, s.pad);
+          auto r = HostTensor::random(rdt, {s.rows, s.cols}, -2, 2);
+          auto w = HostTensor::random(dt, {s.cols}, 0.5, 1.5);
+          auto dy = HostTensor::random(dt, {s.rows, s.cols}, -1, 1, s.pad);
+          auto dres = HostTensor::random(rdt, {s.rows, s.cols}, -1, 1);
+          DeviceTensor d_x(x), d_r(r), d_w(w), d_dy(dy), d_dres(dres);
+          DeviceTensor d_rstd(HostTensor(DType::kFloat32, {s.rows}), false);
+          DeviceTensor d_dx(HostTensor(dt, {s.rows, s.cols}, s.pad), false);
+          DeviceTensor d_dw(HostTensor(dt, {s.cols}), false);
+          DeviceTensor d_ws(byte_buffer(workspace_bytes(s.rows, s.cols, dt)), false);
+          ops::norm::fused_add_rmsnorm_forward_cuda(d_x.view(), d_r.view(), d_w.view(),
+                                                    d_rstd.view(), {}, nullptr, variant);
+          ops::norm::fused_add_rmsnorm_backward_cuda(d_dy.view(), d_dres.view(), d_r.view(),
+                                                     d_w.view(), d_rstd.view(), d_dx.view(),
+                                                     d_dw.view(), d_ws.view(), {}, nullptr,
+                                                     variant);
+          // Reference: the sum as the kernel stores it (rounded to the residual dtype), then
+          // rmsnorm in fp64.
+          HostTensor sum(rdt, {s.rows, s.cols});
+          for (std::int64_t i = 0; i < sum.numel(); ++i) sum.set(i, x.at(i) + r.at(i));
+          auto s64 = as_f64(sum), w64 = as_f64(w), dy64 = as_f64(dy), dres64 = as_f64(dres);
+          HostTensor y64(DType::kFloat64, {s.rows, s.cols}), rstd64(DType::kFloat64, {s.rows}),
+              dx64(DType::kFloat64, {s.rows, s.cols}), dw64(DType::kFloat64, {s.cols});
+          rmsnorm_forward(s64.view(), w64.view(), y64.view(), rstd64.view());
+          fused_add_rmsnorm_backward(dy64.view(), dres64.view(), s64.view(), w64.view(),
+                                     rstd64.view(), dx64.view(), dw64.view(), {});
+          EXPECT_TRUE(test::matches_reference(d_r.to_host().values(), sum.values(), 1e-6))
+              << "residual";
+          EXPECT_TRUE(test::matches_reference(d_x.to_host().values(), y64.values(), tol)) << "x";
+          EXPECT_TRUE(test::matches_reference(d_dx.to_host().values(), dx64.values(), tol)) << "dx";
+          EXPECT_TRUE(test::matches_reference(d_dw.to_host().values(), dw64.values(), tol)) << "dw";
+        }
+      }
+    }
+  }
+}
+
+TEST(NormCuda, PublicEntryPointsDispatchToCuda) {
+  TS_REQUIRE_GPU();
+  auto x = HostTensor::random(DType::kBFloat16, {8, 256});
+  auto w = HostTensor::random(DType::kBFloat16, {256});
+  DeviceTensor d_x(x), d_w(w);
+  DeviceTensor d_y(HostTensor(DType::kBFloat16, {8, 256}), false);
+  DeviceTensor d_rstd(HostTensor(DType::kFloat32, {8}), false);
+  rmsnorm_forward(d_x.view(), d_w.view(), d_y.view(), d_rstd.view());
+  HostTensor y(DType::kBFloat16, {8, 256}), rstd(DType::kFloat32, {8});
+  rmsnorm_forward(x.view(), w.view(), y.view(), rstd.view());
+  EXPECT_TRUE(test::matches_reference(d_y.to_host().values(), y.values(), 1e-2));
+  // Too small a workspace is an argument error, not a fault.
+  auto dy = HostTensor::random(DType::kBFloat16, {8, 256});
+  DeviceTensor d_dy(dy), d_dx(HostTensor(DType::kBFloat16, {8, 256}), false),
+      d_dw(HostTensor(DType::kBFloat16, {256}), false), d_small(HostTensor(DType::kFloat32, {4}));
+  TS_EXPECT_ERROR(rmsnorm_backward(d_dy.view(), d_x.view(), d_w.view(), d_rstd.view(),
+                                   d_dx.view(), d_dw.view(), d_small.view()),
+                  "rmsnorm_backward", "'workspace'", "bytes");
+}
+
+TEST(NormCuda, WeightGradientIsBitwiseReproducible) {
+  TS_REQUIRE_GPU();
+  for (std::int64_t cols : {4096, 5123, 65536}) {
+    const std::int64_t rows = 1500;
+    auto x = HostTensor::random(DType::kBFloat16, {rows, cols});
+    auto dy = HostTensor::random(DType::kBFloat16, {rows, cols});
+    auto w = HostTensor::random(DType::kFloat32, {cols});
+    DeviceTensor d_x(x), d_dy(dy), d_w(w);
+    DeviceTensor d_y(HostTensor(DType::kBFloat16, {rows, cols}), false);
+    DeviceTensor d_rstd(HostTensor(DType::kFloat32, {rows}), false);
+    DeviceTensor d_dx(HostTensor(DType::kBFloat16, {rows, cols}), false);
+    DeviceTensor d_ws(byte_buffer(workspace_bytes(rows, cols, DType::kBFloat16)), false);
+    rmsnorm_forward(d_x.view(), d_w.view(), d_y.view(), d_rstd.view());
+    std::vector<HostTensor> results;
+    for (int run = 0; run < 3; ++run) {
+      DeviceTensor d_dw(HostTensor(DType::kFloat32, {cols}), false);
+      rmsnorm_backward(d_dy.view(), d_x.view(), d_w.view(), d_rstd.view(), d_dx.view(),
+                       d_dw.view(), d_ws.view());
+      results.push_back(d_dw.to_host());
+    }
+    for (int run = 1; run < 3; ++run) {
+      EXPECT_EQ(std::memcmp(results[0].data(), results[run].data(), cols * 4), 0) << cols;
+    }
+  }
+}
+
+TEST(NormCuda, NaNPropagatesToItsRowOnly) {
+  TS_REQUIRE_GPU();
+  for (std::int64_t cols : {4096, 65536, 5123}) {
+    auto x = HostTensor::random(DType::kBFloat16, {4, cols});
+    x.set(1 * cols + 3, NAN);
+    DeviceTensor d_x(x), d_y(HostTensor(DType::kBFloat16, {4, cols}), false);
+    DeviceTensor d_rstd(HostTensor(DType::kFloat32, {4}), false);
+    rmsnorm_forward(d_x.view(), {}, d_y.view(), d_rstd.view());
+    const auto y = d_y.to_host();
+    const auto rstd = d_rstd.to_host();
+    EXPECT_TRUE(std::isnan(rstd.at(1)));
+    EXPECT_TRUE(std::isfinite(rstd.at(0)) && std::isfinite(rstd.at(2)));
+    EXPECT_TRUE(std::isnan(y.at(1 * cols + 100)));
+    EXPECT_TRUE(std::isfinite(y.at(2 * cols + 100)));
+  }
+}
+
+TEST(NormCuda, EmptyBatchWritesZeroWeightGradient) {
+  TS_REQUIRE_GPU();
+  HostTensor x(DType::kBFloat16, {0, 512}), w = HostTensor::random(DType::kBFloat16, {512});
+  DeviceTensor d_x(x), d_w(w), d_y(HostTensor(DType::kBFloat16, {0, 512}), false);
+  DeviceTensor d_rstd(HostTensor(DType::kFloat32, {0}), false);
+  DeviceTensor d_dw(HostTensor(DType::kBFloat16, {512}), false);
+  rmsnorm_forward(d_x.view(), d_w.view(), d_y.view(), d_rstd.view());
+  rmsnorm_backward(d_x.view(), d_x.view(), d_w.view(), d_rstd.view(), d_y.view(), d_dw.view(),
+                   {});
+  for (double v : d_dw.to_host().values()) ASSERT_EQ(v, 0.0);
+}
+
+}  // namespace
+}  // namespace trainscale
