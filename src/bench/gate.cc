@@ -24,8 +24,6 @@ double tolerance_of(const TensorSpec& spec) {
 
 namespace {
 
-bool is_output(const TensorSpec& spec) { return spec.role != Role::kInput; }
-
 DType reference_dtype(const TensorSpec& spec) {
   if (spec.reference_dtype) return *spec.reference_dtype;
   return is_floating(spec.dtype) ? DType::kFloat64 : spec.dtype;
@@ -105,11 +103,11 @@ ValueCheck check_values(const std::vector<double>& out, const std::vector<double
 GateData::GateData(const Case& c, std::uint64_t seed) : case_(c) {
   for (std::size_t i = 0; i < c.tensors.size(); ++i) {
     const TensorSpec& spec = c.tensors[i];
-    if (spec.role == Role::kOutput) {
-      host_.emplace_back();
-    } else {
+    if (has_input_data(spec.role)) {
       host_.emplace_back(spec.dtype, spec.shape, Device::cpu());
       fill_uniform(host_.back().view(), spec.lo, spec.hi, seed + 0x100 * (i + 1));
+    } else {
+      host_.emplace_back();
     }
   }
 
@@ -140,7 +138,7 @@ GateData::GateData(const Case& c, std::uint64_t seed) : case_(c) {
     if (sample) shape[0] = static_cast<std::int64_t>(rows_.size());
     ref_tensors.emplace_back(reference_dtype(spec), shape, Device::cpu());
     const TensorView& dst = ref_tensors.back().view();
-    if (spec.role == Role::kOutput) {
+    if (!has_input_data(spec.role)) {
       poison(dst);
     } else if (sample) {
       OwnedTensor picked(spec.dtype, shape, Device::cpu());
@@ -154,16 +152,16 @@ GateData::GateData(const Case& c, std::uint64_t seed) : case_(c) {
   c.reference(ref_views);
   reference_.resize(c.tensors.size());
   for (std::size_t i = 0; i < c.tensors.size(); ++i) {
-    if (is_output(c.tensors[i])) reference_[i] = to_doubles(ref_views[i]);
+    if (is_checked_output(c.tensors[i].role)) reference_[i] = to_doubles(ref_views[i]);
   }
 }
 
 void GateData::load_inputs(const std::vector<OwnedTensor>& tensors) const {
   for (std::size_t i = 0; i < tensors.size(); ++i) {
-    if (case_.tensors[i].role == Role::kOutput) {
-      poison(tensors[i].view());
-    } else {
+    if (has_input_data(case_.tensors[i].role)) {
       copy_tensor(tensors[i].view(), host_[i].view());
+    } else {
+      poison(tensors[i].view());
     }
   }
 }
@@ -175,7 +173,7 @@ GateResult GateData::check(const std::vector<OwnedTensor>& tensors) const {
   result.rows_checked = rows_.empty() ? rows_total_ : static_cast<std::int64_t>(rows_.size());
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const TensorSpec& spec = case_.tensors[i];
-    if (!is_output(spec)) continue;
+    if (!is_checked_output(spec.role)) continue;
     const bool sampled = !rows_.empty() && spec.row_wise;
     const std::vector<double> out = checked_values(tensors[i].view(), sampled, rows_);
     const double tol = tolerance_of(spec);

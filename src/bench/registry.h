@@ -23,7 +23,15 @@ namespace trainscale::bench {
 enum class Bound { kMemory, kCompute };
 const char* bound_name(Bound bound);
 
-enum class Role { kInput, kOutput, kInOut };
+enum class Role {
+  kInput,
+  kOutput,
+  kInOut,    // read and overwritten (in-place ops); compared like an output
+  kScratch,  // workspace: allocated and poisoned, never compared, moves no counted bytes
+};
+// Random data goes into inputs; outputs and scratch start NaN-poisoned.
+inline bool has_input_data(Role role) { return role == Role::kInput || role == Role::kInOut; }
+inline bool is_checked_output(Role role) { return role == Role::kOutput || role == Role::kInOut; }
 
 struct TensorSpec {
   std::string name;

@@ -5,16 +5,43 @@ namespace trainscale::bench::cases {
 double traffic(const std::vector<TensorSpec>& tensors) {
   double bytes = 0;
   for (const TensorSpec& t : tensors) {
+    if (t.role == Role::kScratch) continue;
     // An in-place tensor is read and written.
     bytes += bytes_of(t.dtype, t.shape) * (t.role == Role::kInOut ? 2.0 : 1.0);
   }
   return bytes;
 }
 
+TensorSpec scratch(std::string name, std::int64_t bytes) {
+  // int32 elements; CUDA workspaces are 16-byte multiples anyway.
+  TensorSpec t = output(std::move(name), DType::kInt32, {(bytes + 3) / 4}, /*row_wise=*/false);
+  t.role = Role::kScratch;
+  return t;
+}
+
+std::int64_t cuda_workspace_bytes(const std::function<std::size_t()>& query) {
+  try {
+    return static_cast<std::int64_t>(query());
+  } catch (const std::exception&) {
+    return 0;  // no CUDA build or device: the CPU path ignores the workspace
+  }
+}
+
 void expect_dims(std::span<const std::int64_t> shape, std::size_t dims, const char* doc) {
   if (shape.size() != dims) {
     throw Unsupported("expects a " + std::to_string(dims) + "-dim config " + doc + ", got " + shape_str(shape));
   }
+}
+
+Case begin_case(const char* op, const char* family, std::span<const std::int64_t> shape, DType dtype,
+                std::size_t dims, const char* doc) {
+  expect_dims(shape, dims, doc);
+  Case c;
+  c.op = op;
+  c.family = family;
+  c.shape.assign(shape.begin(), shape.end());
+  c.dtype = dtype;
+  return c;
 }
 
 std::vector<Shape> quack_shapes() {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -49,8 +50,17 @@ inline TensorSpec in_out(std::string name, DType dtype, Shape shape, bool row_wi
   return t;
 }
 
+// Workspace of `bytes` bytes for the CUDA path.
+TensorSpec scratch(std::string name, std::int64_t bytes);
+// A CUDA workspace size query, or 0 where it cannot be answered (no CUDA build or device).
+std::int64_t cuda_workspace_bytes(const std::function<std::size_t()>& query);
+
 // Throws Unsupported unless the config has `dims` dims (`doc` names them, e.g. "MxN").
 void expect_dims(std::span<const std::int64_t> shape, std::size_t dims, const char* doc);
+
+// A case with its identity filled in, after checking the config has `dims` dims.
+Case begin_case(const char* op, const char* family, std::span<const std::int64_t> shape, DType dtype,
+                std::size_t dims, const char* doc);
 
 // DESIGN.md suite shapes for row ops (M rows of N).
 std::vector<Shape> quack_shapes();    // M = 32768, N = 256 ... 65536; (16384, 131072); (8192, 262144)

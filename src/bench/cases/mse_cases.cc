@@ -6,13 +6,8 @@ namespace trainscale::bench::cases {
 namespace {
 
 Case mse_forward_case(std::span<const std::int64_t> shape, DType dtype) {
-  expect_dims(shape, 2, "MxN");
-  const Shape mn(shape.begin(), shape.end());
-  Case c;
-  c.op = "mse_fwd";
-  c.family = "loss";
-  c.shape = mn;
-  c.dtype = dtype;
+  Case c = begin_case("mse_fwd", "loss", shape, dtype, 2, "MxN");
+  const Shape& mn = c.shape;
   c.tensors = {input("a", dtype, mn), input("b", dtype, mn),
                output("out", DType::kFloat32, {}, /*row_wise=*/false)};
   c.tensors[2].reference_dtype = DType::kFloat64;
@@ -25,13 +20,8 @@ Case mse_forward_case(std::span<const std::int64_t> shape, DType dtype) {
 }
 
 Case mse_backward_case(std::span<const std::int64_t> shape, DType dtype) {
-  expect_dims(shape, 2, "MxN");
-  const Shape mn(shape.begin(), shape.end());
-  Case c;
-  c.op = "mse_bwd";
-  c.family = "loss";
-  c.shape = mn;
-  c.dtype = dtype;
+  Case c = begin_case("mse_bwd", "loss", shape, dtype, 2, "MxN");
+  const Shape& mn = c.shape;
   c.tensors = {input("grad_out", DType::kFloat32, {}, /*row_wise=*/false), input("a", dtype, mn),
                input("b", dtype, mn), output("grad_a", dtype, mn), output("grad_b", dtype, mn)};
   c.tensors[0].reference_dtype = DType::kFloat64;
