@@ -1,0 +1,104 @@
+// Activations: GELU (erf), SiLU, SwiGLU and GeGLU (separate a / b), forward and backward;
+// M rows of N (F for the gated ones).
+#include "bench/cases/case_util.h"
+#include "trainscale/activation.h"
+
+namespace trainscale::bench::cases {
+namespace {
+
+using Unary = void (*)(const TensorView&, TensorView, cudaStream_t);
+using UnaryBackward = void (*)(const TensorView&, const TensorView&, TensorView, cudaStream_t);
+using Gated = void (*)(const TensorView&, const TensorView&, TensorView, cudaStream_t);
+using GatedBackward = void (*)(const TensorView&, const TensorView&, const TensorView&, TensorView, TensorView,
+                               cudaStream_t);
+
+void gelu_fwd(const TensorView& x, TensorView y, cudaStream_t s) { gelu_forward(x, y, GeluApproximation::kNone, s); }
+void gelu_bwd(const TensorView& dy, const TensorView& x, TensorView dx, cudaStream_t s) {
+  gelu_backward(dy, x, dx, GeluApproximation::kNone, s);
+}
+void geglu_fwd(const TensorView& a, const TensorView& b, TensorView y, cudaStream_t s) {
+  geglu_forward(a, b, y, GeluApproximation::kNone, s);
+}
+void geglu_bwd(const TensorView& dy, const TensorView& a, const TensorView& b, TensorView da, TensorView db,
+               cudaStream_t s) {
+  geglu_backward(dy, a, b, da, db, GeluApproximation::kNone, s);
+}
+
+// Element-wise ops: every row independent; FLOPs are nominal (memory-bound).
+Case elementwise(const char* op, std::span<const std::int64_t> shape, DType dtype, std::vector<TensorSpec> tensors,
+                 double flops_per_element) {
+  Case c = begin_case(op, "activation", shape, dtype, 2, "MxN");
+  c.tensors = std::move(tensors);
+  c.bytes = traffic(c.tensors);
+  c.flops = flops_per_element * static_cast<double>(numel(c.shape));
+  c.rows_independent = true;
+  return c;
+}
+
+CaseFactory unary_forward(const char* op, Unary fn) {
+  return [=](std::span<const std::int64_t> shape, DType dtype) {
+    const Shape mn(shape.begin(), shape.end());
+    Case c = elementwise(op, shape, dtype, {input("x", dtype, mn), output("y", dtype, mn)}, 8.0);
+    c.entry = [=](Views t, cudaStream_t s) { fn(t[0], t[1], s); };
+    c.reference = [=](Views t) { fn(t[0], t[1], nullptr); };
+    return c;
+  };
+}
+
+CaseFactory unary_backward(const char* op, UnaryBackward fn) {
+  return [=](std::span<const std::int64_t> shape, DType dtype) {
+    const Shape mn(shape.begin(), shape.end());
+    Case c = elementwise(op, shape, dtype, {input("dy", dtype, mn), input("x", dtype, mn), output("dx", dtype, mn)},
+                         12.0);
+    c.entry = [=](Views t, cudaStream_t s) { fn(t[0], t[1], t[2], s); };
+    c.reference = [=](Views t) { fn(t[0], t[1], t[2], nullptr); };
+    return c;
+  };
+}
+
+CaseFactory gated_forward(const char* op, Gated fn) {
+  return [=](std::span<const std::int64_t> shape, DType dtype) {
+    const Shape mf(shape.begin(), shape.end());
+    Case c = elementwise(op, shape, dtype, {input("a", dtype, mf), input("b", dtype, mf), output("y", dtype, mf)}, 9.0);
+    c.entry = [=](Views t, cudaStream_t s) { fn(t[0], t[1], t[2], s); };
+    c.reference = [=](Views t) { fn(t[0], t[1], t[2], nullptr); };
+    return c;
+  };
+}
+
+CaseFactory gated_backward(const char* op, GatedBackward fn) {
+  return [=](std::span<const std::int64_t> shape, DType dtype) {
+    const Shape mf(shape.begin(), shape.end());
+    Case c = elementwise(op, shape, dtype,
+                         {input("dy", dtype, mf), input("a", dtype, mf), input("b", dtype, mf), output("da", dtype, mf),
+                          output("db", dtype, mf)},
+                         14.0);
+    c.entry = [=](Views t, cudaStream_t s) { fn(t[0], t[1], t[2], t[3], t[4], s); };
+    c.reference = [=](Views t) { fn(t[0], t[1], t[2], t[3], t[4], nullptr); };
+    return c;
+  };
+}
+
+const Registrar kRegister([](Registry& r) {
+  r.add_op({"gelu_fwd", "activation", "M x N", unary_forward("gelu_fwd", gelu_fwd)});
+  r.add_op({"gelu_bwd", "activation", "M x N", unary_backward("gelu_bwd", gelu_bwd)});
+  r.add_op({"silu_fwd", "activation", "M x N", unary_forward("silu_fwd", silu_forward)});
+  r.add_op({"silu_bwd", "activation", "M x N", unary_backward("silu_bwd", silu_backward)});
+  r.add_op({"swiglu_fwd", "activation", "M x F", gated_forward("swiglu_fwd", swiglu_forward)});
+  r.add_op({"swiglu_bwd", "activation", "M x F", gated_backward("swiglu_bwd", swiglu_backward)});
+  r.add_op({"geglu_fwd", "activation", "M x F", gated_forward("geglu_fwd", geglu_fwd)});
+  r.add_op({"geglu_bwd", "activation", "M x F", gated_backward("geglu_bwd", geglu_bwd)});
+  const auto bf16 = std::vector<DType>{DType::kBFloat16};
+  for (const char* op : {"gelu_fwd", "gelu_bwd", "silu_fwd", "silu_bwd", "swiglu_fwd", "swiglu_bwd", "geglu_fwd",
+                         "geglu_bwd"}) {
+    r.add_configs("smoke", op, {{64, 512}}, {DType::kFloat32, DType::kBFloat16});
+  }
+  // Llama-3-8B MLP at 8192 tokens (DESIGN.md anchor: swiglu fwd 16384 x 14336 too).
+  for (const char* op : {"swiglu_fwd", "swiglu_bwd"}) {
+    r.add_configs("llama", op, {{kLlamaTokens, kLlamaFfn}, {2 * kLlamaTokens, kLlamaFfn}}, bf16);
+  }
+  for (const char* op : {"gelu_fwd", "silu_fwd"}) r.add_configs("sweep", op, sweep_row_shapes(), bf16);
+});
+
+}  // namespace
+}  // namespace trainscale::bench::cases

@@ -1,0 +1,102 @@
+// Attention forward and backward. Config B x Hq x Hkv x S x D x causal (0 or 1); Sq = Sk = S.
+#include <cmath>
+
+#include "bench/cases/case_util.h"
+#include "trainscale/attention.h"
+
+namespace trainscale::bench::cases {
+namespace {
+
+constexpr const char* kDoc = "BxHqxHkvxSxDxcausal";
+
+struct Dims {
+  std::int64_t b, hq, hkv, s, d;
+  bool causal;
+};
+
+Dims dims_of(const Case& c) {
+  const auto& x = c.shape;
+  if (x[5] != 0 && x[5] != 1) throw Unsupported("causal must be 0 or 1, got " + std::to_string(x[5]));
+  if (x[1] % x[2] != 0) throw Unsupported("Hq must be a multiple of Hkv");
+  return {x[0], x[1], x[2], x[3], x[4], x[5] == 1};
+}
+
+// 2 GEMMs of 2*S*S*D per head (QK^T and PV), half of them masked away when causal.
+double forward_flops(const Dims& d) {
+  return 4.0 * static_cast<double>(d.b * d.hq) * static_cast<double>(d.s) * static_cast<double>(d.s) *
+         static_cast<double>(d.d) * (d.causal ? 0.5 : 1.0);
+}
+
+// Saved log-sum-exp around log(S) keeps the recomputed probabilities near normalized.
+TensorSpec saved_lse(const Dims& d) {
+  TensorSpec t = input("lse", DType::kFloat32, {d.b, d.hq, d.s});
+  t.lo = std::log(static_cast<double>(d.s));
+  t.hi = t.lo + 1.0;
+  return t;
+}
+
+Case attention_forward_case(std::span<const std::int64_t> shape, DType dtype) {
+  Case c = begin_case("attention_fwd", "attention", shape, dtype, 6, kDoc);
+  const Dims d = dims_of(c);
+  AttentionOptions options;
+  options.causal = d.causal;
+  c.tensors = {input("q", dtype, {d.b, d.s, d.hq, d.d}), input("k", dtype, {d.b, d.s, d.hkv, d.d}),
+               input("v", dtype, {d.b, d.s, d.hkv, d.d}), output("out", dtype, {d.b, d.s, d.hq, d.d}),
+               output("lse", DType::kFloat32, {d.b, d.hq, d.s})};
+  c.bytes = traffic(c.tensors);
+  c.flops = forward_flops(d);
+  c.bound = Bound::kCompute;
+  c.entry = [options](Views t, cudaStream_t s) { attention_forward(t[0], t[1], t[2], t[3], t[4], options, s); };
+  c.reference = [options](Views t) { attention_forward(t[0], t[1], t[2], t[3], t[4], options); };
+  return c;
+}
+
+Case attention_backward_case(std::span<const std::int64_t> shape, DType dtype) {
+  Case c = begin_case("attention_bwd", "attention", shape, dtype, 6, kDoc);
+  const Dims d = dims_of(c);
+  AttentionOptions options;
+  options.causal = d.causal;
+  const Shape q_shape = {d.b, d.s, d.hq, d.d}, kv_shape = {d.b, d.s, d.hkv, d.d};
+  c.tensors = {input("dout", dtype, q_shape), input("q", dtype, q_shape),    input("k", dtype, kv_shape),
+               input("v", dtype, kv_shape),   input("out", dtype, q_shape),  saved_lse(d),
+               output("dq", dtype, q_shape),  output("dk", dtype, kv_shape), output("dv", dtype, kv_shape)};
+  c.bytes = traffic(c.tensors);
+  c.flops = 2.5 * forward_flops(d);  // 5 GEMMs to the forward's 2
+  c.bound = Bound::kCompute;
+  c.entry = [options](Views t, cudaStream_t s) {
+    attention_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], options, s);
+  };
+  c.reference = [options](Views t) {
+    attention_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], options);
+  };
+  return c;
+}
+
+std::vector<Shape> attention_suite() {
+  std::vector<Shape> shapes;
+  for (const auto& [b, h, s, d] : {std::array<std::int64_t, 4>{1, 1, 128, 64}, {8, 4, 128, 64}, {32, 8, 128, 64},
+                                   {32, 8, 256, 64}}) {
+    shapes.push_back({b, h, h, s, d, 0});
+  }
+  // 16k tokens x hidden 2048.
+  for (std::int64_t d : {64, 128}) {
+    for (std::int64_t s = 512; s <= 16384; s *= 2) {
+      for (std::int64_t causal : {0, 1}) shapes.push_back({16384 / s, 2048 / d, 2048 / d, s, d, causal});
+    }
+  }
+  return shapes;
+}
+
+const Registrar kRegister([](Registry& r) {
+  r.add_op({"attention_fwd", "attention", kDoc, attention_forward_case});
+  r.add_op({"attention_bwd", "attention", kDoc, attention_backward_case});
+  const auto bf16 = std::vector<DType>{DType::kBFloat16};
+  for (const char* op : {"attention_fwd", "attention_bwd"}) {
+    r.add_configs("smoke", op, {{1, 4, 2, 64, 32, 1}}, {DType::kFloat32, DType::kBFloat16});
+    r.add_configs("attention", op, attention_suite(), bf16);
+    r.add_configs("llama", op, {{1, kLlamaHeads, kLlamaKvHeads, kLlamaTokens, kLlamaHeadDim, 1}}, bf16);
+  }
+});
+
+}  // namespace
+}  // namespace trainscale::bench::cases

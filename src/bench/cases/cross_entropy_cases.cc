@@ -1,0 +1,51 @@
+// Cross-entropy over a vocabulary (mean reduction): loss and lse alone, and with the logits
+// gradient written in the same pass. Config M x V.
+#include "bench/cases/case_util.h"
+#include "trainscale/loss.h"
+
+namespace trainscale::bench::cases {
+namespace {
+
+Case cross_entropy_case(const char* op, std::span<const std::int64_t> shape, DType dtype, bool with_grad) {
+  Case c = begin_case(op, "loss", shape, dtype, 2, "MxV");
+  const std::int64_t m = c.shape[0], v = c.shape[1];
+  TensorSpec logits = input("logits", dtype, {m, v});
+  logits.lo = -4.0;
+  logits.hi = 4.0;
+  TensorSpec targets = input("targets", DType::kInt64, {m});
+  targets.lo = 0;
+  targets.hi = static_cast<double>(v - 1);
+  c.tensors = {logits, targets, output("loss", DType::kFloat32, {}, false), output("lse", DType::kFloat32, {m})};
+  c.tensors[2].reference_dtype = DType::kFloat64;
+  if (with_grad) c.tensors.push_back(output("grad_logits", dtype, {m, v}));
+  c.bytes = traffic(c.tensors);
+  c.flops = (with_grad ? 7.0 : 4.0) * static_cast<double>(m * v);  // max, exp, sum (+ softmax, gradient)
+  c.entry = [with_grad](Views t, cudaStream_t s) {
+    cross_entropy_forward(t[0], t[1], t[2], t[3], with_grad ? t[4] : TensorView{}, {}, s);
+  };
+  c.reference = [with_grad](Views t) {
+    cross_entropy_forward(t[0], t[1], t[2], t[3], with_grad ? t[4] : TensorView{});
+  };
+  return c;
+}
+
+const Registrar kRegister([](Registry& r) {
+  r.add_op({"cross_entropy_fwd", "loss", "M x V",
+            [](std::span<const std::int64_t> s, DType d) { return cross_entropy_case("cross_entropy_fwd", s, d, false); }});
+  r.add_op({"cross_entropy_fwd_bwd", "loss", "M x V (gradient in the same pass)",
+            [](std::span<const std::int64_t> s, DType d) { return cross_entropy_case("cross_entropy_fwd_bwd", s, d, true); }});
+  const auto bf16 = std::vector<DType>{DType::kBFloat16};
+  std::vector<Shape> dsv3;
+  for (std::int64_t m : {4096, 16384, 65536}) {
+    for (std::int64_t v : {3072, 6144, 8192, 12288}) dsv3.push_back({m, v});
+  }
+  for (const char* op : {"cross_entropy_fwd", "cross_entropy_fwd_bwd"}) {
+    r.add_configs("smoke", op, {{64, 1000}}, {DType::kFloat32, DType::kBFloat16});
+    r.add_configs("quack", op, quack_shapes(), bf16);
+    r.add_configs("dsv3", op, dsv3, bf16);
+    r.add_configs("llama", op, {{kLlamaTokens, kLlamaVocab}}, bf16);
+  }
+});
+
+}  // namespace
+}  // namespace trainscale::bench::cases

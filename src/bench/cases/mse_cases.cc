@@ -1,0 +1,49 @@
+// MSE (loss family): forward and backward with the mean reduction, rows of N elements.
+#include "bench/cases/case_util.h"
+#include "trainscale/loss.h"
+
+namespace trainscale::bench::cases {
+namespace {
+
+Case mse_forward_case(std::span<const std::int64_t> shape, DType dtype) {
+  Case c = begin_case("mse_fwd", "loss", shape, dtype, 2, "MxN");
+  const Shape& mn = c.shape;
+  c.tensors = {input("a", dtype, mn), input("b", dtype, mn),
+               output("out", DType::kFloat32, {}, /*row_wise=*/false)};
+  c.tensors[2].reference_dtype = DType::kFloat64;
+  c.bytes = traffic(c.tensors);
+  c.flops = 3.0 * static_cast<double>(numel(mn));  // subtract, square, accumulate
+  c.bound = Bound::kMemory;
+  c.entry = [](Views t, cudaStream_t stream) { mse_forward(t[0], t[1], t[2], Reduction::kMean, stream); };
+  c.reference = [](Views t) { mse_forward(t[0], t[1], t[2], Reduction::kMean); };
+  return c;
+}
+
+Case mse_backward_case(std::span<const std::int64_t> shape, DType dtype) {
+  Case c = begin_case("mse_bwd", "loss", shape, dtype, 2, "MxN");
+  const Shape& mn = c.shape;
+  c.tensors = {input("grad_out", DType::kFloat32, {}, /*row_wise=*/false), input("a", dtype, mn),
+               input("b", dtype, mn), output("grad_a", dtype, mn), output("grad_b", dtype, mn)};
+  c.tensors[0].reference_dtype = DType::kFloat64;
+  c.bytes = traffic(c.tensors);
+  c.flops = 4.0 * static_cast<double>(numel(mn));  // subtract, two scalings, negate
+  c.bound = Bound::kMemory;
+  c.entry = [](Views t, cudaStream_t stream) {
+    mse_backward(t[0], t[1], t[2], t[3], t[4], Reduction::kMean, stream);
+  };
+  c.reference = [](Views t) { mse_backward(t[0], t[1], t[2], t[3], t[4], Reduction::kMean); };
+  c.rows_independent = true;  // grad_out is one scalar every row sees whole
+  return c;
+}
+
+const Registrar kRegister([](Registry& r) {
+  r.add_op({"mse_fwd", "loss", "M x N (mean over all elements)", mse_forward_case});
+  r.add_op({"mse_bwd", "loss", "M x N (mean reduction)", mse_backward_case});
+  for (const char* op : {"mse_fwd", "mse_bwd"}) {
+    r.add_configs("smoke", op, {{64, 256}}, {DType::kFloat32, DType::kBFloat16});
+    r.add_configs("quack", op, quack_shapes(), {DType::kBFloat16});
+  }
+});
+
+}  // namespace
+}  // namespace trainscale::bench::cases

@@ -1,0 +1,118 @@
+// Norm family: RMSNorm forward / backward, fused residual-add + RMSNorm, LayerNorm forward /
+// backward. M rows of N; weight and bias in the activation dtype.
+#include "bench/cases/case_util.h"
+#include "bench/gate.h"
+#include "trainscale/norm.h"
+
+namespace trainscale::bench::cases {
+namespace {
+
+// Saved statistics fed to the backward passes: any positive rstd is valid input, since the
+// backward uses them as saved rather than recomputing.
+TensorSpec saved_rstd(std::int64_t m) {
+  TensorSpec t = input("rstd", DType::kFloat32, {m});
+  t.lo = 0.5;
+  t.hi = 2.0;
+  return t;
+}
+
+TensorSpec workspace_for(std::int64_t m, std::int64_t n, DType dtype) {
+  return scratch("workspace", cuda_workspace_bytes([&] {
+                   return norm_backward_workspace_bytes(m, n, dtype, Device::cuda());
+                 }));
+}
+
+double elements(const Case& c) { return static_cast<double>(numel(c.shape)); }
+
+Case rmsnorm_forward_case(std::span<const std::int64_t> shape, DType dtype) {
+  Case c = begin_case("rmsnorm_fwd", "norm", shape, dtype, 2, "MxN");
+  const std::int64_t m = c.shape[0], n = c.shape[1];
+  c.tensors = {input("x", dtype, {m, n}), input("weight", dtype, {n}, false), output("y", dtype, {m, n}),
+               output("rstd", DType::kFloat32, {m})};
+  c.bytes = traffic(c.tensors);
+  c.flops = 4.0 * elements(c);  // square, accumulate, two scalings
+  c.rows_independent = true;
+  c.entry = [](Views t, cudaStream_t s) { rmsnorm_forward(t[0], t[1], t[2], t[3], {}, s); };
+  c.reference = [](Views t) { rmsnorm_forward(t[0], t[1], t[2], t[3]); };
+  return c;
+}
+
+Case rmsnorm_backward_case(std::span<const std::int64_t> shape, DType dtype) {
+  Case c = begin_case("rmsnorm_bwd", "norm", shape, dtype, 2, "MxN");
+  const std::int64_t m = c.shape[0], n = c.shape[1];
+  c.tensors = {input("dy", dtype, {m, n}),  input("x", dtype, {m, n}),     input("weight", dtype, {n}, false),
+               saved_rstd(m),               output("dx", dtype, {m, n}),   output("dw", dtype, {n}, false),
+               workspace_for(m, n, dtype)};
+  c.bytes = traffic(c.tensors);
+  c.flops = 8.0 * elements(c);
+  c.entry = [](Views t, cudaStream_t s) { rmsnorm_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], {}, s); };
+  c.reference = [](Views t) { rmsnorm_backward(t[0], t[1], t[2], t[3], t[4], t[5], TensorView{}); };
+  return c;
+}
+
+Case fused_add_rmsnorm_case(std::span<const std::int64_t> shape, DType dtype) {
+  Case c = begin_case("fused_add_rmsnorm_fwd", "norm", shape, dtype, 2, "MxN");
+  const std::int64_t m = c.shape[0], n = c.shape[1];
+  c.tensors = {in_out("x", dtype, {m, n}), in_out("residual", dtype, {m, n}), input("weight", dtype, {n}, false),
+               output("rstd", DType::kFloat32, {m})};
+  // rstd comes from the residual rounded to `dtype`; the fp64 reference keeps the exact sum.
+  c.tensors[3].tolerance = default_tolerance(dtype);
+  c.bytes = traffic(c.tensors);
+  c.flops = 5.0 * elements(c);
+  c.rows_independent = true;
+  c.entry = [](Views t, cudaStream_t s) { fused_add_rmsnorm_forward(t[0], t[1], t[2], t[3], {}, s); };
+  c.reference = [](Views t) { fused_add_rmsnorm_forward(t[0], t[1], t[2], t[3]); };
+  return c;
+}
+
+Case layernorm_forward_case(std::span<const std::int64_t> shape, DType dtype) {
+  Case c = begin_case("layernorm_fwd", "norm", shape, dtype, 2, "MxN");
+  const std::int64_t m = c.shape[0], n = c.shape[1];
+  c.tensors = {input("x", dtype, {m, n}),  input("weight", dtype, {n}, false), input("bias", dtype, {n}, false),
+               output("y", dtype, {m, n}), output("mean", DType::kFloat32, {m}), output("rstd", DType::kFloat32, {m})};
+  c.bytes = traffic(c.tensors);
+  c.flops = 7.0 * elements(c);
+  c.rows_independent = true;
+  c.entry = [](Views t, cudaStream_t s) { layernorm_forward(t[0], t[1], t[2], t[3], t[4], t[5], {}, s); };
+  c.reference = [](Views t) { layernorm_forward(t[0], t[1], t[2], t[3], t[4], t[5]); };
+  return c;
+}
+
+Case layernorm_backward_case(std::span<const std::int64_t> shape, DType dtype) {
+  Case c = begin_case("layernorm_bwd", "norm", shape, dtype, 2, "MxN");
+  const std::int64_t m = c.shape[0], n = c.shape[1];
+  c.tensors = {input("dy", dtype, {m, n}),        input("x", dtype, {m, n}),        input("weight", dtype, {n}, false),
+               input("mean", DType::kFloat32, {m}), saved_rstd(m),                  output("dx", dtype, {m, n}),
+               output("dw", dtype, {n}, false),   output("db", dtype, {n}, false), workspace_for(m, n, dtype)};
+  c.bytes = traffic(c.tensors);
+  c.flops = 10.0 * elements(c);
+  c.entry = [](Views t, cudaStream_t s) {
+    layernorm_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], {}, s);
+  };
+  c.reference = [](Views t) { layernorm_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], TensorView{}); };
+  return c;
+}
+
+const Registrar kRegister([](Registry& r) {
+  r.add_op({"rmsnorm_fwd", "norm", "M x N", rmsnorm_forward_case});
+  r.add_op({"rmsnorm_bwd", "norm", "M x N", rmsnorm_backward_case});
+  r.add_op({"fused_add_rmsnorm_fwd", "norm", "M x N", fused_add_rmsnorm_case});
+  r.add_op({"layernorm_fwd", "norm", "M x N", layernorm_forward_case});
+  r.add_op({"layernorm_bwd", "norm", "M x N", layernorm_backward_case});
+  const auto bf16 = std::vector<DType>{DType::kBFloat16};
+  for (const char* op : {"rmsnorm_fwd", "rmsnorm_bwd", "fused_add_rmsnorm_fwd", "layernorm_fwd", "layernorm_bwd"}) {
+    r.add_configs("smoke", op, {{64, 512}}, {DType::kFloat32, DType::kBFloat16});
+    r.add_configs("dsv3", op, dsv3_row_shapes(), bf16);
+  }
+  for (const char* op : {"rmsnorm_fwd", "rmsnorm_bwd", "layernorm_fwd", "layernorm_bwd"}) {
+    r.add_configs("quack", op, quack_shapes(), bf16);
+  }
+  for (const char* op : {"rmsnorm_fwd", "rmsnorm_bwd", "fused_add_rmsnorm_fwd"}) {
+    r.add_configs("quack-m", op, quack_m_shapes(), bf16);
+    r.add_configs("llama", op, {{kLlamaTokens, kLlamaHidden}}, bf16);
+  }
+  for (const char* op : {"rmsnorm_fwd", "layernorm_fwd"}) r.add_configs("sweep", op, sweep_row_shapes(), bf16);
+});
+
+}  // namespace
+}  // namespace trainscale::bench::cases

@@ -1,0 +1,39 @@
+// Row-by-row comparison of two runs. A timed row is FASTER or SLOWER only when the medians
+// differ by more than the measured noise of both (the sum of the two medians' 95% CI
+// half-widths), else SAME; a SLOWER row beyond the threshold, or a row that passed its gate
+// before and fails now, is a regression.
+#pragma once
+
+#include <iosfwd>
+#include <string>
+#include <vector>
+
+#include "bench/result.h"
+
+namespace trainscale::bench {
+
+enum class Verdict { kFaster, kSlower, kSame, kNotTimed, kOnlyOld, kOnlyNew };
+const char* verdict_name(Verdict verdict);  // "FASTER", "SLOWER", "SAME", ...
+
+struct RowComparison {
+  std::string key;
+  const Row* old_row = nullptr;
+  const Row* new_row = nullptr;
+  double change = 0;  // new median / old median - 1
+  double noise = 0;   // relative: (old + new CI half-widths) / old median
+  Verdict verdict = Verdict::kSame;
+  bool regression = false;
+};
+
+struct Comparison {
+  std::vector<RowComparison> rows;
+  double threshold = 0.05;
+  bool regressed() const;
+};
+
+// `threshold`: fraction (0.05 for 5%).
+Comparison compare_runs(const RunResult& old_run, const RunResult& new_run, double threshold);
+
+void write_comparison(std::ostream& out, const Comparison& comparison, bool markdown);
+
+}  // namespace trainscale::bench

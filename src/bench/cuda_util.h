@@ -1,0 +1,30 @@
+// CUDA error checks for the engine (only in TRAINSCALE_HAVE_CUDA builds).
+#pragma once
+
+#if TRAINSCALE_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "trainscale/error.h"
+
+namespace trainscale::bench {
+
+inline void cuda_check(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) {
+    throw Error(std::string("trainscale-bench: ") + what + ": " + cudaGetErrorString(status));
+  }
+}
+
+// Number of visible CUDA devices; 0 when the driver or a device is missing.
+inline int cuda_device_count() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    (void)cudaGetLastError();  // clear the sticky "no device" error
+    return 0;
+  }
+  return count;
+}
+
+}  // namespace trainscale::bench
+#endif

@@ -1,0 +1,308 @@
+#include "bench/engine.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+
+#include "bench/gate.h"
+#include "bench/gpu_timing.h"
+#include "bench/interrupt.h"
+#include "bench/tensors.h"
+#include "trainscale/error.h"
+
+namespace trainscale::bench {
+
+std::vector<Config> select_configs(const Registry& registry, const Selection& selection) {
+  auto wanted = [](const auto& filter, const auto& value) {
+    return filter.empty() || std::find(filter.begin(), filter.end(), value) != filter.end();
+  };
+  std::vector<Config> configs;
+  for (const Config& config : registry.suite(selection.suite)) {
+    if (wanted(selection.ops, config.op) && wanted(selection.dtypes, config.dtype) &&
+        wanted(selection.configs, config.shape)) {
+      configs.push_back(config);
+    }
+  }
+  return configs;
+}
+
+std::uint64_t case_seed(std::uint64_t seed, const std::string& case_name) {
+  std::uint64_t h = 1469598103934665603ull;  // FNV-1a
+  for (unsigned char ch : case_name) h = (h ^ ch) * 1099511628211ull;
+  return seed ^ h;
+}
+
+std::optional<double> percent_of_roofline(const std::optional<Roofline>& roofline, Bound bound, double gbps,
+                                          double tflops) {
+  if (!roofline) return std::nullopt;
+  const double ceiling = bound == Bound::kMemory ? roofline->copy_gbps : roofline->gemm_bf16_tflops;
+  if (ceiling <= 0) return std::nullopt;
+  return 100.0 * (bound == Bound::kMemory ? gbps : tflops) / ceiling;
+}
+
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+// Errors that mean "this implementation does not cover this case yet", not "it is wrong".
+bool is_unsupported(const std::exception& e) {
+  if (dynamic_cast<const Unsupported*>(&e)) return true;
+  const std::string what = e.what();
+  return what.find("has only its CPU reference so far") != std::string::npos ||
+         what.find("has no CUDA support") != std::string::npos;
+}
+
+std::int64_t case_bytes(const Case& c) {
+  std::int64_t total = 0;
+  for (const TensorSpec& spec : c.tensors) total += tensor_bytes(spec.dtype, spec.shape);
+  return total;
+}
+
+std::int64_t output_bytes(const Case& c) {
+  std::int64_t total = 0;
+  for (const TensorSpec& spec : c.tensors) {
+    if (spec.role != Role::kInput) total += tensor_bytes(spec.dtype, spec.shape);
+  }
+  return total;
+}
+
+std::int64_t host_available_bytes() {
+  return static_cast<std::int64_t>(sysconf(_SC_AVPHYS_PAGES)) * sysconf(_SC_PAGESIZE);
+}
+
+std::string gib(double bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f GiB", bytes / kGiB);
+  return buf;
+}
+
+// One full set of a case's tensors on `device`.
+std::vector<OwnedTensor> allocate_set(const Case& c, Device device) {
+  std::vector<OwnedTensor> set;
+  for (const TensorSpec& spec : c.tensors) set.emplace_back(spec.dtype, spec.shape, device);
+  return set;
+}
+
+std::vector<TensorView> views_of(const std::vector<OwnedTensor>& set) {
+  std::vector<TensorView> views;
+  for (const auto& t : set) views.push_back(t.view());
+  return views;
+}
+
+Row base_row(const Case& c, const Implementation& impl, const RunOptions& options) {
+  Row row;
+  row.case_name = c.name();
+  row.op = c.op;
+  row.family = c.family;
+  row.shape = c.shape_str();
+  row.dtype = dtype_name(c.dtype);
+  row.impl = impl.name;
+  row.baseline = impl.baseline;
+  row.device = impl.on_gpu ? "cuda" : "cpu";
+  row.bytes = c.bytes;
+  row.flops = c.flops;
+  row.bound = c.bound;
+  row.rotate = options.timing.rotate;
+  return row;
+}
+
+void fill_timing(Row& row, const SampleSet& samples, const std::optional<Roofline>& roofline) {
+  row.ms = summarize(samples.ms);
+  row.stop_reason = stop_reason_name(samples.reason);
+  row.sm_mhz_min = samples.sm_mhz_min;
+  row.sm_mhz_max = samples.sm_mhz_max;
+  row.throttle_retakes = samples.throttle_retakes;
+  row.throttled = samples.throttled;
+  row.throttle_reasons = samples.throttle_reasons;
+  if (row.ms.median > 0) {
+    const double seconds = row.ms.median * 1e-3;
+    row.gbps = row.bytes / seconds / 1e9;
+    row.tflops = row.flops / seconds / 1e12;
+  }
+  row.pct_roofline = percent_of_roofline(roofline, row.bound, row.gbps, row.tflops);
+  if (samples.reason == StopReason::kInterrupted) {
+    row.status = Status::kInterrupted;
+    row.message = "interrupted after " + std::to_string(samples.ms.size()) + " samples";
+  }
+}
+
+// Everything a case's implementations share on one device.
+struct Runner {
+  const RunOptions& options;
+  const std::optional<Roofline>& roofline;
+#if TRAINSCALE_HAVE_CUDA
+  std::unique_ptr<GpuContext> gpu;
+#endif
+
+  void synchronize() const {
+#if TRAINSCALE_HAVE_CUDA
+    if (gpu) gpu->synchronize();
+#endif
+  }
+  cudaStream_t stream() const {
+#if TRAINSCALE_HAVE_CUDA
+    if (gpu) return gpu->stream();
+#endif
+    return nullptr;
+  }
+  std::int64_t free_device_memory() const {
+#if TRAINSCALE_HAVE_CUDA
+    if (gpu) return gpu->free_memory();
+#endif
+    return host_available_bytes();
+  }
+
+  // Gate, then time. Every failure ends up in the row, never as an exception.
+  Row run(const Case& c, const Implementation& impl, const GateData& gate) {
+    Row row = base_row(c, impl, options);
+    const Device device = impl.on_gpu ? Device::cuda(options.device_index) : Device::cpu();
+    std::vector<std::vector<OwnedTensor>> sets;
+    try {
+      sets.push_back(allocate_set(c, device));
+      gate.load_inputs(sets[0]);
+      const std::int64_t free_after_alloc = impl.on_gpu ? free_device_memory() : 0;
+      const std::vector<TensorView> views = views_of(sets[0]);
+      impl.run(views, stream());
+      synchronize();
+      const std::int64_t kept = impl.on_gpu ? std::max<std::int64_t>(0, free_after_alloc - free_device_memory()) : 0;
+      row.peak_memory_bytes = output_bytes(c) + impl.workspace_bytes + kept;
+      const GateResult check = gate.check(sets[0]);
+      row.rel_l2 = check.rel_l2;
+      row.max_abs_err = check.max_abs;
+      row.tolerance = check.tolerance;
+      row.rows_checked = check.rows_checked;
+      row.rows_total = check.rows_total;
+      if (!check.passed) {
+        row.status = Status::kFailed;
+        row.message = check.message;
+        return row;
+      }
+    } catch (const std::exception& e) {
+      row.status = is_unsupported(e) ? Status::kUnsupported : Status::kFailed;
+      row.message = e.what();
+      return row;
+    }
+
+    try {
+      for (int s = 1; s < options.timing.rotate; ++s) {
+        sets.push_back(allocate_set(c, device));
+        gate.load_inputs(sets.back());
+      }
+      std::vector<std::vector<TensorView>> set_views;
+      for (const auto& set : sets) set_views.push_back(views_of(set));
+      row.cold = impl.on_gpu && options.timing.flush_l2;
+      SampleSet samples;
+#if TRAINSCALE_HAVE_CUDA
+      if (impl.on_gpu) {
+        auto timed = gpu->make_source(
+            [&](int set, cudaStream_t stream) { impl.run(set_views[set], stream); }, options.timing);
+        row.timer = timed.timer;
+        row.batch = timed.batch;
+        samples = collect_samples(*timed.source, options.timing, &gpu->clock_monitor());
+      }
+#endif
+      if (!impl.on_gpu) {
+        HostSampleSource source([&](int set) { impl.run(set_views[set], nullptr); }, options.timing.rotate);
+        row.timer = "host";
+        samples = collect_samples(source, options.timing, nullptr);
+      }
+      fill_timing(row, samples, roofline);
+    } catch (const std::exception& e) {
+      row.status = Status::kFailed;
+      row.message = std::string("while timing: ") + e.what();
+    }
+    return row;
+  }
+
+  // Why a case cannot run here, or empty.
+  std::string does_not_fit(const Case& c) const {
+    const double needed = static_cast<double>(case_bytes(c)) * options.timing.rotate;
+    const double free = static_cast<double>(free_device_memory());
+    if (needed > 0.9 * free) {
+      return std::string("does not fit in ") + (options.use_gpu ? "device" : "host") + " memory (needs " +
+             gib(needed) + ", " + gib(free) + " free)";
+    }
+    return {};
+  }
+};
+
+std::vector<Implementation> implementations(const Registry& registry, const Case& c, const RunOptions& options) {
+  std::vector<Implementation> impls;
+  Implementation ours;
+  ours.name = options.use_gpu ? kOursGpu : kOursCpu;
+  ours.on_gpu = options.use_gpu;
+  ours.run = c.entry;
+  impls.push_back(std::move(ours));
+  if (options.use_gpu) {
+    for (auto& b : registry.baselines_for(c)) impls.push_back(std::move(b));
+  }
+  const auto& filter = options.selection.impls;
+  if (!filter.empty()) {
+    std::erase_if(impls, [&](const Implementation& i) {
+      return std::find(filter.begin(), filter.end(), i.name) == filter.end();
+    });
+  }
+  return impls;
+}
+
+}  // namespace
+
+void run_cases(const Registry& registry, const RunOptions& options, RunResult& result,
+               const ProgressCallback& progress) {
+  Runner runner{options, result.roofline};
+#if TRAINSCALE_HAVE_CUDA
+  if (options.use_gpu) runner.gpu = std::make_unique<GpuContext>(options.device_index);
+#endif
+  const std::vector<Config> configs = select_configs(registry, options.selection);
+  for (std::size_t i = 0; i < configs.size(); ++i) {
+    const Config& config = configs[i];
+    const OpInfo* op = registry.find_op(config.op);
+    const std::string label = config.op + " " + shape_str(config.shape) + " " + dtype_name(config.dtype);
+    if (interrupt_requested()) {
+      result.interrupted = true;
+      result.skipped.push_back({label, "not run: interrupted"});
+      continue;
+    }
+    if (progress) progress(i, configs.size(), label);
+    if (!op) {
+      result.skipped.push_back({label, "no op registered under this name"});
+      continue;
+    }
+    std::optional<Case> c;
+    try {
+      c = op->make(config.shape, config.dtype);
+    } catch (const std::exception& e) {
+      result.skipped.push_back({label, e.what()});
+      continue;
+    }
+    if (const std::string why = runner.does_not_fit(*c); !why.empty()) {
+      result.skipped.push_back({label, why});
+      continue;
+    }
+    const std::vector<Implementation> impls = implementations(registry, *c, options);
+    if (impls.empty()) continue;
+    std::unique_ptr<GateData> gate;
+    std::string reference_error;
+    try {
+      gate = std::make_unique<GateData>(*c, case_seed(options.seed, c->name()));
+    } catch (const std::exception& e) {
+      reference_error = std::string("reference failed: ") + e.what();
+    }
+    for (const Implementation& impl : impls) {
+      if (!gate) {
+        Row row = base_row(*c, impl, options);
+        row.status = Status::kFailed;
+        row.message = reference_error;
+        result.rows.push_back(std::move(row));
+        continue;
+      }
+      result.rows.push_back(runner.run(*c, impl, *gate));
+      if (interrupt_requested()) break;
+    }
+    result.interrupted = result.interrupted || interrupt_requested();
+  }
+}
+
+}  // namespace trainscale::bench

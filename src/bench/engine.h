@@ -1,0 +1,54 @@
+// Runs the selected cases: builds each, gates every implementation against the reference,
+// times those that pass, and turns the samples into rows.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "bench/registry.h"
+#include "bench/result.h"
+#include "bench/timing.h"
+
+namespace trainscale::bench {
+
+inline constexpr const char* kOursGpu = "trainscale";
+inline constexpr const char* kOursCpu = "cpu-ref";
+
+struct Selection {
+  std::string suite = "smoke";
+  std::vector<std::string> ops;                    // empty: all
+  std::vector<DType> dtypes;                       // empty: all
+  std::vector<std::vector<std::int64_t>> configs;  // empty: all
+  std::vector<std::string> impls;                  // empty: all
+};
+
+struct RunOptions {
+  Selection selection;
+  bool use_gpu = false;
+  int device_index = 0;
+  TimingOptions timing;
+  std::uint64_t seed = 1;
+};
+
+// The configs of the suite that pass the filters, in suite order.
+std::vector<Config> select_configs(const Registry& registry, const Selection& selection);
+
+// Called before each case: index (0-based), count, case name.
+using ProgressCallback = std::function<void(std::size_t index, std::size_t count, const std::string& name)>;
+
+// Fills result.rows / skipped / interrupted (result.env, roofline and suite come from the
+// caller and are used for the % of roofline).
+void run_cases(const Registry& registry, const RunOptions& options, RunResult& result,
+               const ProgressCallback& progress = nullptr);
+
+// Per-case seed: the run's seed mixed with the case name, so filters do not change the data.
+std::uint64_t case_seed(std::uint64_t seed, const std::string& case_name);
+
+// % of the measured ceiling `bound` selects (nullopt without a roofline).
+std::optional<double> percent_of_roofline(const std::optional<Roofline>& roofline, Bound bound, double gbps,
+                                          double tflops);
+
+}  // namespace trainscale::bench

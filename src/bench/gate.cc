@@ -1,0 +1,194 @@
+#include "bench/gate.h"
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <set>
+#include <sstream>
+
+namespace trainscale::bench {
+
+double default_tolerance(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat64: return 1e-12;
+    case DType::kFloat32: return 1e-5;
+    case DType::kFloat16: return 2e-3;
+    case DType::kBFloat16: return 1e-2;
+    default: return 0.0;  // fp8 codes and integers: exact
+  }
+}
+
+double tolerance_of(const TensorSpec& spec) {
+  return spec.tolerance.value_or(default_tolerance(spec.dtype));
+}
+
+namespace {
+
+DType reference_dtype(const TensorSpec& spec) {
+  if (spec.reference_dtype) return *spec.reference_dtype;
+  return is_floating(spec.dtype) ? DType::kFloat64 : spec.dtype;
+}
+
+std::string format_number(double v) {
+  std::ostringstream os;
+  os.precision(3);
+  os << v;
+  return os.str();
+}
+
+// The values of (the sampled rows of) a tensor on any device, as doubles.
+std::vector<double> checked_values(const TensorView& t, bool sampled, std::span<const std::int64_t> rows) {
+  std::vector<std::int64_t> shape(t.shape.begin(), t.shape.begin() + t.ndim);
+  if (sampled) {
+    shape[0] = static_cast<std::int64_t>(rows.size());
+    OwnedTensor picked(t.dtype, shape, Device::cpu());
+    gather_rows(picked.view(), t, rows);
+    return to_doubles(picked.view());
+  }
+  if (!t.is_cuda()) return to_doubles(t);
+  OwnedTensor host(t.dtype, shape, Device::cpu());
+  copy_tensor(host.view(), t);
+  return to_doubles(host.view());
+}
+
+}  // namespace
+
+ValueCheck check_values(const std::vector<double>& out, const std::vector<double>& ref, double tolerance) {
+  ValueCheck r;
+  if (out.size() != ref.size()) {
+    r.ok = false;
+    r.problem = "has " + std::to_string(out.size()) + " values, the reference " + std::to_string(ref.size());
+    return r;
+  }
+  double diff2 = 0, ref2 = 0;
+  std::int64_t mismatches = 0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    const double o = out[i], e = ref[i];
+    if (!std::isfinite(e)) {
+      const bool same = std::isnan(e) ? std::isnan(o) : o == e;
+      if (!same && r.problem.empty()) {
+        r.problem = "value " + format_number(o) + " at " + std::to_string(i) + " where the reference has " +
+                    format_number(e);
+      }
+      r.ok = r.ok && same;
+      continue;
+    }
+    if (!std::isfinite(o)) {
+      if (r.problem.empty()) {
+        r.problem = (std::isnan(o) ? std::string("NaN") : std::string("Inf")) + " at " + std::to_string(i) +
+                    " where the reference is finite (" + format_number(e) + ")";
+      }
+      r.ok = false;
+      continue;
+    }
+    diff2 += (o - e) * (o - e);
+    ref2 += e * e;
+    r.max_abs = std::max(r.max_abs, std::fabs(o - e));
+    mismatches += o != e;
+  }
+  // Relative when the reference has energy, absolute otherwise (an all-zero reference).
+  r.rel_l2 = ref2 > 0 ? std::sqrt(diff2 / ref2) : std::sqrt(diff2);
+  if (!r.problem.empty()) return r;
+  if (tolerance == 0.0 && mismatches > 0) {
+    r.ok = false;
+    r.problem = std::to_string(mismatches) + " values differ from the reference (bit-exact required)";
+  } else if (r.rel_l2 > tolerance) {
+    r.ok = false;
+    r.problem = "relative L2 error " + format_number(r.rel_l2) + " > tolerance " + format_number(tolerance) +
+                " (max abs error " + format_number(r.max_abs) + ")";
+  }
+  return r;
+}
+
+GateData::GateData(const Case& c, std::uint64_t seed) : case_(c) {
+  for (std::size_t i = 0; i < c.tensors.size(); ++i) {
+    const TensorSpec& spec = c.tensors[i];
+    if (has_input_data(spec.role)) {
+      host_.emplace_back(spec.dtype, spec.shape, Device::cpu());
+      fill_uniform(host_.back().view(), spec.lo, spec.hi, seed + 0x100 * (i + 1));
+    } else {
+      host_.emplace_back();
+    }
+  }
+
+  // Rows to check: all, or a sorted random sample when a row-wise tensor is large.
+  bool large = false;
+  for (const TensorSpec& spec : c.tensors) {
+    if (!spec.row_wise) continue;
+    rows_total_ = spec.shape.at(0);
+    std::int64_t numel = 1;
+    for (auto d : spec.shape) numel *= d;
+    large = large || numel > kFullCheckElements;
+  }
+  if (c.rows_independent && large && rows_total_ > kSampledRows) {
+    std::mt19937_64 rng(seed ^ 0x5A17u);
+    std::uniform_int_distribution<std::int64_t> pick(0, rows_total_ - 1);
+    std::set<std::int64_t> chosen;
+    while (static_cast<std::int64_t>(chosen.size()) < kSampledRows) chosen.insert(pick(rng));
+    rows_.assign(chosen.begin(), chosen.end());
+  }
+
+  // The reference on float64 copies of (the sampled rows of) the same inputs.
+  std::vector<OwnedTensor> ref_tensors;
+  std::vector<TensorView> ref_views;
+  for (std::size_t i = 0; i < c.tensors.size(); ++i) {
+    const TensorSpec& spec = c.tensors[i];
+    const bool sample = !rows_.empty() && spec.row_wise;
+    std::vector<std::int64_t> shape = spec.shape;
+    if (sample) shape[0] = static_cast<std::int64_t>(rows_.size());
+    ref_tensors.emplace_back(reference_dtype(spec), shape, Device::cpu());
+    const TensorView& dst = ref_tensors.back().view();
+    if (!has_input_data(spec.role)) {
+      poison(dst);
+    } else if (sample) {
+      OwnedTensor picked(spec.dtype, shape, Device::cpu());
+      gather_rows(picked.view(), host_[i].view(), rows_);
+      convert_tensor(dst, picked.view());
+    } else {
+      convert_tensor(dst, host_[i].view());
+    }
+    ref_views.push_back(dst);
+  }
+  c.reference(ref_views);
+  reference_.resize(c.tensors.size());
+  for (std::size_t i = 0; i < c.tensors.size(); ++i) {
+    if (is_checked_output(c.tensors[i].role)) reference_[i] = to_doubles(ref_views[i]);
+  }
+}
+
+void GateData::load_inputs(const std::vector<OwnedTensor>& tensors) const {
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    if (has_input_data(case_.tensors[i].role)) {
+      copy_tensor(tensors[i].view(), host_[i].view());
+    } else {
+      poison(tensors[i].view());
+    }
+  }
+}
+
+GateResult GateData::check(const std::vector<OwnedTensor>& tensors) const {
+  GateResult result;
+  result.passed = true;
+  result.rows_total = rows_total_;
+  result.rows_checked = rows_.empty() ? rows_total_ : static_cast<std::int64_t>(rows_.size());
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const TensorSpec& spec = case_.tensors[i];
+    if (!is_checked_output(spec.role)) continue;
+    const bool sampled = !rows_.empty() && spec.row_wise;
+    const std::vector<double> out = checked_values(tensors[i].view(), sampled, rows_);
+    const double tol = tolerance_of(spec);
+    const ValueCheck v = check_values(out, reference_[i], tol);
+    if (v.rel_l2 >= result.rel_l2) {
+      result.rel_l2 = v.rel_l2;
+      result.tolerance = tol;
+    }
+    result.max_abs = std::max(result.max_abs, v.max_abs);
+    if (!v.ok && result.passed) {
+      result.passed = false;
+      result.message = "output '" + spec.name + "': " + v.problem;
+    }
+  }
+  return result;
+}
+
+}  // namespace trainscale::bench

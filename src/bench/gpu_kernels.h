@@ -1,0 +1,25 @@
+// The engine's own CUDA kernels: SM clock probe, STREAM-like bandwidth kernels, random fill.
+#pragma once
+
+#if TRAINSCALE_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace trainscale::bench {
+
+// SM clock in MHz from clock64() cycles over globaltimer nanoseconds in a ~1 ms spin on one
+// SM (synchronizes the stream).
+double probe_sm_clock_mhz(cudaStream_t stream);
+
+// 16-byte vectorized grid-stride kernels over `bytes` (a multiple of 16).
+void launch_copy(void* dst, const void* src, std::size_t bytes, cudaStream_t stream);
+// Reads every byte; writes one word to `sink` only when a (never met) condition holds, so the
+// loads cannot be optimized away.
+void launch_read(const void* src, std::size_t bytes, void* sink, cudaStream_t stream);
+
+// Uniform random bf16 values in [-1, 1) from a counter-based hash (no zeros, no patterns).
+void launch_fill_random_bf16(void* dst, std::size_t count, std::uint64_t seed, cudaStream_t stream);
+
+}  // namespace trainscale::bench
+#endif

@@ -1,0 +1,161 @@
+// How op families describe benchmark cases to the engine, which knows nothing about ops.
+//
+// A family registers, per op, a factory that builds a Case for a (shape, dtype): the tensors
+// it touches, the bytes that must move and the FLOPs, which roofline applies, the call of our
+// entry point, and the fp64 reference. It also lists the (shape, dtype) configs it contributes
+// to each suite. Baselines (cuDNN, cuBLASLt, ...) attach to ops through add_baseline().
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "trainscale/tensor.h"
+
+namespace trainscale::bench {
+
+enum class Bound { kMemory, kCompute };
+const char* bound_name(Bound bound);
+
+enum class Role {
+  kInput,
+  kOutput,
+  kInOut,    // read and overwritten (in-place ops); compared like an output
+  kScratch,  // workspace: allocated and poisoned, never compared, moves no counted bytes
+};
+// Random data goes into inputs; outputs and scratch start NaN-poisoned.
+inline bool has_input_data(Role role) { return role == Role::kInput || role == Role::kInOut; }
+inline bool is_checked_output(Role role) { return role == Role::kOutput || role == Role::kInOut; }
+
+struct TensorSpec {
+  std::string name;
+  DType dtype = DType::kFloat32;
+  std::vector<std::int64_t> shape;
+  Role role = Role::kInput;
+  // Random inputs are uniform in [lo, hi] (integers: every value in [lo, hi]).
+  double lo = -1.0, hi = 1.0;
+  // dtype of this tensor in the reference call; unset: float64 for floating dtypes, unchanged
+  // otherwise. Set it where the reference insists (float32 statistics, exact fp8 codes).
+  std::optional<DType> reference_dtype;
+  // Gate tolerance (relative L2) for outputs; unset: DESIGN.md's for `dtype`, 0 for fp8.
+  std::optional<double> tolerance;
+  // Dim 0 indexes the problem's rows: the gate may check a random subset of them when the
+  // case says its rows are independent (Case::rows_independent).
+  bool row_wise = false;
+};
+
+// Views of a case's tensors, in the order of Case::tensors.
+using Views = std::span<const TensorView>;
+
+// Thrown by an implementation that cannot run this case (dtype, shape or device it lacks):
+// the row is reported UNSUPPORTED, not FAILED.
+class Unsupported : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// One way to compute a case. `run` must be capturable in a CUDA graph on GPU.
+struct Implementation {
+  std::string name;  // "trainscale", "cpu-ref", "cudnn", ...
+  bool on_gpu = true;
+  bool baseline = false;
+  std::function<void(Views tensors, cudaStream_t stream)> run;
+  // Scratch memory the implementation allocates per call (counted in peak memory).
+  std::int64_t workspace_bytes = 0;
+};
+
+struct Case {
+  std::string op;      // "rmsnorm_fwd"
+  std::string family;  // "norm"
+  std::vector<std::int64_t> shape;
+  DType dtype = DType::kBFloat16;
+  std::vector<TensorSpec> tensors;
+  double bytes = 0;  // that must move: each input read once, each output written once
+  double flops = 0;
+  Bound bound = Bound::kMemory;
+  // Our entry point; the engine calls it with CPU views ("cpu-ref") or CUDA views
+  // ("trainscale").
+  std::function<void(Views tensors, cudaStream_t stream)> entry;
+  // The fp64 reference on CPU views whose dtypes follow TensorSpec::reference_dtype.
+  std::function<void(Views tensors)> reference;
+  // Row i of every row_wise output depends only on row i of the row_wise inputs (and on the
+  // other, whole, tensors): the gate may sample rows of large cases.
+  bool rows_independent = false;
+
+  std::string shape_str() const;  // "32768x4096"
+  std::string name() const;       // "rmsnorm_fwd 32768x4096 bfloat16"
+};
+
+// Builds an op's case for one config; throws Unsupported for a shape or dtype it lacks.
+using CaseFactory = std::function<Case(std::span<const std::int64_t> shape, DType dtype)>;
+// Returns a baseline for a case, or nothing when it does not apply.
+using BaselineFactory = std::function<std::optional<Implementation>(const Case& c)>;
+
+struct OpInfo {
+  std::string name;
+  std::string family;
+  std::string shape_doc;  // what the shape dims mean, e.g. "M x N"
+  CaseFactory make;
+};
+
+struct Config {
+  std::string op;
+  std::vector<std::int64_t> shape;
+  DType dtype;
+};
+
+// The suites of DESIGN.md; configs may only be added to these.
+inline constexpr const char* kSuiteNames[] = {"smoke", "quack",     "quack-m", "dsv3",
+                                              "llama", "attention", "sweep"};
+
+class Registry {
+ public:
+  Registry();
+  // The process-wide registry that case files fill at static-initialization time.
+  static Registry& global();
+
+  void add_op(OpInfo op);
+  void add_configs(const std::string& suite, const std::string& op,
+                   const std::vector<std::vector<std::int64_t>>& shapes,
+                   const std::vector<DType>& dtypes);
+  void add_baseline(const std::string& op, std::string name, BaselineFactory factory);
+
+  const OpInfo* find_op(const std::string& name) const;
+  std::vector<std::string> op_names() const;
+  std::vector<std::string> suite_names() const;
+  bool has_suite(const std::string& suite) const;
+  // Configs of a suite in registration order.
+  const std::vector<Config>& suite(const std::string& suite) const;
+  std::vector<std::string> baseline_names() const;
+  // Every baseline that applies to the case.
+  std::vector<Implementation> baselines_for(const Case& c) const;
+
+ private:
+  std::map<std::string, OpInfo> ops_;
+  std::vector<std::string> op_order_;
+  std::map<std::string, std::vector<Config>> suites_;
+  struct Baseline {
+    std::string op, name;
+    BaselineFactory factory;
+  };
+  std::vector<Baseline> baselines_;
+};
+
+// `static Registrar r([](Registry& reg) { ... });` in a case file registers at start-up.
+struct Registrar {
+  explicit Registrar(const std::function<void(Registry&)>& fn) { fn(Registry::global()); }
+};
+
+std::string shape_str(std::span<const std::int64_t> shape);  // "32768x4096"
+// "bf16" / "bfloat16", "fp32" / "float32", ...; nullopt when unknown.
+std::optional<DType> parse_dtype(const std::string& name);
+// "32768x4096" -> {32768, 4096}; nullopt when malformed.
+std::optional<std::vector<std::int64_t>> parse_shape(const std::string& text);
+
+}  // namespace trainscale::bench

@@ -1,0 +1,56 @@
+// Human- and spreadsheet-facing views of a run: terminal table, CSV, Markdown.
+#pragma once
+
+#include <functional>
+#include <iosfwd>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "bench/result.h"
+
+namespace trainscale::bench {
+
+// Our row of a case next to one baseline row (or none).
+struct Pairing {
+  const Row* ours = nullptr;
+  const Row* base = nullptr;
+  // base median / ours median; 0 when either is not timed.
+  double speedup() const;
+};
+// In row order: one pairing per (case, baseline), or one with base == nullptr when the case
+// has no baseline rows.
+std::vector<Pairing> pair_rows(const std::vector<Row>& rows);
+
+// Shared cell formats.
+std::string format_ms(const Row* row);       // "0.1234", "FAILED", "UNSUPPORTED", "-"
+std::string format_metric(const Row* row);   // GB/s or TFLOP/s by the row's bound, "-"
+std::string metric_unit(const Row& row);     // "GB/s" or "TFLOP/s"
+std::string format_fixed(double v, int decimals);
+std::string format_bytes(double bytes);  // "1.5 GiB"
+
+// A plain-text table: first line the header (underlined), first column left-aligned, the
+// others right-aligned, " | " between columns.
+using Cells = std::vector<std::string>;
+void write_aligned(std::ostream& out, const std::vector<Cells>& lines);
+
+// Kernel | Ours (ms) | Base (ms) | Speedup | Metric | Ours | Base | % roofline, then failures
+// and skipped cases with their messages.
+void write_terminal_table(std::ostream& out, const RunResult& result);
+
+// One line per row with every field (stable column order, header first).
+void write_csv(std::ostream& out, const RunResult& result);
+std::vector<std::string> csv_columns();
+
+// Environment, roofline, one table per op, geomean speedup over each baseline, failures.
+void write_markdown(std::ostream& out, const RunResult& result);
+// Several runs (name, result) on one page: a table of the runs, then per-op tables with a Run
+// column (trainscale-bench report DIR).
+void write_markdown_report(std::ostream& out, const std::vector<std::pair<std::string, RunResult>>& runs);
+// Geomean of the speedups over baseline `name` among timed pairings.
+double geomean_speedup(const std::vector<Pairing>& pairings, const std::string& baseline);
+
+// Writes `write(stream)` to `path`; throws trainscale::Error when it cannot.
+void write_text_file(const std::string& path, const std::function<void(std::ostream&)>& write);
+
+}  // namespace trainscale::bench

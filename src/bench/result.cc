@@ -1,0 +1,35 @@
+#include "bench/result.h"
+
+#include <algorithm>
+
+namespace trainscale::bench {
+
+namespace {
+constexpr std::pair<Status, const char*> kStatusNames[] = {
+    {Status::kOk, "ok"},
+    {Status::kFailed, "failed"},
+    {Status::kUnsupported, "unsupported"},
+    {Status::kSkipped, "skipped"},
+    {Status::kInterrupted, "interrupted"},
+};
+}  // namespace
+
+const char* status_name(Status status) {
+  for (const auto& [s, name] : kStatusNames) {
+    if (s == status) return name;
+  }
+  return "unknown";
+}
+
+std::optional<Status> parse_status(const std::string& name) {
+  for (const auto& [s, n] : kStatusNames) {
+    if (name == n) return s;
+  }
+  return std::nullopt;
+}
+
+bool RunResult::any_failed() const {
+  return std::any_of(rows.begin(), rows.end(), [](const Row& r) { return r.status == Status::kFailed; });
+}
+
+}  // namespace trainscale::bench

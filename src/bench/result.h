@@ -1,0 +1,92 @@
+// Rows and run results: what the engine produces and every reporter consumes. The JSON form is
+// docs/bench-json.md; bump kSchemaVersion on any incompatible change.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "bench/environment.h"
+#include "bench/registry.h"
+#include "bench/statistics.h"
+#include "bench/timing.h"
+
+namespace trainscale::bench {
+
+inline constexpr int kSchemaVersion = 1;
+
+enum class Status { kOk, kFailed, kUnsupported, kSkipped, kInterrupted };
+const char* status_name(Status status);          // "ok", "failed", ...
+std::optional<Status> parse_status(const std::string& name);
+
+struct Row {
+  std::string case_name;  // "rmsnorm_fwd 32768x4096 bfloat16"
+  std::string op, family, shape, dtype;
+  std::string impl;  // "trainscale", "cpu-ref", baseline name
+  bool baseline = false;
+  std::string device;  // "cuda" or "cpu"
+  Status status = Status::kOk;
+  std::string message;  // why FAILED / UNSUPPORTED / SKIPPED
+
+  // Timing (Status::kOk; partial for kInterrupted)
+  std::string timer;  // "host", "cuda-events", "cuda-graph"
+  int batch = 1;      // launches per timed replay (cuda-graph)
+  bool cold = false;  // L2 flushed before each sample
+  int rotate = 1;
+  Summary ms;
+  std::string stop_reason;
+
+  // Work and rates at the median
+  double bytes = 0, flops = 0;
+  Bound bound = Bound::kMemory;
+  double gbps = 0, tflops = 0;
+  std::optional<double> pct_roofline;  // of the ceiling `bound` selects
+
+  // Gate
+  double rel_l2 = 0, max_abs_err = 0, tolerance = 0;
+  std::int64_t rows_checked = 0, rows_total = 0;
+
+  // Outputs + workspace + device memory the implementation kept after its first call.
+  std::int64_t peak_memory_bytes = 0;
+
+  // Clocks and throttling while sampling
+  double sm_mhz_min = 0, sm_mhz_max = 0;
+  std::int64_t throttle_retakes = 0;
+  bool throttled = false;
+  std::string throttle_reasons;
+
+  // Rows of one measurement compare across runs by this key.
+  std::string key() const { return case_name + " | " + impl; }
+};
+
+struct Roofline {
+  std::string gpu, driver;
+  double copy_gbps = 0;       // bytes read + written / time
+  double read_gbps = 0;
+  double gemm_bf16_tflops = 0;  // cuBLASLt, 2*n^3 / time
+  std::int64_t copy_bytes = 0, read_bytes = 0;  // buffer sizes used
+  std::int64_t gemm_n = 0;
+  std::string measured_at;  // UTC ISO
+  std::string source;       // "measured" or the cache file it came from
+};
+
+struct SkippedCase {
+  std::string case_name;
+  std::string reason;
+};
+
+struct RunResult {
+  int schema_version = kSchemaVersion;
+  Environment env;
+  std::string suite;
+  TimingOptions timing;
+  std::optional<Roofline> roofline;
+  std::vector<Row> rows;
+  std::vector<SkippedCase> skipped;
+  bool interrupted = false;
+
+  bool any_failed() const;
+};
+
+}  // namespace trainscale::bench

@@ -1,0 +1,223 @@
+// Reporters (JSON round trip against the documented schema, CSV, Markdown geomean) and compare.
+#include <gtest/gtest.h>
+
+#include <sstream>
+
+#include "bench/compare.h"
+#include "bench/report_json.h"
+#include "bench/reporters.h"
+#include "trainscale/error.h"
+
+namespace trainscale::bench {
+namespace {
+
+Row timed_row(const std::string& op, const std::string& impl, bool baseline, double median_ms, double rel_noise = 0.001) {
+  Row r;
+  r.op = op;
+  r.family = "test";
+  r.shape = "1024x4096";
+  r.dtype = "bfloat16";
+  r.case_name = op + " 1024x4096 bfloat16";
+  r.impl = impl;
+  r.baseline = baseline;
+  r.device = "cuda";
+  r.timer = "cuda-events";
+  r.cold = true;
+  r.ms.count = 50;
+  r.ms.median = median_ms;
+  r.ms.mean = median_ms * 1.01;
+  r.ms.min = median_ms * 0.99;
+  r.ms.max = median_ms * 1.2;
+  r.ms.p5 = median_ms * 0.995;
+  r.ms.p95 = median_ms * 1.05;
+  r.ms.p99 = median_ms * 1.1;
+  r.ms.rel_noise = rel_noise;
+  r.stop_reason = "converged";
+  r.bytes = 16e6;
+  r.flops = 4e6;
+  r.gbps = r.bytes / (median_ms * 1e-3) / 1e9;
+  r.pct_roofline = 50.0;
+  r.rel_l2 = 1e-3;
+  r.tolerance = 1e-2;
+  r.rows_checked = r.rows_total = 1024;
+  r.peak_memory_bytes = 8 << 20;
+  return r;
+}
+
+RunResult sample_run() {
+  RunResult run;
+  run.suite = "smoke";
+  run.env.device = "cuda";
+  run.env.gpu_name = "NVIDIA H100 80GB HBM3";
+  run.env.git_commit = "abc123";
+  run.env.seed = 42;
+  run.env.command_line = "trainscale-bench --suite smoke";
+  run.roofline = Roofline{"NVIDIA H100 80GB HBM3", "580.1", 3000, 2935, 782, 4ll << 30, 2ll << 30, 8192,
+                          "2026-11-21T00:00:00Z", "measured"};
+  run.rows = {timed_row("rmsnorm_fwd", "trainscale", false, 1.0), timed_row("rmsnorm_fwd", "cudnn", true, 2.0),
+              timed_row("softmax_fwd", "trainscale", false, 1.0), timed_row("softmax_fwd", "cudnn", true, 8.0)};
+  Row failed = timed_row("layernorm_fwd", "trainscale", false, 0);
+  failed.status = Status::kFailed;
+  failed.message = "output 'y': NaN at 3, where the reference is finite";
+  failed.ms = {};
+  failed.gbps = 0;
+  failed.pct_roofline.reset();
+  run.rows.push_back(failed);
+  run.skipped = {{"rmsnorm_fwd 4194304x4096 bfloat16", "does not fit in device memory"}};
+  return run;
+}
+
+TEST(BenchJson, RoundTripKeepsEveryField) {
+  const RunResult run = sample_run();
+  const nlohmann::json j = to_json(run);
+  const RunResult back = run_result_from_json(nlohmann::json::parse(j.dump()));
+  EXPECT_EQ(to_json(back), j);
+  EXPECT_EQ(back.rows.size(), run.rows.size());
+  EXPECT_EQ(back.rows[4].status, Status::kFailed);
+  EXPECT_FALSE(back.rows[4].pct_roofline.has_value());
+  EXPECT_EQ(back.roofline->gemm_bf16_tflops, 782);
+}
+
+// docs/bench-json.md lists these keys; a change here is a schema change.
+TEST(BenchJson, MatchesTheDocumentedSchema) {
+  const nlohmann::json j = to_json(sample_run());
+  EXPECT_EQ(j.at("schema"), "trainscale-bench");
+  EXPECT_EQ(j.at("schema_version"), kSchemaVersion);
+  for (const char* key : {"suite", "interrupted", "env", "timing"}) EXPECT_TRUE(j.at("meta").contains(key)) << key;
+  for (const char* key : {"device", "gpu_name", "compute_capability", "device_index", "sm_count", "l2_bytes",
+                          "memory_bytes", "driver", "cuda_runtime", "cuda_driver", "cudnn", "cublas", "clock_source",
+                          "sm_clock_mhz", "sm_clock_max_mhz", "mem_clock_mhz", "power_w", "temperature_c", "cpu_name",
+                          "cpu_threads", "git_commit", "date_utc", "command_line", "trainscale_version", "seed"}) {
+    EXPECT_TRUE(j.at("meta").at("env").contains(key)) << key;
+  }
+  for (const char* key : {"target_rel_noise", "min_samples", "min_time_ms", "timeout_ms", "max_samples", "warmup_ms",
+                          "warmup_min", "flush_l2", "rotate", "batch", "max_throttle_retakes"}) {
+    EXPECT_TRUE(j.at("meta").at("timing").contains(key)) << key;
+  }
+  for (const char* key : {"gpu", "driver", "copy_gbps", "read_gbps", "gemm_bf16_tflops", "copy_bytes", "read_bytes",
+                          "gemm_n", "measured_at", "source"}) {
+    EXPECT_TRUE(j.at("roofline").contains(key)) << key;
+  }
+  const nlohmann::json& row = j.at("rows").at(0);
+  for (const char* key : {"case", "op", "family", "shape", "dtype", "impl", "baseline", "device", "status", "message",
+                          "timer", "batch", "cold", "rotate", "ms", "stop_reason", "bytes", "flops", "bound", "gbps",
+                          "tflops", "pct_roofline", "gate", "peak_memory_bytes", "clocks"}) {
+    EXPECT_TRUE(row.contains(key)) << key;
+  }
+  for (const char* key : {"count", "median", "mean", "std", "min", "max", "p5", "p95", "p99", "rel_noise"}) {
+    EXPECT_TRUE(row.at("ms").contains(key)) << key;
+  }
+  for (const char* key : {"rel_l2", "max_abs_err", "tolerance", "rows_checked", "rows_total"}) {
+    EXPECT_TRUE(row.at("gate").contains(key)) << key;
+  }
+  for (const char* key : {"sm_mhz_min", "sm_mhz_max", "throttle_retakes", "throttled", "throttle_reasons"}) {
+    EXPECT_TRUE(row.at("clocks").contains(key)) << key;
+  }
+  EXPECT_EQ(j.at("rows").size(), 5u);
+  EXPECT_EQ(j.at("skipped").at(0).at("reason"), "does not fit in device memory");
+}
+
+TEST(BenchJson, RejectsOtherDocuments) {
+  EXPECT_THROW(run_result_from_json(nlohmann::json::parse(R"({"rows": []})")), Error);
+  nlohmann::json newer = to_json(sample_run());
+  newer["schema_version"] = kSchemaVersion + 1;
+  EXPECT_THROW(run_result_from_json(newer), Error);
+  nlohmann::json bad_status = to_json(sample_run());
+  bad_status["rows"][0]["status"] = "great";
+  EXPECT_THROW(run_result_from_json(bad_status), Error);
+}
+
+TEST(BenchCsv, HeaderAndOneLinePerRow) {
+  std::ostringstream out;
+  write_csv(out, sample_run());
+  std::istringstream lines(out.str());
+  std::string header, line;
+  std::getline(lines, header);
+  std::string expected;
+  for (const auto& c : csv_columns()) expected += (expected.empty() ? "" : ",") + c;
+  EXPECT_EQ(header, expected);
+  int count = 0;
+  while (std::getline(lines, line)) {
+    ++count;
+    if (line.find("layernorm") != std::string::npos) {
+      // The message holds a comma: quoted.
+      EXPECT_NE(line.find("failed"), std::string::npos);
+      EXPECT_NE(line.find("\"output 'y': NaN at 3, where the reference is finite\""), std::string::npos);
+    } else {
+      EXPECT_EQ(std::count(line.begin(), line.end(), ','), static_cast<long>(csv_columns().size() - 1)) << line;
+    }
+  }
+  EXPECT_EQ(count, 5);
+}
+
+TEST(BenchMarkdown, GeomeanSpeedupOverEachBaseline) {
+  const RunResult run = sample_run();
+  const std::vector<Pairing> pairings = pair_rows(run.rows);
+  ASSERT_EQ(pairings.size(), 3u);
+  EXPECT_DOUBLE_EQ(pairings[0].speedup(), 2.0);
+  EXPECT_DOUBLE_EQ(pairings[1].speedup(), 8.0);
+  EXPECT_EQ(pairings[2].base, nullptr);
+  EXPECT_DOUBLE_EQ(geomean_speedup(pairings, "cudnn"), 4.0);
+  std::ostringstream out;
+  write_markdown(out, run);
+  const std::string md = out.str();
+  EXPECT_NE(md.find("| cudnn | 2 | 4.000x |"), std::string::npos) << md;
+  EXPECT_NE(md.find("## rmsnorm_fwd"), std::string::npos);
+  EXPECT_NE(md.find("## softmax_fwd"), std::string::npos);
+  EXPECT_NE(md.find("| layernorm_fwd 1024x4096 bfloat16 | trainscale | FAILED |"), std::string::npos) << md;
+  EXPECT_NE(md.find("does not fit in device memory"), std::string::npos);
+  EXPECT_NE(md.find("`abc123`"), std::string::npos);
+}
+
+TEST(BenchTerminal, TableHasTheDocumentedColumns) {
+  std::ostringstream out;
+  write_terminal_table(out, sample_run());
+  const std::string text = out.str();
+  EXPECT_EQ(text.rfind("Kernel", 0), 0u);
+  for (const char* column : {"Ours (ms)", "Base (ms)", "Speedup", "Metric", "% roofline"}) {
+    EXPECT_NE(text.find(column), std::string::npos) << column;
+  }
+  EXPECT_NE(text.find("2.00x"), std::string::npos);
+  EXPECT_NE(text.find("50.0%"), std::string::npos);
+  EXPECT_NE(text.find("FAILED"), std::string::npos);
+}
+
+TEST(BenchCompare, VerdictsFollowTheNoise) {
+  RunResult old_run, new_run;
+  old_run.rows = {timed_row("same", "trainscale", false, 1.00, 0.01), timed_row("faster", "trainscale", false, 1.00),
+                  timed_row("slower", "trainscale", false, 1.00), timed_row("slightly", "trainscale", false, 1.00),
+                  timed_row("gone", "trainscale", false, 1.00), timed_row("breaks", "trainscale", false, 1.00)};
+  new_run.rows = {timed_row("same", "trainscale", false, 1.01, 0.01),  // 1% apart, +-2% noise
+                  timed_row("faster", "trainscale", false, 0.90), timed_row("slower", "trainscale", false, 1.10),
+                  timed_row("slightly", "trainscale", false, 1.03),  // slower, but under the 5% threshold
+                  timed_row("fresh", "trainscale", false, 1.00), timed_row("breaks", "trainscale", false, 1.00)};
+  new_run.rows.back().status = Status::kFailed;
+  const Comparison c = compare_runs(old_run, new_run, 0.05);
+  auto verdict = [&](const std::string& op) {
+    for (const auto& r : c.rows) {
+      if (r.key.rfind(op + " ", 0) == 0) return r;
+    }
+    throw std::runtime_error("no row " + op);
+  };
+  EXPECT_EQ(verdict("same").verdict, Verdict::kSame);
+  EXPECT_EQ(verdict("faster").verdict, Verdict::kFaster);
+  EXPECT_EQ(verdict("slower").verdict, Verdict::kSlower);
+  EXPECT_TRUE(verdict("slower").regression);
+  EXPECT_NEAR(verdict("slower").change, 0.10, 1e-12);
+  EXPECT_EQ(verdict("slightly").verdict, Verdict::kSlower);
+  EXPECT_FALSE(verdict("slightly").regression);
+  EXPECT_EQ(verdict("gone").verdict, Verdict::kOnlyOld);
+  EXPECT_EQ(verdict("fresh").verdict, Verdict::kOnlyNew);
+  EXPECT_EQ(verdict("breaks").verdict, Verdict::kNotTimed);
+  EXPECT_TRUE(verdict("breaks").regression);
+  EXPECT_TRUE(c.regressed());
+  EXPECT_FALSE(compare_runs(old_run, old_run, 0.05).regressed());
+
+  std::ostringstream text;
+  write_comparison(text, c, false);
+  EXPECT_NE(text.str().find("SLOWER (regression)"), std::string::npos);
+  EXPECT_NE(text.str().find("+10.0%"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace trainscale::bench
