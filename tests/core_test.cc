@@ -154,3 +154,34 @@ TEST(Parallel, ChunksCoverRangeOnceAndPropagateExceptions) {
 
 }  // namespace
 }  // namespace trainscale
+
+namespace trainscale {
+namespace {
+
+TEST(HostDType, FastPathsAgreeWithTheGeneralCodec) {
+  using detail::BFloat16Format;
+  using detail::Float16Format;
+  for (std::uint32_t b = 0; b < (1u << 16); ++b) {
+    const double general = Float16Format::decode(b);
+    const double fast = detail::half_to_double(static_cast<std::uint16_t>(b));
+    ASSERT_TRUE(fast == general || (std::isnan(fast) && std::isnan(general))) << b;
+    const double bgeneral = BFloat16Format::decode(b);
+    const double bfast = detail::bf16_to_double(static_cast<std::uint16_t>(b));
+    ASSERT_TRUE(bfast == bgeneral || (std::isnan(bfast) && std::isnan(bgeneral))) << b;
+  }
+  std::uniform_int_distribution<std::uint32_t> bits;
+  for (int i = 0; i < 200000; ++i) {
+    const std::uint32_t u = bits(test::rng());
+    float f;
+    std::memcpy(&f, &u, 4);
+    if (std::isnan(f)) continue;
+    ASSERT_EQ(detail::double_to_bf16(f),
+              BFloat16Format::encode(f, detail::Overflow::kToInfinity))
+        << f;
+  }
+  EXPECT_EQ(detail::double_to_bf16(3.3895313892515355e38), 0x7F7F);  // largest bf16
+  EXPECT_EQ(detail::double_to_bf16(3.4028234663852886e38), 0x7F80);  // FLT_MAX rounds to inf
+}
+
+}  // namespace
+}  // namespace trainscale

@@ -1,3 +1,4 @@
+#include <cstdlib>
 #include "bench/environment.h"
 
 #include <dlfcn.h>
@@ -118,6 +119,8 @@ void capture_gpu(Environment& env, int device_index) {
 }  // namespace
 
 std::string git_commit() {
+  // A copy of the tree without .git (a lent GPU machine) is told its commit by the caller.
+  if (const char* given = std::getenv("TRAINSCALE_GIT_COMMIT"); given && *given) return given;
   const std::string dir = TRAINSCALE_SOURCE_DIR;
   if (auto head = command_output("git -C '" + dir + "' rev-parse HEAD 2>/dev/null")) {
     const auto changes = command_output("git -C '" + dir + "' status --porcelain --untracked-files=no 2>/dev/null");

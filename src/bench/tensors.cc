@@ -89,7 +89,8 @@ void fill_uniform(const TensorView& t, double lo, double hi, std::uint64_t seed)
         detail::store_from_double(t.dtype, t.data, i, static_cast<double>(dist(rng)));
       }
     } else {
-      std::uniform_real_distribution<double> dist(lo, hi);
+      // Float draws: storing them in bf16/fp32 is one exact rounding on the fast path.
+      std::uniform_real_distribution<float> dist(static_cast<float>(lo), static_cast<float>(hi));
       for (std::int64_t i = b; i < e; ++i) detail::store_from_double(t.dtype, t.data, i, dist(rng));
     }
   });

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "trainscale/tensor.h"
 
@@ -86,12 +87,32 @@ using BFloat16Format = NarrowFloat<8, 7, true>;
 using Float8E4M3Format = NarrowFloat<4, 3, false>;
 using Float8E5M2Format = NarrowFloat<5, 2, true>;
 
-inline double half_to_double(std::uint16_t b) { return Float16Format::decode(b); }
-inline double bf16_to_double(std::uint16_t b) { return BFloat16Format::decode(b); }
+// The fast paths below are exact: bf16 is the top half of a float, fp16 has 65536 values,
+// and a value that is exactly a float rounds to bf16 once from its bits.
+inline double bf16_to_double(std::uint16_t b) {
+  const std::uint32_t u = static_cast<std::uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline double half_to_double(std::uint16_t b) {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(1u << 16);
+    for (std::uint32_t i = 0; i < t.size(); ++i) t[i] = static_cast<float>(Float16Format::decode(i));
+    return t;
+  }();
+  return table[b];
+}
 inline std::uint16_t double_to_half(double v) {
   return static_cast<std::uint16_t>(Float16Format::encode(v, Overflow::kToInfinity));
 }
 inline std::uint16_t double_to_bf16(double v) {
+  const float f = static_cast<float>(v);
+  if (static_cast<double>(f) == v) {  // false for NaN, which takes the general path
+    std::uint32_t u;
+    std::memcpy(&u, &f, sizeof u);
+    return static_cast<std::uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  }
   return static_cast<std::uint16_t>(BFloat16Format::encode(v, Overflow::kToInfinity));
 }
 // fp8 casts as the contract's saturate_rn: finite overflow and +-Inf clamp to +-max, NaN stays NaN.
