@@ -100,7 +100,10 @@ void poison(const TensorView& t) {
   const auto bytes = static_cast<std::size_t>(t.numel()) * t.element_size();
   if (t.is_cuda()) {
 #if TRAINSCALE_HAVE_CUDA
+    // The engine's stream is non-blocking: nothing orders it after the legacy stream, so the
+    // poison must have landed before any kernel runs.
     cuda_check(cudaMemset(t.data, 0xFF, bytes), "cudaMemset (poison)");
+    cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize (poison)");
 #endif
     return;
   }
@@ -112,6 +115,7 @@ void copy_tensor(const TensorView& dst, const TensorView& src) {
   if (dst.is_cuda() || src.is_cuda()) {
 #if TRAINSCALE_HAVE_CUDA
     cuda_check(cudaMemcpy(dst.data, src.data, bytes, cudaMemcpyDefault), "cudaMemcpy");
+    cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize (copy)");
 #endif
     return;
   }
