@@ -15,39 +15,38 @@ struct alignas(sizeof(T) * N) Vec {
 template <class T>
 inline constexpr int kVec16 = 16 / static_cast<int>(sizeof(T));
 
-// Read-only, not kept in L1: data touched once.
-template <class T, int N>
-__device__ __forceinline__ Vec<T, N> load_vec_stream(const T* p) {
-  static_assert(sizeof(Vec<T, N>) == 16 || N == 1);
+// N consecutive elements as raw storage: 16-byte loads when the vector is a multiple of 16
+// bytes (p then 16-byte aligned), element loads otherwise. kStreaming: data read once, not
+// kept in L1 (activations); otherwise the read-only cached path (weights re-read by many rows).
+template <class T, int N, bool kStreaming = true>
+__device__ __forceinline__ Vec<T, N> load_raw(const T* p) {
   Vec<T, N> out;
-  if constexpr (sizeof(Vec<T, N>) == 16) {
-    const uint4 raw = __ldcs(reinterpret_cast<const uint4*>(p));
-    out = *reinterpret_cast<const Vec<T, N>*>(&raw);
+  if constexpr (sizeof(Vec<T, N>) % 16 == 0) {
+    constexpr int kChunks = static_cast<int>(sizeof(Vec<T, N>) / 16);
+    uint4 raw[kChunks];
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const uint4* src = reinterpret_cast<const uint4*>(p) + c;
+      raw[c] = kStreaming ? __ldcs(src) : __ldg(src);
+    }
+    memcpy(&out, raw, sizeof(out));
   } else {
-    out.v[0] = *p;
-  }
-  return out;
-}
-
-// Read-only through the non-coherent path and kept (weights re-read by many rows).
-template <class T, int N>
-__device__ __forceinline__ Vec<T, N> load_vec_cached(const T* p) {
-  Vec<T, N> out;
-  if constexpr (sizeof(Vec<T, N>) == 16) {
-    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
-    out = *reinterpret_cast<const Vec<T, N>*>(&raw);
-  } else {
-    out.v[0] = *p;
+#pragma unroll
+    for (int j = 0; j < N; ++j) out.v[j] = p[j];
   }
   return out;
 }
 
 template <class T, int N>
-__device__ __forceinline__ void store_vec(T* p, const Vec<T, N>& v) {
-  if constexpr (sizeof(Vec<T, N>) == 16) {
-    *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&v);
+__device__ __forceinline__ void store_raw(T* p, const Vec<T, N>& v) {
+  if constexpr (sizeof(Vec<T, N>) % 16 == 0) {
+#pragma unroll
+    for (int c = 0; c < static_cast<int>(sizeof(Vec<T, N>) / 16); ++c) {
+      reinterpret_cast<uint4*>(p)[c] = reinterpret_cast<const uint4*>(&v)[c];
+    }
   } else {
-    *p = v.v[0];
+#pragma unroll
+    for (int j = 0; j < N; ++j) p[j] = v.v[j];
   }
 }
 
@@ -60,39 +59,23 @@ inline bool is_aligned(const void* p, std::size_t bytes) {
 
 namespace trainscale::detail {
 
-// N consecutive elements of T as floats; p is 16-byte aligned whenever N * sizeof(T) is a
-// multiple of 16 (the vector path), otherwise elements are read one by one.
 template <class T, int N>
+__device__ __forceinline__ void to_floats(const Vec<T, N>& v, float (&out)[N]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) out[j] = to_float(v.v[j]);
+}
+
+template <class T, int N, bool kStreaming = true>
 __device__ __forceinline__ void load_floats(const T* p, float (&out)[N]) {
-  if constexpr (N * sizeof(T) % 16 == 0) {
-    constexpr int kPer = kVec16<T>;
-#pragma unroll
-    for (int c = 0; c < N / kPer; ++c) {
-      const Vec<T, kPer> v = load_vec_stream<T, kPer>(p + c * kPer);
-#pragma unroll
-      for (int j = 0; j < kPer; ++j) out[c * kPer + j] = to_float(v.v[j]);
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < N; ++j) out[j] = to_float(p[j]);
-  }
+  to_floats(load_raw<T, N, kStreaming>(p), out);
 }
 
 template <class T, int N>
 __device__ __forceinline__ void store_floats(T* p, const float (&in)[N]) {
-  if constexpr (N * sizeof(T) % 16 == 0) {
-    constexpr int kPer = kVec16<T>;
+  Vec<T, N> v;
 #pragma unroll
-    for (int c = 0; c < N / kPer; ++c) {
-      Vec<T, kPer> v;
-#pragma unroll
-      for (int j = 0; j < kPer; ++j) v.v[j] = from_float<T>(in[c * kPer + j]);
-      store_vec<T, kPer>(p + c * kPer, v);
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < N; ++j) p[j] = from_float<T>(in[j]);
-  }
+  for (int j = 0; j < N; ++j) v.v[j] = from_float<T>(in[j]);
+  store_raw(p, v);
 }
 
 }  // namespace trainscale::detail

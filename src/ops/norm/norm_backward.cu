@@ -280,9 +280,10 @@ Plan plan_backward(const BackwardArgs& a, NormVariant variant) {
                        rows_vectorizable(a.d_residual, a.d_residual_stride, sizeof(X));
   Plan plan;
   plan.vectorized = aligned;
-  plan.registers = use_registers(variant, aligned, vecs);
+  plan.registers =
+      use_registers(variant, aligned, vecs, kMaxRegisterVecs<kBackwardVecsPerThread>);
   if (plan.registers) {
-    with_register_config(vecs, [&](auto threads, auto) {
+    with_register_config<kBackwardVecsPerThread>(vecs, [&](auto threads, auto) {
       constexpr int kThreads = decltype(threads)::value;
       constexpr int kBlock = kThreads > kBackwardBlock ? kThreads : kBackwardBlock;
       constexpr int kRowsPerBlock = kBlock / kThreads;
@@ -327,7 +328,7 @@ void launch_backward(BackwardArgs a, const TensorView& dw, const TensorView& db,
   constexpr int V = detail::kVec16<T>;
   const auto grid = static_cast<unsigned>(plan.blocks);
   if (plan.registers) {
-    with_register_config((a.cols + V - 1) / V, [&](auto threads, auto per_thread) {
+    with_register_config<kBackwardVecsPerThread>((a.cols + V - 1) / V, [&](auto threads, auto per_thread) {
       constexpr int kThreads = decltype(threads)::value;
       constexpr int kBlock = kThreads > kBackwardBlock ? kThreads : kBackwardBlock;
       backward_registers_kernel<T, X, kKind, kThreads, decltype(per_thread)::value>
@@ -374,7 +375,7 @@ std::size_t backward_workspace_bytes_cuda(std::int64_t rows, std::int64_t cols, 
   const auto vec = static_cast<std::int64_t>(16 / dtype_size(dtype));
   const std::int64_t vecs = (cols + vec - 1) / vec;
   std::int64_t row_groups = rows;
-  with_register_config(vecs, [&](auto threads, auto) {
+  with_register_config<kBackwardVecsPerThread>(vecs, [&](auto threads, auto) {
     constexpr int kThreads = decltype(threads)::value;
     constexpr int kRowsPerBlock = (kThreads > kBackwardBlock ? kThreads : kBackwardBlock) / kThreads;
     row_groups = (rows + kRowsPerBlock - 1) / kRowsPerBlock;

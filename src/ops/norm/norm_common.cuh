@@ -16,26 +16,32 @@ namespace trainscale::ops::norm {
 
 enum class Kind { kRms, kLayer };
 
-// Rows whose 16-byte vectors fit this many per row keep the whole row in registers
-// (bf16: N <= 32768, fp32: N <= 16384); longer rows take the two-pass kernel.
-inline constexpr std::int64_t kMaxRegisterVecs = 4096;
-inline constexpr int kTwoPassThreads = 512;
-
-// Threads per row (a power of two) and 16-byte vectors per thread for a row of `vecs`
-// vectors: enough vectors per thread to keep several loads in flight, enough threads to
-// cover the row. fn(std::integral_constant<int, threads>, std::integral_constant<int, vecs>).
-template <class Fn>
+// Threads per row (a power of two, 32 ... 1024) and 16-byte vectors per thread for a row of
+// `vecs` vectors: enough vectors per thread to keep several loads in flight, enough threads to
+// cover the row, and few enough values per thread to stay in registers. The forward holds 4
+// vectors per thread; the backward 2 (it also carries dy and the weight-gradient sums).
+// fn(std::integral_constant<int, threads>, std::integral_constant<int, vecs per thread>).
+template <int kVecsPerThread, class Fn>
 void with_register_config(std::int64_t vecs, Fn&& fn) {
+  static_assert(kVecsPerThread == 2 || kVecsPerThread == 4);
   using std::integral_constant;
+  using Per = integral_constant<int, kVecsPerThread>;
   if (vecs <= 32) return fn(integral_constant<int, 32>{}, integral_constant<int, 1>{});
   if (vecs <= 64) return fn(integral_constant<int, 32>{}, integral_constant<int, 2>{});
-  if (vecs <= 128) return fn(integral_constant<int, 32>{}, integral_constant<int, 4>{});
-  if (vecs <= 256) return fn(integral_constant<int, 64>{}, integral_constant<int, 4>{});
-  if (vecs <= 512) return fn(integral_constant<int, 128>{}, integral_constant<int, 4>{});
-  if (vecs <= 1024) return fn(integral_constant<int, 256>{}, integral_constant<int, 4>{});
-  if (vecs <= 2048) return fn(integral_constant<int, 512>{}, integral_constant<int, 4>{});
-  return fn(integral_constant<int, 1024>{}, integral_constant<int, 4>{});
+  if (vecs <= 32 * kVecsPerThread) return fn(integral_constant<int, 32>{}, Per{});
+  if (vecs <= 64 * kVecsPerThread) return fn(integral_constant<int, 64>{}, Per{});
+  if (vecs <= 128 * kVecsPerThread) return fn(integral_constant<int, 128>{}, Per{});
+  if (vecs <= 256 * kVecsPerThread) return fn(integral_constant<int, 256>{}, Per{});
+  if (vecs <= 512 * kVecsPerThread) return fn(integral_constant<int, 512>{}, Per{});
+  return fn(integral_constant<int, 1024>{}, Per{});
 }
+
+// Longest row (in 16-byte vectors) the register kernels take; longer rows use two passes.
+template <int kVecsPerThread>
+inline constexpr std::int64_t kMaxRegisterVecs = 1024 * kVecsPerThread;
+inline constexpr int kForwardVecsPerThread = 4;
+inline constexpr int kBackwardVecsPerThread = 2;
+inline constexpr int kTwoPassThreads = 512;
 
 // Rows of `elem_bytes` elements starting at p with `stride` elements between rows can be
 // read with 16-byte vectors.
@@ -45,12 +51,13 @@ inline bool rows_vectorizable(const void* p, std::int64_t stride, std::size_t el
 }
 
 // Whether the register kernels apply: aligned rows and a row short enough.
-inline bool use_registers(NormVariant variant, bool aligned, std::int64_t vecs) {
+inline bool use_registers(NormVariant variant, bool aligned, std::int64_t vecs,
+                          std::int64_t max_vecs) {
   if (variant == NormVariant::kTwoPass) return false;
-  const bool fits = aligned && vecs <= kMaxRegisterVecs;
+  const bool fits = aligned && vecs <= max_vecs;
   if (variant == NormVariant::kRegisters && !fits) {
     throw Error("trainscale norm: the register variant needs 16-byte aligned rows of at most " +
-                std::to_string(kMaxRegisterVecs) + " vectors");
+                std::to_string(max_vecs) + " vectors");
   }
   return fits;
 }

@@ -216,8 +216,8 @@ void launch_forward(const ForwardArgs& a, NormVariant variant, cudaStream_t stre
   if constexpr (!std::is_void_v<R>) {
     aligned = aligned && rows_vectorizable(a.residual, a.residual_stride, sizeof(R));
   }
-  if (use_registers(variant, aligned, vecs)) {
-    with_register_config(vecs, [&](auto threads, auto per_thread) {
+  if (use_registers(variant, aligned, vecs, kMaxRegisterVecs<kForwardVecsPerThread>)) {
+    with_register_config<kForwardVecsPerThread>(vecs, [&](auto threads, auto per_thread) {
       constexpr int kThreads = decltype(threads)::value;
       constexpr int kBlock = kThreads > kForwardBlock ? kThreads : kForwardBlock;
       constexpr int kRowsPerBlock = kBlock / kThreads;
