@@ -149,7 +149,7 @@ __global__ void __launch_bounds__(kThreads > kForwardBlock ? kThreads : kForward
 // from L2) and writes. V is the vector width when rows are aligned, else 1.
 template <class T, class R, Kind kKind, int V>
 __global__ void __launch_bounds__(kTwoPassThreads) forward_two_pass_kernel(ForwardArgs a) {
-  __shared__ float scratch[kTwoPassThreads / 32 * 2];
+  __shared__ float scratch[kTwoPassThreads / 32 * 3];
   const std::int64_t n = a.cols;
   constexpr std::int64_t kStep = static_cast<std::int64_t>(kTwoPassThreads) * V;
   for (std::int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
@@ -164,23 +164,27 @@ __global__ void __launch_bounds__(kTwoPassThreads) forward_two_pass_kernel(Forwa
       }
       __syncthreads();
     }
-    float sums[2] = {0.f, 0.f};
+    // sums: x (for the mean), x - pivot and (x - pivot)^2 (for the variance). The mean is not
+    // pivot + mean(x - pivot): that sum cancels when the mean is near 0.
+    float sums[3] = {0.f, 0.f, 0.f};
     for (std::int64_t col = threadIdx.x * V; col < n; col += kStep) {
       float v[V];
       load_input<T, R, V>(a, row, col, v);
 #pragma unroll
       for (int j = 0; j < V; ++j) {
         const float d = v[j] - pivot;
-        sums[0] += d;
-        sums[1] += d * d;
+        sums[0] += v[j];
+        sums[1] += d;
+        sums[2] += d * d;
       }
     }
-    row_sum<kTwoPassThreads, 2>(sums, scratch);  // its barriers also publish the residual
-    const float mean_shifted = kKind == Kind::kLayer ? sums[0] / static_cast<float>(n) : 0.f;
+    row_sum<kTwoPassThreads, 3>(sums, scratch);  // its barriers also publish the residual
+    const float inv_n = 1.f / static_cast<float>(n);
+    const float mean_shifted = kKind == Kind::kLayer ? sums[1] * inv_n : 0.f;
     // Clamp the rounding-negative variance without fmaxf, which would turn NaN into 0.
-    const float raw_var = sums[1] / static_cast<float>(n) - mean_shifted * mean_shifted;
+    const float raw_var = sums[2] * inv_n - mean_shifted * mean_shifted;
     const float var = raw_var < 0.f ? 0.f : raw_var;
-    const float mean = pivot + mean_shifted;
+    const float mean = kKind == Kind::kLayer ? sums[0] * inv_n : 0.f;
     const float rstd = rsqrtf(var + a.eps);
     T* y_row = static_cast<T*>(a.y) + row * a.y_stride;
     for (std::int64_t col = threadIdx.x * V; col < n; col += kStep) {
