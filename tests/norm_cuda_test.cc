@@ -67,6 +67,12 @@ std::vector<NormVariant> variants_for(const Shape& s, DType dt) {
   return {NormVariant::kAuto};
 }
 
+// Large shapes exercise the long-row paths; their fp64 reference is slow, so they run for
+// bf16 with a bf16 weight/residual only (the dtype logic is covered by the small shapes).
+bool worth_every_dtype(const Shape& s, DType dt, DType second) {
+  return s.rows * s.cols <= (1 << 20) || (dt == DType::kBFloat16 && second == dt);
+}
+
 constexpr DType kDtypes[] = {DType::kBFloat16, DType::kFloat16, DType::kFloat32};
 
 std::size_t workspace_bytes(std::int64_t rows, std::int64_t cols, DType dt) {
@@ -83,6 +89,7 @@ void check_norm(bool layer) {
   for (DType dt : kDtypes) {
     for (DType wdt : {dt, DType::kFloat32}) {
       for (const Shape& s : shapes()) {
+        if (!worth_every_dtype(s, dt, wdt)) continue;
         for (NormVariant variant : variants_for(s, dt)) {
           SCOPED_TRACE(shape_name(dt, s, wdt, variant));
           const double tol = test::tolerance(dt);
@@ -155,6 +162,7 @@ TEST(NormCuda, FusedAddRMSNormMatchesReference) {
   for (DType dt : kDtypes) {
     for (DType rdt : {dt, DType::kFloat32}) {
       for (const Shape& s : shapes()) {
+        if (!worth_every_dtype(s, dt, rdt)) continue;
         for (NormVariant variant : variants_for(s, dt)) {
           SCOPED_TRACE(shape_name(dt, s, rdt, variant));
           const double tol = test::tolerance(dt);
