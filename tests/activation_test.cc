@@ -4,7 +4,7 @@
 #include <functional>
 #include <numbers>
 
-#include "util/test_util.h"
+#include "util/gpu_util.h"
 
 namespace trainscale {
 namespace {
@@ -327,9 +327,15 @@ TEST(Activation, PlainErrors) {
                   "gelu_forward", "argument 'y'", "non-null");
   TS_EXPECT_ERROR(gelu_forward(x.view(), on_cuda(y.view())), "gelu_forward", "argument 'y'",
                   "cuda:0");
-  TS_EXPECT_ERROR(gelu_forward(on_cuda(x.view()), on_cuda(y.view())), "gelu_forward", "CUDA");
+  // Host memory labelled as CUDA: only safe to pass where no GPU can run it.
+  if (!test::cuda_available()) {
+    TS_EXPECT_ERROR(gelu_forward(on_cuda(x.view()), on_cuda(y.view())), "gelu_forward", "CUDA");
+  }
   TS_EXPECT_ERROR(silu_forward(x.view(), big.view()), "silu_forward", "argument 'y'", "[4, 8]");
-  TS_EXPECT_ERROR(silu_forward(on_cuda(x.view()), on_cuda(y.view())), "silu_forward", "CUDA");
+  // Host memory labelled as CUDA: only safe to pass where no GPU can run it.
+  if (!test::cuda_available()) {
+    TS_EXPECT_ERROR(silu_forward(on_cuda(x.view()), on_cuda(y.view())), "silu_forward", "CUDA");
+  }
 
   TS_EXPECT_ERROR(gelu_backward(x.view(), x.view(), y.view(), bad), "gelu_backward",
                   "argument 'approx'");
@@ -346,12 +352,18 @@ TEST(Activation, PlainErrors) {
                   "argument 'dx'", "disjoint from 'x'");
   TS_EXPECT_ERROR(gelu_backward(on_cuda(y.view()), on_cuda(x.view()), on_cuda(big.view())),
                   "gelu_backward", "argument 'dx'", "[5, 8]");
-  TS_EXPECT_ERROR(gelu_backward(on_cuda(y.view()), on_cuda(x.view()), on_cuda(y.view())),
-                  "gelu_backward", "CUDA");
+  // Host memory labelled as CUDA: only safe to pass where no GPU can run it.
+  if (!test::cuda_available()) {
+    TS_EXPECT_ERROR(gelu_backward(on_cuda(y.view()), on_cuda(x.view()), on_cuda(y.view())),
+                    "gelu_backward", "CUDA");
+  }
   TS_EXPECT_ERROR(silu_backward(y.view(), x.view(), x16.view()), "silu_backward", "argument 'dx'",
                   "float16");
-  TS_EXPECT_ERROR(silu_backward(on_cuda(y.view()), on_cuda(x.view()), on_cuda(y.view())),
-                  "silu_backward", "CUDA");
+  // Host memory labelled as CUDA: only safe to pass where no GPU can run it.
+  if (!test::cuda_available()) {
+    TS_EXPECT_ERROR(silu_backward(on_cuda(y.view()), on_cuda(x.view()), on_cuda(y.view())),
+                    "silu_backward", "CUDA");
+  }
 }
 
 TEST(Activation, GatedErrors) {
@@ -374,13 +386,19 @@ TEST(Activation, GatedErrors) {
                   "argument 'y'", "disjoint from 'a'");
   TS_EXPECT_ERROR(swiglu_forward(a.view(), b.view(), shifted(b.view())), "swiglu_forward",
                   "argument 'y'", "disjoint from 'b'");
-  TS_EXPECT_ERROR(swiglu_forward(on_cuda(a.view()), on_cuda(b.view()), on_cuda(y.view())),
-                  "swiglu_forward", "CUDA");
+  // Host memory labelled as CUDA: only safe to pass where no GPU can run it.
+  if (!test::cuda_available()) {
+    TS_EXPECT_ERROR(swiglu_forward(on_cuda(a.view()), on_cuda(b.view()), on_cuda(y.view())),
+                    "swiglu_forward", "CUDA");
+  }
   TS_EXPECT_ERROR(geglu_forward(a.view(), b.view(), y.view(), bad), "geglu_forward",
                   "argument 'approx'", "-1");
   TS_EXPECT_ERROR(geglu_forward(a.view(), b.view(), TensorView()), "geglu_forward", "argument 'y'");
-  TS_EXPECT_ERROR(geglu_forward(on_cuda(a.view()), on_cuda(b.view()), on_cuda(y.view())),
-                  "geglu_forward", "CUDA");
+  // Host memory labelled as CUDA: only safe to pass where no GPU can run it.
+  if (!test::cuda_available()) {
+    TS_EXPECT_ERROR(geglu_forward(on_cuda(a.view()), on_cuda(b.view()), on_cuda(y.view())),
+                    "geglu_forward", "CUDA");
+  }
 
   TS_EXPECT_ERROR(swiglu_backward(y.view(), a.view(), TensorView(), other.view(), b.view()),
                   "swiglu_backward", "argument 'b'");
@@ -401,16 +419,22 @@ TEST(Activation, GatedErrors) {
   TS_EXPECT_ERROR(swiglu_backward(on_cuda(y.view()), on_cuda(a.view()), on_cuda(b.view()),
                                   on_cuda(other.view()), on_cuda(wide.view())),
                   "swiglu_backward", "argument 'db'");
-  TS_EXPECT_ERROR(swiglu_backward(on_cuda(y.view()), on_cuda(a.view()), on_cuda(b.view()),
-                                  on_cuda(a.view()), on_cuda(b.view())),
-                  "swiglu_backward", "CUDA");
+  // Host memory labelled as CUDA: only safe to pass where no GPU can run it.
+  if (!test::cuda_available()) {
+    TS_EXPECT_ERROR(swiglu_backward(on_cuda(y.view()), on_cuda(a.view()), on_cuda(b.view()),
+                                    on_cuda(a.view()), on_cuda(b.view())),
+                    "swiglu_backward", "CUDA");
+  }
   TS_EXPECT_ERROR(geglu_backward(y.view(), a.view(), b.view(), a.view(), b.view(), bad),
                   "geglu_backward", "argument 'approx'");
   TS_EXPECT_ERROR(geglu_backward(y.view(), a.view(), b.view(), other.view(), other.view()),
                   "geglu_backward", "argument 'da'", "disjoint from 'db'");
-  TS_EXPECT_ERROR(geglu_backward(on_cuda(y.view()), on_cuda(a.view()), on_cuda(b.view()),
-                                 on_cuda(a.view()), on_cuda(b.view())),
-                  "geglu_backward", "CUDA");
+  // Host memory labelled as CUDA: only safe to pass where no GPU can run it.
+  if (!test::cuda_available()) {
+    TS_EXPECT_ERROR(geglu_backward(on_cuda(y.view()), on_cuda(a.view()), on_cuda(b.view()),
+                                   on_cuda(a.view()), on_cuda(b.view())),
+                    "geglu_backward", "CUDA");
+  }
 }
 
 TEST(Activation, PackedErrors) {
@@ -437,14 +461,20 @@ TEST(Activation, PackedErrors) {
                   "argument 'y'", "shape [3, 5]", "last dim halved", "[3, 10]");
   TS_EXPECT_ERROR(swiglu_forward_packed(ab.view(), y_in_ab), "swiglu_forward_packed",
                   "argument 'y'", "disjoint from 'ab'");
-  TS_EXPECT_ERROR(swiglu_forward_packed(on_cuda(ab.view()), on_cuda(y.view())),
-                  "swiglu_forward_packed", "CUDA");
+  // Host memory labelled as CUDA: only safe to pass where no GPU can run it.
+  if (!test::cuda_available()) {
+    TS_EXPECT_ERROR(swiglu_forward_packed(on_cuda(ab.view()), on_cuda(y.view())),
+                    "swiglu_forward_packed", "CUDA");
+  }
   TS_EXPECT_ERROR(geglu_forward_packed(ab.view(), y.view(), bad), "geglu_forward_packed",
                   "argument 'approx'");
   TS_EXPECT_ERROR(geglu_forward_packed(ab32.view(), y.view()), "geglu_forward_packed",
                   "argument 'y'", "float32");
-  TS_EXPECT_ERROR(geglu_forward_packed(on_cuda(ab.view()), on_cuda(y.view())),
-                  "geglu_forward_packed", "CUDA");
+  // Host memory labelled as CUDA: only safe to pass where no GPU can run it.
+  if (!test::cuda_available()) {
+    TS_EXPECT_ERROR(geglu_forward_packed(on_cuda(ab.view()), on_cuda(y.view())),
+                    "geglu_forward_packed", "CUDA");
+  }
 
   TS_EXPECT_ERROR(swiglu_backward_packed(y.view(), odd.view(), dab.view()),
                   "swiglu_backward_packed", "argument 'ab'", "even");
@@ -459,14 +489,20 @@ TEST(Activation, PackedErrors) {
   const TensorView dy_in_dab(dab.data(), DType::kFloat16, {3, 5}, {10, 1});
   TS_EXPECT_ERROR(swiglu_backward_packed(dy_in_dab, ab.view(), dab.view()),
                   "swiglu_backward_packed", "argument 'dab'", "disjoint from 'dy'");
-  TS_EXPECT_ERROR(swiglu_backward_packed(on_cuda(y.view()), on_cuda(ab.view()), on_cuda(ab.view())),
-                  "swiglu_backward_packed", "CUDA");
+  // Host memory labelled as CUDA: only safe to pass where no GPU can run it.
+  if (!test::cuda_available()) {
+    TS_EXPECT_ERROR(swiglu_backward_packed(on_cuda(y.view()), on_cuda(ab.view()), on_cuda(ab.view())),
+                    "swiglu_backward_packed", "CUDA");
+  }
   TS_EXPECT_ERROR(geglu_backward_packed(y.view(), ab.view(), dab.view(), bad),
                   "geglu_backward_packed", "argument 'approx'");
   TS_EXPECT_ERROR(geglu_backward_packed(y.view(), ab.view(), TensorView()), "geglu_backward_packed",
                   "argument 'dab'");
-  TS_EXPECT_ERROR(geglu_backward_packed(on_cuda(y.view()), on_cuda(ab.view()), on_cuda(ab.view())),
-                  "geglu_backward_packed", "CUDA");
+  // Host memory labelled as CUDA: only safe to pass where no GPU can run it.
+  if (!test::cuda_available()) {
+    TS_EXPECT_ERROR(geglu_backward_packed(on_cuda(y.view()), on_cuda(ab.view()), on_cuda(ab.view())),
+                    "geglu_backward_packed", "CUDA");
+  }
 }
 
 }  // namespace

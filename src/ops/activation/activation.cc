@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <string>
 
+#include "ops/activation/activation_cuda.h"
 #include "ops/activation/activation_internal.h"
 
 namespace trainscale {
@@ -66,42 +67,68 @@ void check_packed_half_like(detail::OpChecker& c, const TensorView& t, const cha
   c.rows(t, name);
 }
 
-void finish_on_cuda(const detail::OpChecker& c) {
-  if (c.on_cuda()) detail::throw_no_cuda_kernel(c.op());
+// CUDA tensors: runs launch(stream) on the current device and returns true (or throws in a
+// build without CUDA, where the launchers are declared but never called, so never linked);
+// CPU tensors: returns false, and the caller runs the reference.
+template <class Launch>
+bool ran_on_cuda(const detail::OpChecker& c, cudaStream_t stream, Launch&& launch) {
+  if (!c.on_cuda()) return false;
+#if TRAINSCALE_HAVE_CUDA
+  detail::require_current_device(c.op(), c.device());
+  launch(stream);
+  return true;
+#else
+  (void)stream;
+  (void)launch;
+  detail::throw_no_cuda_build(c.op());
+#endif
 }
 
-void plain_forward(detail::OpChecker& c, Activation act, const TensorView& x, TensorView y) {
+void plain_forward(detail::OpChecker& c, Activation act, const TensorView& x, TensorView y,
+                   cudaStream_t stream) {
   check_first_input(c, x, "x");
   check_like(c, y, "y", x, "x");
   c.in_place_or_disjoint(y, "y", x, "x");
-  finish_on_cuda(c);
+  if (ran_on_cuda(c, stream, [&](cudaStream_t s) {
+        ops::activation::activation_forward_cuda(act, x, y, s, c.op());
+      })) {
+    return;
+  }
   ops::activation::activation_forward_cpu(act, x, y);
 }
 
 void plain_backward(detail::OpChecker& c, Activation act, const TensorView& dy, const TensorView& x,
-                    TensorView dx) {
+                    TensorView dx, cudaStream_t stream) {
   check_first_input(c, x, "x");
   check_like(c, dy, "dy", x, "x");
   check_like(c, dx, "dx", x, "x");
   c.in_place_or_disjoint(dx, "dx", dy, "dy");
   c.in_place_or_disjoint(dx, "dx", x, "x");
-  finish_on_cuda(c);
+  if (ran_on_cuda(c, stream, [&](cudaStream_t s) {
+        ops::activation::activation_backward_cuda(act, dy, x, dx, s, c.op());
+      })) {
+    return;
+  }
   ops::activation::activation_backward_cpu(act, dy, x, dx);
 }
 
 void gated_forward(detail::OpChecker& c, Activation act, const TensorView& a, const TensorView& b,
-                   TensorView y) {
+                   TensorView y, cudaStream_t stream) {
   check_first_input(c, a, "a");
   check_like(c, b, "b", a, "a");
   check_like(c, y, "y", a, "a");
   c.in_place_or_disjoint(y, "y", a, "a");
   c.in_place_or_disjoint(y, "y", b, "b");
-  finish_on_cuda(c);
+  if (ran_on_cuda(c, stream, [&](cudaStream_t s) {
+        ops::activation::gated_forward_cuda(act, a, b, y, s, c.op());
+      })) {
+    return;
+  }
   ops::activation::gated_forward_cpu(act, a, b, y);
 }
 
 void gated_backward(detail::OpChecker& c, Activation act, const TensorView& dy, const TensorView& a,
-                    const TensorView& b, TensorView da, TensorView db) {
+                    const TensorView& b, TensorView da, TensorView db, cudaStream_t stream) {
   check_first_input(c, a, "a");
   check_like(c, b, "b", a, "a");
   check_like(c, dy, "dy", a, "a");
@@ -112,106 +139,121 @@ void gated_backward(detail::OpChecker& c, Activation act, const TensorView& dy, 
     c.in_place_or_disjoint(grad, name, b, "b");
   }
   c.no_overlap(da, "da", db, "db");
-  finish_on_cuda(c);
+  if (ran_on_cuda(c, stream, [&](cudaStream_t s) {
+        ops::activation::gated_backward_cuda(act, dy, a, b, da, db, s, c.op());
+      })) {
+    return;
+  }
   ops::activation::gated_backward_cpu(act, dy, a, b, da, db);
 }
 
-void packed_forward(detail::OpChecker& c, Activation act, const TensorView& ab, TensorView y) {
+void packed_forward(detail::OpChecker& c, Activation act, const TensorView& ab, TensorView y,
+                    cudaStream_t stream) {
   check_packed(c, ab);
   check_packed_half_like(c, y, "y", ab);
   c.no_overlap(y, "y", ab, "ab");
-  finish_on_cuda(c);
-  ops::activation::gated_forward_cpu(act, packed_half(ab, Half::kA), packed_half(ab, Half::kB), y);
+  const TensorView a = packed_half(ab, Half::kA), b = packed_half(ab, Half::kB);
+  if (ran_on_cuda(c, stream, [&](cudaStream_t s) {
+        ops::activation::gated_forward_cuda(act, a, b, y, s, c.op());
+      })) {
+    return;
+  }
+  ops::activation::gated_forward_cpu(act, a, b, y);
 }
 
 void packed_backward(detail::OpChecker& c, Activation act, const TensorView& dy,
-                     const TensorView& ab, TensorView dab) {
+                     const TensorView& ab, TensorView dab, cudaStream_t stream) {
   check_packed(c, ab);
   check_packed_half_like(c, dy, "dy", ab);
   check_like(c, dab, "dab", ab, "ab");
   c.in_place_or_disjoint(dab, "dab", ab, "ab");
   c.no_overlap(dab, "dab", dy, "dy");
-  finish_on_cuda(c);
-  ops::activation::gated_backward_cpu(act, dy, packed_half(ab, Half::kA), packed_half(ab, Half::kB),
-                                      packed_half(dab, Half::kA), packed_half(dab, Half::kB));
+  const TensorView a = packed_half(ab, Half::kA), b = packed_half(ab, Half::kB);
+  const TensorView da = packed_half(dab, Half::kA), db = packed_half(dab, Half::kB);
+  if (ran_on_cuda(c, stream, [&](cudaStream_t s) {
+        ops::activation::gated_backward_cuda(act, dy, a, b, da, db, s, c.op());
+      })) {
+    return;
+  }
+  ops::activation::gated_backward_cpu(act, dy, a, b, da, db);
 }
 
 }  // namespace
 
 void gelu_forward(const TensorView& x, TensorView y, GeluApproximation approx,
-                  cudaStream_t /*stream*/) {
+                  cudaStream_t stream) {
   detail::OpChecker c("gelu_forward");
   check_approximation(c, approx);
-  plain_forward(c, ops::activation::gelu_activation(approx), x, y);
+  plain_forward(c, ops::activation::gelu_activation(approx), x, y, stream);
 }
 
 void gelu_backward(const TensorView& dy, const TensorView& x, TensorView dx,
-                   GeluApproximation approx, cudaStream_t /*stream*/) {
+                   GeluApproximation approx, cudaStream_t stream) {
   detail::OpChecker c("gelu_backward");
   check_approximation(c, approx);
-  plain_backward(c, ops::activation::gelu_activation(approx), dy, x, dx);
+  plain_backward(c, ops::activation::gelu_activation(approx), dy, x, dx, stream);
 }
 
-void silu_forward(const TensorView& x, TensorView y, cudaStream_t /*stream*/) {
+void silu_forward(const TensorView& x, TensorView y, cudaStream_t stream) {
   detail::OpChecker c("silu_forward");
-  plain_forward(c, Activation::kSilu, x, y);
+  plain_forward(c, Activation::kSilu, x, y, stream);
 }
 
 void silu_backward(const TensorView& dy, const TensorView& x, TensorView dx,
-                   cudaStream_t /*stream*/) {
+                   cudaStream_t stream) {
   detail::OpChecker c("silu_backward");
-  plain_backward(c, Activation::kSilu, dy, x, dx);
+  plain_backward(c, Activation::kSilu, dy, x, dx, stream);
 }
 
 void swiglu_forward(const TensorView& a, const TensorView& b, TensorView y,
-                    cudaStream_t /*stream*/) {
+                    cudaStream_t stream) {
   detail::OpChecker c("swiglu_forward");
-  gated_forward(c, Activation::kSilu, a, b, y);
+  gated_forward(c, Activation::kSilu, a, b, y, stream);
 }
 
 void swiglu_backward(const TensorView& dy, const TensorView& a, const TensorView& b, TensorView da,
-                     TensorView db, cudaStream_t /*stream*/) {
+                     TensorView db, cudaStream_t stream) {
   detail::OpChecker c("swiglu_backward");
-  gated_backward(c, Activation::kSilu, dy, a, b, da, db);
+  gated_backward(c, Activation::kSilu, dy, a, b, da, db, stream);
 }
 
 void geglu_forward(const TensorView& a, const TensorView& b, TensorView y, GeluApproximation approx,
-                   cudaStream_t /*stream*/) {
+                   cudaStream_t stream) {
   detail::OpChecker c("geglu_forward");
   check_approximation(c, approx);
-  gated_forward(c, ops::activation::gelu_activation(approx), a, b, y);
+  gated_forward(c, ops::activation::gelu_activation(approx), a, b, y, stream);
 }
 
 void geglu_backward(const TensorView& dy, const TensorView& a, const TensorView& b, TensorView da,
-                    TensorView db, GeluApproximation approx, cudaStream_t /*stream*/) {
+                    TensorView db, GeluApproximation approx, cudaStream_t stream) {
   detail::OpChecker c("geglu_backward");
   check_approximation(c, approx);
-  gated_backward(c, ops::activation::gelu_activation(approx), dy, a, b, da, db);
+  gated_backward(c, ops::activation::gelu_activation(approx), dy, a, b, da, db, stream);
 }
 
-void swiglu_forward_packed(const TensorView& ab, TensorView y, cudaStream_t /*stream*/) {
+void swiglu_forward_packed(const TensorView& ab, TensorView y, cudaStream_t stream) {
   detail::OpChecker c("swiglu_forward_packed");
-  packed_forward(c, Activation::kSilu, ab, y);
+  packed_forward(c, Activation::kSilu, ab, y, stream);
 }
 
 void swiglu_backward_packed(const TensorView& dy, const TensorView& ab, TensorView dab,
-                            cudaStream_t /*stream*/) {
+                            cudaStream_t stream) {
   detail::OpChecker c("swiglu_backward_packed");
-  packed_backward(c, Activation::kSilu, dy, ab, dab);
+  packed_backward(c, Activation::kSilu, dy, ab, dab, stream);
 }
 
 void geglu_forward_packed(const TensorView& ab, TensorView y, GeluApproximation approx,
-                          cudaStream_t /*stream*/) {
+                          cudaStream_t stream) {
   detail::OpChecker c("geglu_forward_packed");
   check_approximation(c, approx);
-  packed_forward(c, ops::activation::gelu_activation(approx), ab, y);
+  packed_forward(c, ops::activation::gelu_activation(approx), ab, y, stream);
 }
 
 void geglu_backward_packed(const TensorView& dy, const TensorView& ab, TensorView dab,
-                           GeluApproximation approx, cudaStream_t /*stream*/) {
+                           GeluApproximation approx, cudaStream_t stream) {
   detail::OpChecker c("geglu_backward_packed");
   check_approximation(c, approx);
-  packed_backward(c, ops::activation::gelu_activation(approx), dy, ab, dab);
+  packed_backward(c, ops::activation::gelu_activation(approx), dy, ab, dab, stream);
 }
 
 }  // namespace trainscale
