@@ -7,6 +7,10 @@
 #include "core/host_dtype.h"
 #include "ops/rope/rope_internal.h"
 
+#if TRAINSCALE_HAVE_CUDA
+#include "ops/rope/rope_cuda.h"
+#endif
+
 namespace trainscale {
 
 const char* rope_style_name(RopeStyle style) {
@@ -175,7 +179,8 @@ void check_offsets(detail::OpChecker& c, const TensorView& offsets, const Tensor
 
 void rope(const char* op, const ArgNames& n, ops::rope::Direction direction, const TensorView& q,
           const TensorView& k, TensorView q_out, TensorView k_out, const TensorView& cos,
-          const TensorView& sin, const TensorView& offsets, const RopeOptions& options) {
+          const TensorView& sin, const TensorView& offsets, const RopeOptions& options,
+          cudaStream_t stream) {
   detail::OpChecker c(op);
   c.present(q, n.q).dtype_in(q, n.q, kFloatTypes).ndim(q, n.q, 4).unit_last_stride(q, n.q);
   const std::int64_t rotary_dim = check_options(c, options, q.size(3));
@@ -187,7 +192,17 @@ void rope(const char* op, const ArgNames& n, ops::rope::Direction direction, con
     check_disjoint(c, out, out_name, sin, "sin");
     check_disjoint(c, out, out_name, offsets, "position_offsets");
   }
-  if (c.on_cuda()) detail::throw_no_cuda_kernel(c.op());
+  if (c.on_cuda()) {
+#if TRAINSCALE_HAVE_CUDA
+    detail::require_current_device(c.op(), c.device());
+    ops::rope::rope_cuda(direction, q, k, q_out, k_out, cos, sin, offsets, rotary_dim, options,
+                         stream);
+    return;
+#else
+    (void)stream;
+    detail::throw_no_cuda_build(c.op());
+#endif
+  }
   ops::rope::rope_cpu(direction, q, k, q_out, k_out, cos, sin, offsets, rotary_dim, options);
 }
 
@@ -195,16 +210,16 @@ void rope(const char* op, const ArgNames& n, ops::rope::Direction direction, con
 
 void rope_forward(const TensorView& q, const TensorView& k, TensorView q_out, TensorView k_out,
                   const TensorView& cos, const TensorView& sin, const TensorView& position_offsets,
-                  const RopeOptions& options, cudaStream_t /*stream*/) {
+                  const RopeOptions& options, cudaStream_t stream) {
   rope("rope_forward", kForwardNames, ops::rope::Direction::kForward, q, k, q_out, k_out, cos, sin,
-       position_offsets, options);
+       position_offsets, options, stream);
 }
 
 void rope_backward(const TensorView& dq_out, const TensorView& dk_out, TensorView dq, TensorView dk,
                    const TensorView& cos, const TensorView& sin, const TensorView& position_offsets,
-                   const RopeOptions& options, cudaStream_t /*stream*/) {
+                   const RopeOptions& options, cudaStream_t stream) {
   rope("rope_backward", kBackwardNames, ops::rope::Direction::kBackward, dq_out, dk_out, dq, dk,
-       cos, sin, position_offsets, options);
+       cos, sin, position_offsets, options, stream);
 }
 
 }  // namespace trainscale
