@@ -4,6 +4,7 @@
 // write another NaN byte, so NaN codes match any NaN code (the bytes seen are printed).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -430,6 +431,54 @@ TEST(Fp8DequantizeCuda, MatchesReferenceForEveryLayoutAndDtype) {
       }
     }
   }
+}
+
+// --- Bandwidth (disabled; run with --gtest_also_run_disabled_tests) ---
+
+// bf16 65536 x 8192 (the DESIGN.md targets): GB/s counting x read once and every output written
+// once, median of 20 launches after warm-up (no L2 flush: the 1 GiB input dwarfs the 50 MB L2).
+TEST(Fp8QuantizeCuda, DISABLED_Bandwidth) {
+  TS_REQUIRE_GPU();
+  const std::int64_t M = 65536, N = 8192;
+  const HostTensor x_layout(DType::kBFloat16, {M, N});
+  DeviceTensor d_x(x_layout, false);
+  ASSERT_EQ(cudaMemset(d_x.view().data, 0x3C, static_cast<std::size_t>(M * N * 2)), cudaSuccess);
+  const HostTensor q_layout(DType::kFloat8E4M3, {M, N}), qt_layout(DType::kFloat8E4M3, {N, M});
+  DeviceTensor d_q(q_layout, false), d_qt(qt_layout, false);
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  for (const Fp8QuantizeOptions& o : every_layout(false)) {
+    for (bool transpose : {false, true}) {
+      DeviceTensor d_s(HostTensor(DType::kFloat32, scales_shape(o, M, N)), false);
+      DeviceTensor d_st(HostTensor(DType::kFloat32, scales_shape(o, N, M)), false);
+      auto launch = [&] {
+        fp8_quantize(d_x.view(), d_q.view(), d_s.view(), transpose ? d_qt.view() : TensorView{},
+                     transpose ? d_st.view() : TensorView{}, o);
+      };
+      for (int i = 0; i < 3; ++i) launch();
+      std::vector<float> ms;
+      for (int i = 0; i < 20; ++i) {
+        cudaEventRecord(start);
+        launch();
+        cudaEventRecord(stop);
+        cudaEventSynchronize(stop);
+        float t = 0;
+        cudaEventElapsedTime(&t, start, stop);
+        ms.push_back(t);
+      }
+      std::sort(ms.begin(), ms.end());
+      const double scale_bytes = 4.0 * (HostTensor(DType::kFloat32, scales_shape(o, M, N)).numel() +
+                                        (transpose ? HostTensor(DType::kFloat32, scales_shape(o, N, M)).numel() : 0));
+      const double bytes = static_cast<double>(M * N) * (2 + 1 + (transpose ? 1 : 0)) + scale_bytes;
+      std::printf("[fp8_cuda] bf16 %lldx%lld %-12s%s%s: %.3f ms, %.0f GB/s\n",
+                  static_cast<long long>(M), static_cast<long long>(N),
+                  fp8_granularity_name(o.granularity), o.scales_m_major ? " m-major" : "",
+                  transpose ? " +transposed" : "", ms[ms.size() / 2], bytes / ms[ms.size() / 2] / 1e6);
+    }
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
 }
 
 }  // namespace

@@ -499,11 +499,12 @@ __global__ void __launch_bounds__(kThreads < 256 ? 256 : kThreads) row_kernel(Ro
     } else {
       m = __reduce_max_sync(kFullMask, m);
       if constexpr (kThreads > 32) {
+        // warp_amax holds kRowsPerBlock rows of kThreads / 32 warps each.
         __syncthreads();  // the previous row's readers are done with warp_amax
         if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = m;
         __syncthreads();
 #pragma unroll
-        for (int w = 0; w < kThreads / 32; ++w) m = max(m, warp_amax[w]);
+        for (int w = 0; w < kThreads / 32; ++w) m = max(m, warp_amax[slot * (kThreads / 32) + w]);
       }
     }
     const float s = scale_from_amax(m, kFp8Max<kE4M3>, a.pow2);
