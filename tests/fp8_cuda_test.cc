@@ -14,7 +14,7 @@
 #include <utility>
 #include <vector>
 
-#include "core/host_dtype.h"
+#include "ops/fp8/fp8_internal.h"
 #include "trainscale/fp8.h"
 #include "util/gpu_util.h"
 
@@ -30,8 +30,6 @@ constexpr Fp8Granularity kGranularities[] = {Fp8Granularity::kTensor, Fp8Granula
                                              Fp8Granularity::kTile1x128,
                                              Fp8Granularity::kBlock128x128};
 
-std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
-std::int64_t align4(std::int64_t n) { return ceil_div(n, 4) * 4; }
 // Row padding that makes a row of n elements a multiple of `m` elements.
 std::int64_t pad_to(std::int64_t n, std::int64_t m) { return (m - n % m) % m; }
 
@@ -42,17 +40,12 @@ std::vector<Fp8QuantizeOptions> every_layout(bool power_of_two) {
   return layouts;
 }
 
+// The scales' shape as the op validates it (fp8_test.cc checks the grid on its own).
 std::vector<std::int64_t> scales_shape(const Fp8QuantizeOptions& o, std::int64_t rows,
                                        std::int64_t cols) {
-  switch (o.granularity) {
-    case Fp8Granularity::kTensor: return {1};
-    case Fp8Granularity::kRow: return {rows};
-    case Fp8Granularity::kTile1x128:
-      if (o.scales_m_major) return {ceil_div(cols, 128), align4(rows)};
-      return {rows, ceil_div(cols, 128)};
-    case Fp8Granularity::kBlock128x128: return {ceil_div(rows, 128), ceil_div(cols, 128)};
-  }
-  return {};
+  const ops::fp8::ScaleGrid grid = ops::fp8::scale_grid(o, rows, cols);
+  if (grid.ndim == 1) return {grid.shape[0]};
+  return {grid.shape[0], grid.shape[1]};
 }
 
 std::string describe(const Fp8QuantizeOptions& o, DType fp8, DType input, std::int64_t M,
