@@ -6,6 +6,10 @@
 
 #include "ops/fp8/fp8_internal.h"
 
+#if TRAINSCALE_HAVE_CUDA
+#include "ops/fp8/fp8_cuda.h"
+#endif
+
 namespace trainscale {
 
 const char* fp8_granularity_name(Fp8Granularity granularity) {
@@ -105,7 +109,7 @@ void check_scales(detail::OpChecker& c, const TensorView& t, const char* name,
 }  // namespace
 
 void fp8_quantize(const TensorView& x, TensorView q, TensorView scales, TensorView q_t,
-                  TensorView scales_t, const Fp8QuantizeOptions& options, cudaStream_t /*stream*/) {
+                  TensorView scales_t, const Fp8QuantizeOptions& options, cudaStream_t stream) {
   detail::OpChecker c("fp8_quantize");
   check_options(c, options);
   check_matrix(c, x, "x", kHighPrecisionTypes);
@@ -131,12 +135,21 @@ void fp8_quantize(const TensorView& x, TensorView q, TensorView scales, TensorVi
       c.no_overlap(*views[out].first, views[out].second, *views[other].first, views[other].second);
     }
   }
-  if (c.on_cuda()) detail::throw_no_cuda_kernel(c.op());
+  if (c.on_cuda()) {
+#if TRAINSCALE_HAVE_CUDA
+    detail::require_current_device(c.op(), c.device());
+    ops::fp8::fp8_quantize_cuda(x, q, scales, q_t, scales_t, options, stream);
+    return;
+#else
+    (void)stream;
+    detail::throw_no_cuda_build(c.op());
+#endif
+  }
   ops::fp8::fp8_quantize_cpu(x, q, scales, q_t, scales_t, options);
 }
 
 void fp8_dequantize(const TensorView& q, const TensorView& scales, TensorView y,
-                    const Fp8QuantizeOptions& options, cudaStream_t /*stream*/) {
+                    const Fp8QuantizeOptions& options, cudaStream_t stream) {
   detail::OpChecker c("fp8_dequantize");
   check_options(c, options);
   check_matrix(c, q, "q", kFp8Types);
@@ -144,7 +157,16 @@ void fp8_dequantize(const TensorView& q, const TensorView& scales, TensorView y,
   check_matrix(c, y, "y", kHighPrecisionTypes);
   c.same_shape(y, "y", q, "q");
   c.no_overlap(y, "y", q, "q").no_overlap(y, "y", scales, "scales");
-  if (c.on_cuda()) detail::throw_no_cuda_kernel(c.op());
+  if (c.on_cuda()) {
+#if TRAINSCALE_HAVE_CUDA
+    detail::require_current_device(c.op(), c.device());
+    ops::fp8::fp8_dequantize_cuda(q, scales, y, options, stream);
+    return;
+#else
+    (void)stream;
+    detail::throw_no_cuda_build(c.op());
+#endif
+  }
   ops::fp8::fp8_dequantize_cpu(q, scales, y, options);
 }
 

@@ -1,0 +1,825 @@
+// FP8 quantize / dequantize kernels. The arithmetic is fixed by include/trainscale/fp8.h and
+// matched bit for bit: amax over |x| as float, r = amax / fmax and q = x / s as IEEE float32
+// divisions (__fdiv_rn; the library is built without fast math, so no flush to zero), and the
+// saturating round-to-nearest-even fp8 cast (cvt.rn.satfinite.{e4m3,e5m2}x2.f32).
+//
+// amax is taken as the unsigned maximum of the bit patterns of |x|: for non-negative floats the
+// integer order is the numeric order, and every NaN (sign cleared) compares above +Inf, so a NaN
+// in a group wins whatever the order, as the contract requires. The same property makes a
+// cross-block amax an atomicMax on those bits.
+//
+// Kernels:
+//   tile_kernel  one 128x128 tile of x per 256-thread block (each thread an 8x8 sub-block, rows
+//                read as 16-byte vectors): 1x128 tiles with the transposed copy,
+//                128x128 blocks, and the quantize / amax passes of the per-tensor scale and of
+//                per-row scales with the transposed copy. The transposed copy goes through a
+//                swizzled 16 KB shared-memory tile of fp8 codes, written as 16-byte rows of q_t.
+//   tile_rows_kernel  1x128 scales without the transposed copy: a half warp per row, 4 tiles each.
+//   row_kernel   per-row scales without the transposed copy: the row in registers, one read.
+//   dequant_kernel  y = float(q) * s.
+// Global amax (per tensor; per row / column with the transposed copy; rows too long for the
+// registers): the scales tensors themselves are the scratch. memset to 0, an amax pass that
+// atomicMax-es the amax bits into them, a finalize kernel that turns each amax into its scale in
+// place, then the quantize pass reads the scales. No allocation, no host synchronization, and
+// the result does not depend on the order of the atomics (max is exact).
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "common/cuda_check.h"
+#include "common/dtype.cuh"
+#include "common/vec.cuh"
+#include "ops/fp8/fp8_cuda.h"
+#include "ops/fp8/fp8_internal.h"
+
+namespace trainscale::ops::fp8 {
+namespace {
+
+using detail::load_raw;
+using detail::to_float;
+using detail::Vec;
+
+constexpr int kTileThreads = 256;          // 16 x 16 threads, each an 8 x 8 sub-block
+constexpr std::int64_t kMaxGrid = 1 << 30;  // grid-stride loops cover the rest
+constexpr unsigned kFullMask = 0xffffffffu;
+
+template <bool kE4M3>
+inline constexpr float kFp8Max = kE4M3 ? 448.0f : 57344.0f;
+
+__device__ __forceinline__ unsigned abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
+
+// The contract's scale for an amax given by its bit pattern (NaN and Inf included).
+__device__ __forceinline__ float scale_from_amax(unsigned amax_bits, float fmax, bool pow2) {
+  const float r = __fdiv_rn(__uint_as_float(amax_bits), fmax);
+  if (r == 0.0f) return 1.0f;  // amax == 0, or r underflowed
+  const unsigned b = __float_as_uint(r);
+  if (!pow2 || b >= 0x7f800000u) return r;  // r >= 0 here: Inf and NaN have bits >= 0x7f800000
+  const unsigned exponent = b >> 23, mantissa = b & 0x7fffffu;
+  if (exponent != 0) {
+    // The next power of two above a normal r; r < 2^120 since amax <= FLT_MAX and fmax >= 448,
+    // so exponent + 1 never reaches the Inf exponent.
+    return mantissa == 0 ? r : __uint_as_float((exponent + 1) << 23);
+  }
+  // Subnormal r = mantissa * 2^-149: the next power of two of the integer mantissa (2^23 is the
+  // smallest normal, 2^-126).
+  return (mantissa & (mantissa - 1)) == 0 ? r : __uint_as_float(1u << (32 - __clz(mantissa)));
+}
+
+template <bool kE4M3>
+__device__ __forceinline__ unsigned encode2(float a, float b) {
+  // x.x lands in the low byte.
+  return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, kE4M3 ? __NV_E4M3 : __NV_E5M2);
+}
+
+// Codes of 8 values sharing scale s, value k in byte k: one float32 division each, then the cast.
+template <bool kE4M3>
+__device__ __forceinline__ uint2 quantize8(const float (&v)[8], float s) {
+  unsigned w[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) w[k] = encode2<kE4M3>(__fdiv_rn(v[2 * k], s), __fdiv_rn(v[2 * k + 1], s));
+  return make_uint2(w[0] | (w[1] << 16), w[2] | (w[3] << 16));
+}
+
+template <class T>
+__device__ __forceinline__ Vec<T, 8> zeros8() {
+  Vec<T, 8> v;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) v.v[k] = detail::from_float<T>(0.0f);
+  return v;
+}
+
+// Elements [col, col + 8) of a row (those at or past `cols` read as 0): one or two 16-byte loads
+// when the row is vector-aligned and the chunk complete, element loads otherwise.
+template <class T>
+__device__ __forceinline__ Vec<T, 8> load_chunk(const T* row, std::int64_t col, std::int64_t cols,
+                                                bool vec_ok) {
+  if (vec_ok && col + 8 <= cols) return load_raw<T, 8>(row + col);
+  Vec<T, 8> v = zeros8<T>();
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    if (col + k < cols) v.v[k] = row[col + k];
+  }
+  return v;
+}
+
+// 8 codes to p = row + col; only those before `cols`.
+__device__ __forceinline__ void store_codes8(std::uint8_t* p, uint2 c, std::int64_t col,
+                                             std::int64_t cols, bool vec_ok) {
+  if (vec_ok && col + 8 <= cols) {
+    *reinterpret_cast<uint2*>(p) = c;
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    if (col + k < cols) p[k] = static_cast<std::uint8_t>((k < 4 ? c.x : c.y) >> (8 * (k & 3)));
+  }
+}
+
+__device__ __forceinline__ void store_codes16(std::uint8_t* p, uint4 c, std::int64_t col,
+                                              std::int64_t cols, bool vec_ok) {
+  if (vec_ok && col + 16 <= cols) {
+    *reinterpret_cast<uint4*>(p) = c;
+    return;
+  }
+  const unsigned w[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+  for (int k = 0; k < 16; ++k) {
+    if (col + k < cols) p[k] = static_cast<std::uint8_t>(w[k / 4] >> (8 * (k & 3)));
+  }
+}
+
+template <class T>
+__device__ __forceinline__ void to_floats8(const Vec<T, 8>& raw, float (&v)[8]) {
+#pragma unroll
+  for (int k = 0; k < 8; ++k) v[k] = to_float(raw.v[k]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 128x128 tiles.
+
+enum class TileMode {
+  kTile,         // 1x128 scales for q (and 128x1 for q_t), computed here
+  kBlock,        // one scale for the tile, computed here
+  kGivenRow,     // scales[row] for q, scales_t[col] for q_t: finalized by an earlier pass
+  kGivenTensor,  // scales[0] for both
+  kAmaxRow,      // amax bits of each row into scales (and of each column into scales_t)
+  kAmaxTensor,   // amax bits of the whole tensor into scales[0]
+};
+
+struct TileArgs {
+  const void* x;
+  std::int64_t x_stride;
+  std::uint8_t* q;
+  std::int64_t q_stride;
+  std::uint8_t* q_t;
+  std::int64_t q_t_stride;
+  float* scales;
+  float* scales_t;
+  std::int64_t rows, cols;             // M, N of x
+  std::int64_t row_tiles, col_tiles;   // ceil(M / 128), ceil(N / 128)
+  std::int64_t pitch, pitch_t;         // kTile m-major: align4(M), align4(N)
+  bool m_major;
+  bool pow2;
+  bool x_vec, q_vec, q_t_vec;          // rows aligned for 16-byte x, 8-byte q, 16-byte q_t access
+};
+
+// Byte transpose of an 8x8 block: out[c] byte r = in[r] byte c.
+__device__ __forceinline__ void transpose8x8(const uint2 (&in)[8], uint2 (&out)[8]) {
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    const unsigned b = c & 3;
+    const unsigned sel = b | ((b + 4) << 4);  // byte 0 from the first word, byte 1 from the second
+    unsigned half[4];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const int r = 2 * p;
+      half[p] = __byte_perm(c < 4 ? in[r].x : in[r].y, c < 4 ? in[r + 1].x : in[r + 1].y, sel);
+    }
+    out[c].x = __byte_perm(half[0], half[1], 0x5410);
+    out[c].y = __byte_perm(half[2], half[3], 0x5410);
+  }
+}
+
+template <class T, bool kE4M3, TileMode kMode, bool kTranspose>
+__global__ void __launch_bounds__(kTileThreads) tile_kernel(TileArgs a) {
+  constexpr bool kAmaxOnly = kMode == TileMode::kAmaxRow || kMode == TileMode::kAmaxTensor;
+  constexpr bool kRowAmax = kMode == TileMode::kTile || kMode == TileMode::kAmaxRow;
+  constexpr bool kColAmax = kTranspose && kRowAmax;
+  constexpr bool kWholeAmax = kMode == TileMode::kBlock || kMode == TileMode::kAmaxTensor;
+  // q and q_t quantize each element with the same scale: q_t is the transpose of q's codes.
+  constexpr bool kSameScale = kMode == TileMode::kBlock || kMode == TileMode::kGivenTensor;
+  constexpr bool kStage = kTranspose && !kAmaxOnly;
+  constexpr float kMax = kFp8Max<kE4M3>;
+
+  __shared__ unsigned col_amax[kColAmax ? kTileThreads / 32 : 1][128];
+  __shared__ float col_scale[kMode == TileMode::kTile && kTranspose ? 128 : 1];
+  // q_t's 128 x 128 codes: row jl (a column of x) holds 16 chunks of 8 codes (8 rows of x);
+  // logical chunk L sits at physical chunk L ^ ((jl / 8) % 16), so that both the 8-byte writes
+  // (16 lanes: 16 columns groups, one chunk each) and the 16-byte reads are conflict free.
+  __shared__ uint2 qt_tile[kStage ? 128 * 16 : 1];
+  __shared__ unsigned warp_amax[kTileThreads / 32];
+
+  const int tid = threadIdx.x;
+  const int cg = tid & 15, rg = tid >> 4, warp = tid >> 5, lane = tid & 31;
+  const T* x = static_cast<const T*>(a.x);
+  const std::int64_t tiles = a.row_tiles * a.col_tiles;
+
+  for (std::int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const std::int64_t bi = tile / a.col_tiles, bj = tile - bi * a.col_tiles;
+    const std::int64_t r0 = bi * 128 + rg * 8;  // this thread's rows r0 .. r0 + 7
+    const std::int64_t c0 = bj * 128 + cg * 8;  // and columns c0 .. c0 + 7
+
+    Vec<T, 8> raw[8];
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      const std::int64_t row = r0 + r;
+      raw[r] = row < a.rows ? load_chunk(x + row * a.x_stride, c0, a.cols, a.x_vec) : zeros8<T>();
+    }
+
+    unsigned ra[8], ca[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) ra[k] = ca[k] = 0;
+    if constexpr (!(kMode == TileMode::kGivenRow || kMode == TileMode::kGivenTensor)) {
+#pragma unroll
+      for (int r = 0; r < 8; ++r) {
+#pragma unroll
+        for (int c = 0; c < 8; ++c) {
+          const unsigned b = abs_bits(to_float(raw[r].v[c]));
+          ra[r] = max(ra[r], b);
+          if constexpr (kColAmax) ca[c] = max(ca[c], b);
+        }
+      }
+    }
+
+    unsigned whole = 0;
+    if constexpr (kWholeAmax) {
+#pragma unroll
+      for (int r = 0; r < 8; ++r) whole = max(whole, ra[r]);
+      whole = __reduce_max_sync(kFullMask, whole);
+      if (lane == 0) warp_amax[warp] = whole;
+      __syncthreads();
+#pragma unroll
+      for (int w = 0; w < kTileThreads / 32; ++w) whole = max(whole, warp_amax[w]);
+    }
+    if constexpr (kMode == TileMode::kAmaxTensor) {
+      if (tid == 0 && whole != 0) atomicMax(reinterpret_cast<unsigned*>(a.scales), whole);
+    }
+
+    if constexpr (kRowAmax) {
+      // A tile row is held by the 16 lanes of one half warp.
+#pragma unroll
+      for (int r = 0; r < 8; ++r) {
+#pragma unroll
+        for (int offset = 8; offset > 0; offset /= 2) {
+          ra[r] = max(ra[r], __shfl_xor_sync(kFullMask, ra[r], offset));
+        }
+      }
+    }
+    if constexpr (kMode == TileMode::kAmaxRow) {
+      if (cg == 0) {
+#pragma unroll
+        for (int r = 0; r < 8; ++r) {
+          if (r0 + r < a.rows && ra[r] != 0) {
+            atomicMax(reinterpret_cast<unsigned*>(a.scales) + r0 + r, ra[r]);
+          }
+        }
+      }
+    }
+
+    if constexpr (kColAmax) {
+      // Column amax: the thread's 8 rows, the other half warp, then the 8 warps.
+#pragma unroll
+      for (int c = 0; c < 8; ++c) ca[c] = max(ca[c], __shfl_xor_sync(kFullMask, ca[c], 16));
+      if (lane < 16) {
+        uint4* dst = reinterpret_cast<uint4*>(&col_amax[warp][cg * 8]);
+        dst[0] = make_uint4(ca[0], ca[1], ca[2], ca[3]);
+        dst[1] = make_uint4(ca[4], ca[5], ca[6], ca[7]);
+      }
+      __syncthreads();
+      if (tid < 128) {
+        unsigned m = 0;
+#pragma unroll
+        for (int w = 0; w < kTileThreads / 32; ++w) m = max(m, col_amax[w][tid]);
+        const std::int64_t j = bj * 128 + tid;
+        if constexpr (kMode == TileMode::kAmaxRow) {
+          if (j < a.cols && m != 0) atomicMax(reinterpret_cast<unsigned*>(a.scales_t) + j, m);
+        } else {
+          const float s = scale_from_amax(m, kMax, a.pow2);
+          col_scale[tid] = s;
+          // scales_t is the 1x128 grid of x^T: row j, tile bi.
+          if (j < a.cols) a.scales_t[a.m_major ? bi * a.pitch_t + j : j * a.row_tiles + bi] = s;
+        }
+      }
+      if constexpr (kMode == TileMode::kTile) __syncthreads();  // col_scale
+    }
+
+    if constexpr (!kAmaxOnly) {
+      // Row scales for q.
+      float rs[8];
+      if constexpr (kMode == TileMode::kTile) {
+#pragma unroll
+        for (int r = 0; r < 8; ++r) {
+          rs[r] = scale_from_amax(ra[r], kMax, a.pow2);
+          const std::int64_t row = r0 + r;
+          if (cg == 0 && row < a.rows) {
+            a.scales[a.m_major ? bj * a.pitch + row : row * a.col_tiles + bj] = rs[r];
+          }
+        }
+        if (a.m_major) {  // zero padding of the m-major layouts: rows M .. align4(M) - 1
+          if (bi == a.row_tiles - 1 && tid < a.pitch - a.rows) {
+            a.scales[bj * a.pitch + a.rows + tid] = 0.0f;
+          }
+          if (kTranspose && bj == a.col_tiles - 1 && tid < a.pitch_t - a.cols) {
+            a.scales_t[bi * a.pitch_t + a.cols + tid] = 0.0f;
+          }
+        }
+      } else if constexpr (kMode == TileMode::kBlock) {
+        const float s = scale_from_amax(whole, kMax, a.pow2);
+#pragma unroll
+        for (int r = 0; r < 8; ++r) rs[r] = s;
+        if (tid == 0) {
+          a.scales[bi * a.col_tiles + bj] = s;
+          if (kTranspose) a.scales_t[bj * a.row_tiles + bi] = s;
+        }
+      } else if constexpr (kMode == TileMode::kGivenRow) {
+#pragma unroll
+        for (int r = 0; r < 8; ++r) rs[r] = r0 + r < a.rows ? a.scales[r0 + r] : 1.0f;
+      } else {  // kGivenTensor
+        const float s = a.scales[0];
+#pragma unroll
+        for (int r = 0; r < 8; ++r) rs[r] = s;
+      }
+
+      uint2 qc[8];
+#pragma unroll
+      for (int r = 0; r < 8; ++r) {
+        float v[8];
+        to_floats8(raw[r], v);
+        qc[r] = quantize8<kE4M3>(v, rs[r]);
+        const std::int64_t row = r0 + r;
+        if (row < a.rows) store_codes8(a.q + row * a.q_stride + c0, qc[r], c0, a.cols, a.q_vec);
+      }
+
+      if constexpr (kTranspose) {
+        uint2 tc[8];
+        if constexpr (kSameScale) {
+          transpose8x8(qc, tc);
+        } else {
+#pragma unroll
+          for (int c = 0; c < 8; ++c) {
+            float s;
+            if constexpr (kMode == TileMode::kTile) {
+              s = col_scale[cg * 8 + c];
+            } else {  // kGivenRow
+              s = c0 + c < a.cols ? a.scales_t[c0 + c] : 1.0f;
+            }
+            float v[8];
+#pragma unroll
+            for (int r = 0; r < 8; ++r) v[r] = to_float(raw[r].v[c]);
+            tc[c] = quantize8<kE4M3>(v, s);
+          }
+        }
+#pragma unroll
+        for (int c = 0; c < 8; ++c) qt_tile[(cg * 8 + c) * 16 + (rg ^ cg)] = tc[c];
+        __syncthreads();
+        // 128 rows of q_t x 8 pieces of 16 codes.
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int p = tid + kTileThreads * k;
+          const int jl = p >> 3, m = p & 7, swz = (jl >> 3) & 15;
+          uint4 v = reinterpret_cast<const uint4*>(qt_tile + jl * 16)[m ^ (swz >> 1)];
+          if (swz & 1) v = make_uint4(v.z, v.w, v.x, v.y);
+          const std::int64_t j = bj * 128 + jl, i = bi * 128 + 16 * m;
+          if (j < a.cols) store_codes16(a.q_t + j * a.q_t_stride + i, v, i, a.rows, a.q_t_vec);
+        }
+      }
+    }
+    __syncthreads();  // shared memory is reused by the next tile
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1x128 tiles without the transposed copy: a 16-lane half warp per row and kTiles consecutive tiles
+// of it (chunk k of lane l covers columns (t0 + k) * 128 + l * 8 .. + 7), 16 rows per block;
+// grid.x walks row groups, grid.y tile groups.
+template <class T, bool kE4M3, int kTiles>
+__global__ void __launch_bounds__(256) tile_rows_kernel(TileArgs a) {
+  const int lane = threadIdx.x & 15, slot = threadIdx.x >> 4;
+  const T* x = static_cast<const T*>(a.x);
+  const std::int64_t last_group = (a.rows - 1) / 16;
+  for (std::int64_t rb = blockIdx.x; rb <= last_group; rb += gridDim.x) {
+    const std::int64_t row = rb * 16 + slot;
+    const bool valid = row < a.rows;  // both half warps run the shuffles either way
+    for (std::int64_t sb = blockIdx.y; sb * kTiles < a.col_tiles; sb += gridDim.y) {
+      const std::int64_t t0 = sb * kTiles;
+      Vec<T, 8> raw[kTiles];
+      unsigned m[kTiles];
+#pragma unroll
+      for (int k = 0; k < kTiles; ++k) {
+        const std::int64_t col = (t0 + k) * 128 + lane * 8;
+        raw[k] = valid ? load_chunk(x + row * a.x_stride, col, a.cols, a.x_vec) : zeros8<T>();
+        m[k] = 0;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) m[k] = max(m[k], abs_bits(to_float(raw[k].v[e])));
+      }
+#pragma unroll
+      for (int k = 0; k < kTiles; ++k) {
+#pragma unroll
+        for (int offset = 8; offset > 0; offset /= 2) {
+          m[k] = max(m[k], __shfl_xor_sync(kFullMask, m[k], offset));
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < kTiles; ++k) {
+        const std::int64_t t = t0 + k;
+        const std::int64_t col = t * 128 + lane * 8;
+        if (!valid || t >= a.col_tiles) continue;
+        const float s = scale_from_amax(m[k], kFp8Max<kE4M3>, a.pow2);
+        if (lane == 0) a.scales[a.m_major ? t * a.pitch + row : row * a.col_tiles + t] = s;
+        if (col < a.cols) {
+          float v[8];
+          to_floats8(raw[k], v);
+          store_codes8(a.q + row * a.q_stride + col, quantize8<kE4M3>(v, s), col, a.cols, a.q_vec);
+        }
+      }
+      // m-major zero padding, rows M .. align4(M) - 1 of each tile column.
+      if (a.m_major && rb == last_group && threadIdx.x < a.pitch - a.rows) {
+#pragma unroll
+        for (int k = 0; k < kTiles; ++k) {
+          if (t0 + k < a.col_tiles) a.scales[(t0 + k) * a.pitch + a.rows + threadIdx.x] = 0.0f;
+        }
+      }
+    }
+  }
+}
+
+template <class T, bool kE4M3>
+void launch_tile_rows(const TileArgs& a, cudaStream_t stream, const char* op) {
+  const std::int64_t row_groups = std::min<std::int64_t>(kMaxGrid, (a.rows + 15) / 16);
+  auto go = [&](auto tiles) {
+    constexpr int kTiles = decltype(tiles)::value;
+    const std::int64_t tile_groups = std::min<std::int64_t>(65535, (a.col_tiles + kTiles - 1) / kTiles);
+    const dim3 grid(static_cast<unsigned>(row_groups), static_cast<unsigned>(tile_groups));
+    tile_rows_kernel<T, kE4M3, kTiles><<<grid, 256, 0, stream>>>(a);
+  };
+  if (a.col_tiles >= 4) {
+    go(std::integral_constant<int, 4>{});
+  } else {
+    go(std::integral_constant<int, 1>{});
+  }
+  detail::check_launch(op);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Whole rows in registers (per-row scales, no transposed copy).
+
+struct RowArgs {
+  const void* x;
+  std::int64_t x_stride;
+  std::uint8_t* q;
+  std::int64_t q_stride;
+  float* scales;
+  std::int64_t rows, cols;
+  bool pow2;
+  bool x_vec, q_vec;
+};
+
+// kThreads threads per row (16 ... 1024), each kChunks chunks of 8 elements: chunk k of lane l
+// covers columns (k * kThreads + l) * 8 .. + 7.
+template <class T, bool kE4M3, int kThreads, int kChunks>
+__global__ void __launch_bounds__(kThreads < 256 ? 256 : kThreads) row_kernel(RowArgs a) {
+  constexpr int kBlock = kThreads < 256 ? 256 : kThreads;
+  constexpr int kRowsPerBlock = kBlock / kThreads;
+  __shared__ unsigned warp_amax[kBlock / 32];
+  const int lane = threadIdx.x % kThreads, slot = threadIdx.x / kThreads;
+  const T* x = static_cast<const T*>(a.x);
+
+  // Every thread runs the same iterations: the reduction below has barriers.
+  for (std::int64_t base = static_cast<std::int64_t>(blockIdx.x) * kRowsPerBlock; base < a.rows;
+       base += static_cast<std::int64_t>(gridDim.x) * kRowsPerBlock) {
+    const std::int64_t row = base + slot;
+    const bool valid = row < a.rows;
+    Vec<T, 8> raw[kChunks];
+    unsigned m = 0;
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) {
+      const std::int64_t col = (static_cast<std::int64_t>(k) * kThreads + lane) * 8;
+      raw[k] = valid ? load_chunk(x + row * a.x_stride, col, a.cols, a.x_vec) : zeros8<T>();
+#pragma unroll
+      for (int e = 0; e < 8; ++e) m = max(m, abs_bits(to_float(raw[k].v[e])));
+    }
+    if constexpr (kThreads < 32) {
+#pragma unroll
+      for (int offset = kThreads / 2; offset > 0; offset /= 2) {
+        m = max(m, __shfl_xor_sync(kFullMask, m, offset));
+      }
+    } else {
+      m = __reduce_max_sync(kFullMask, m);
+      if constexpr (kThreads > 32) {
+        // warp_amax holds kRowsPerBlock rows of kThreads / 32 warps each.
+        __syncthreads();  // the previous row's readers are done with warp_amax
+        if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = m;
+        __syncthreads();
+#pragma unroll
+        for (int w = 0; w < kThreads / 32; ++w) m = max(m, warp_amax[slot * (kThreads / 32) + w]);
+      }
+    }
+    const float s = scale_from_amax(m, kFp8Max<kE4M3>, a.pow2);
+    if (!valid) continue;
+    if (lane == 0) a.scales[row] = s;
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) {
+      const std::int64_t col = (static_cast<std::int64_t>(k) * kThreads + lane) * 8;
+      if (col >= a.cols) continue;
+      float v[8];
+      to_floats8(raw[k], v);
+      store_codes8(a.q + row * a.q_stride + col, quantize8<kE4M3>(v, s), col, a.cols, a.q_vec);
+    }
+  }
+}
+
+// Rows of up to 1024 * 4 chunks (32768 elements) stay in registers.
+constexpr std::int64_t kMaxRegisterChunks = 1024 * 4;
+
+template <class T, bool kE4M3>
+void launch_rows(const RowArgs& a, cudaStream_t stream) {
+  const std::int64_t chunks = (a.cols + 7) / 8;
+  auto go = [&](auto threads, auto per_thread) {
+    constexpr int kThreads = decltype(threads)::value;
+    constexpr int kBlock = kThreads < 256 ? 256 : kThreads;
+    constexpr int kRowsPerBlock = kBlock / kThreads;
+    const std::int64_t grid = std::min(kMaxGrid, (a.rows + kRowsPerBlock - 1) / kRowsPerBlock);
+    row_kernel<T, kE4M3, kThreads, decltype(per_thread)::value>
+        <<<static_cast<unsigned>(grid), kBlock, 0, stream>>>(a);
+  };
+  using std::integral_constant;
+  if (chunks <= 16) {
+    go(integral_constant<int, 16>{}, integral_constant<int, 1>{});
+  } else if (chunks <= 32) {
+    go(integral_constant<int, 32>{}, integral_constant<int, 1>{});
+  } else if (chunks <= 128) {
+    go(integral_constant<int, 32>{}, integral_constant<int, 4>{});
+  } else if (chunks <= 512) {
+    go(integral_constant<int, 128>{}, integral_constant<int, 4>{});
+  } else if (chunks <= 1024) {
+    go(integral_constant<int, 256>{}, integral_constant<int, 4>{});
+  } else if (chunks <= 2048) {
+    go(integral_constant<int, 512>{}, integral_constant<int, 4>{});
+  } else {
+    go(integral_constant<int, 1024>{}, integral_constant<int, 4>{});
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Global amax -> scale, in place.
+
+// s[k] holds amax bits; becomes the scale. `copy` (optional) receives the same n values.
+__global__ void finalize_kernel(float* s, std::int64_t n, float fmax, bool pow2, float* copy) {
+  for (std::int64_t k = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; k < n;
+       k += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const float v = scale_from_amax(__float_as_uint(s[k]), fmax, pow2);
+    s[k] = v;
+    if (copy) copy[k] = v;
+  }
+}
+
+void finalize(float* s, std::int64_t n, float fmax, bool pow2, float* copy, cudaStream_t stream,
+              const char* op) {
+  if (n == 0) return;
+  const std::int64_t grid = std::min<std::int64_t>(1024, (n + 255) / 256);
+  finalize_kernel<<<static_cast<unsigned>(grid), 256, 0, stream>>>(s, n, fmax, pow2, copy);
+  detail::check_launch(op);
+}
+
+void zero(float* s, std::int64_t n, cudaStream_t stream, const char* op) {
+  if (n == 0) return;
+  detail::check_cuda(cudaMemsetAsync(s, 0, static_cast<std::size_t>(n) * sizeof(float), stream),
+                     op, "cudaMemsetAsync");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Quantize launcher.
+
+template <class T, bool kE4M3, TileMode kMode, bool kTranspose>
+void launch_tiles(const TileArgs& a, cudaStream_t stream, const char* op) {
+  const std::int64_t grid = std::min(kMaxGrid, a.row_tiles * a.col_tiles);
+  tile_kernel<T, kE4M3, kMode, kTranspose><<<static_cast<unsigned>(grid), kTileThreads, 0, stream>>>(a);
+  detail::check_launch(op);
+}
+
+template <class T, bool kE4M3, TileMode kMode>
+void launch_tiles(const TileArgs& a, bool transpose, cudaStream_t stream, const char* op) {
+  if (transpose) {
+    launch_tiles<T, kE4M3, kMode, true>(a, stream, op);
+  } else {
+    launch_tiles<T, kE4M3, kMode, false>(a, stream, op);
+  }
+}
+
+bool aligned_rows(const void* p, std::int64_t stride_bytes, std::int64_t bytes) {
+  return detail::is_aligned(p, static_cast<std::size_t>(bytes)) && stride_bytes % bytes == 0;
+}
+
+template <class T, bool kE4M3>
+void quantize(const TensorView& x, TensorView q, TensorView scales, TensorView q_t,
+              TensorView scales_t, const Fp8QuantizeOptions& options, cudaStream_t stream) {
+  const char* op = "fp8_quantize";
+  const detail::OpChecker c(op);
+  const auto xr = c.rows(x, "x");
+  const std::int64_t M = xr.rows, N = xr.cols;
+  const bool transpose = q_t.defined();
+  constexpr float kMax = kFp8Max<kE4M3>;
+  const bool pow2 = options.power_of_two_scales;
+  float* s = scales.ptr<float>();
+  float* s_t = transpose ? scales_t.ptr<float>() : nullptr;
+
+  if (M == 0 || N == 0) {
+    // Groups over no elements: amax 0, scale 1 (only tensor and row scales are non-empty here;
+    // m-major and block grids have no entries).
+    const std::int64_t n = scale_grid(options, M, N).storage_size();
+    zero(s, n, stream, op);
+    finalize(s, n, kMax, pow2, nullptr, stream, op);
+    if (transpose) {
+      const std::int64_t n_t = scale_grid(options, N, M).storage_size();
+      zero(s_t, n_t, stream, op);
+      finalize(s_t, n_t, kMax, pow2, nullptr, stream, op);
+    }
+    return;
+  }
+
+  TileArgs a{};
+  a.x = x.data;
+  a.x_stride = xr.row_stride;
+  a.q = static_cast<std::uint8_t*>(q.data);
+  a.q_stride = c.rows(q, "q").row_stride;
+  a.scales = s;
+  a.scales_t = s_t;
+  a.rows = M;
+  a.cols = N;
+  a.row_tiles = ceil_div(M, kGroupEdge);
+  a.col_tiles = ceil_div(N, kGroupEdge);
+  a.m_major = options.scales_m_major;
+  a.pitch = ceil_div(M, 4) * 4;
+  a.pitch_t = ceil_div(N, 4) * 4;
+  a.pow2 = pow2;
+  const auto elem = static_cast<std::int64_t>(sizeof(T));
+  a.x_vec = aligned_rows(a.x, a.x_stride * elem, 16);
+  a.q_vec = aligned_rows(a.q, a.q_stride, 8);
+  if (transpose) {
+    a.q_t = static_cast<std::uint8_t*>(q_t.data);
+    a.q_t_stride = c.rows(q_t, "q_t").row_stride;
+    a.q_t_vec = aligned_rows(a.q_t, a.q_t_stride, 16);
+  }
+
+  switch (options.granularity) {
+    case Fp8Granularity::kTile1x128:
+      if (transpose) {
+        launch_tiles<T, kE4M3, TileMode::kTile, true>(a, stream, op);
+      } else {
+        launch_tile_rows<T, kE4M3>(a, stream, op);
+      }
+      return;
+    case Fp8Granularity::kBlock128x128:
+      launch_tiles<T, kE4M3, TileMode::kBlock>(a, transpose, stream, op);
+      return;
+    case Fp8Granularity::kRow:
+      if (!transpose && (N + 7) / 8 <= kMaxRegisterChunks) {
+        const RowArgs r{a.x, a.x_stride, a.q, a.q_stride, s, M, N, pow2, a.x_vec, a.q_vec};
+        launch_rows<T, kE4M3>(r, stream);
+        detail::check_launch(op);
+        return;
+      }
+      zero(s, M, stream, op);
+      if (transpose) zero(s_t, N, stream, op);
+      launch_tiles<T, kE4M3, TileMode::kAmaxRow>(a, transpose, stream, op);
+      finalize(s, M, kMax, pow2, nullptr, stream, op);
+      if (transpose) finalize(s_t, N, kMax, pow2, nullptr, stream, op);
+      launch_tiles<T, kE4M3, TileMode::kGivenRow>(a, transpose, stream, op);
+      return;
+    case Fp8Granularity::kTensor:
+      zero(s, 1, stream, op);
+      launch_tiles<T, kE4M3, TileMode::kAmaxTensor, false>(a, stream, op);
+      finalize(s, 1, kMax, pow2, s_t, stream, op);
+      launch_tiles<T, kE4M3, TileMode::kGivenTensor>(a, transpose, stream, op);
+      return;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dequantize.
+
+struct DequantArgs {
+  const std::uint8_t* q;
+  std::int64_t q_stride;
+  const float* scales;
+  void* y;
+  std::int64_t y_stride;
+  std::int64_t rows, cols;
+  // Element (i, j)'s scale: scales[m_major ? gj * pitch + gi : gi * across + gj] with
+  // gi = i >> row_shift, gj = j >> col_shift (63 gives 0 for any index).
+  int row_shift, col_shift;
+  std::int64_t across, pitch;
+  bool m_major;
+  int lanes_log2;  // threads per row: 2^lanes_log2 (<= 256)
+  bool q_vec, y_vec;
+};
+
+template <bool kE4M3>
+__device__ __forceinline__ float2 decode2(unsigned short codes) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(codes, kE4M3 ? __NV_E4M3 : __NV_E5M2);
+  return __half22float2(__half2(h));  // exact: every fp8 value is a half
+}
+
+template <class T, bool kE4M3>
+__global__ void __launch_bounds__(256) dequant_kernel(DequantArgs a) {
+  const int lanes = 1 << a.lanes_log2;
+  const int lane = threadIdx.x & (lanes - 1);
+  const int rows_per_block = 256 >> a.lanes_log2;
+  const std::int64_t chunks = (a.cols + 7) / 8;
+  T* y = static_cast<T*>(a.y);
+  for (std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * rows_per_block +
+                          (threadIdx.x >> a.lanes_log2);
+       row < a.rows; row += static_cast<std::int64_t>(gridDim.x) * rows_per_block) {
+    const std::uint8_t* q_row = a.q + row * a.q_stride;
+    T* y_row = y + row * a.y_stride;
+    const std::int64_t gi = row >> a.row_shift;
+    for (std::int64_t k = lane; k < chunks; k += lanes) {
+      const std::int64_t col = k * 8;
+      const std::int64_t gj = col >> a.col_shift;  // a chunk never straddles a 128-column tile
+      const float s = a.scales[a.m_major ? gj * a.pitch + gi : gi * a.across + gj];
+      const bool full = col + 8 <= a.cols;
+      uint2 codes = make_uint2(0, 0);
+      if (a.q_vec && full) {
+        codes = *reinterpret_cast<const uint2*>(q_row + col);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          if (col + e < a.cols) {
+            const unsigned b = q_row[col + e];
+            if (e < 4) codes.x |= b << (8 * e); else codes.y |= b << (8 * (e - 4));
+          }
+        }
+      }
+      float v[8];
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {
+        const unsigned w = p < 2 ? codes.x : codes.y;
+        const float2 f = decode2<kE4M3>(static_cast<unsigned short>(w >> (16 * (p & 1))));
+        v[2 * p] = __fmul_rn(f.x, s);  // one float32 multiply, then one rounding to T
+        v[2 * p + 1] = __fmul_rn(f.y, s);
+      }
+      if (a.y_vec && full) {
+        detail::store_floats<T, 8>(y_row + col, v);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          if (col + e < a.cols) y_row[col + e] = detail::from_float<T>(v[e]);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void fp8_quantize_cuda(const TensorView& x, TensorView q, TensorView scales, TensorView q_t,
+                       TensorView scales_t, const Fp8QuantizeOptions& options,
+                       cudaStream_t stream) {
+  detail::dispatch_activation_dtype(x.dtype, "fp8_quantize", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if (q.dtype == DType::kFloat8E4M3) {
+      quantize<T, true>(x, q, scales, q_t, scales_t, options, stream);
+    } else {
+      quantize<T, false>(x, q, scales, q_t, scales_t, options, stream);
+    }
+  });
+}
+
+void fp8_dequantize_cuda(const TensorView& q, const TensorView& scales, TensorView y,
+                         const Fp8QuantizeOptions& options, cudaStream_t stream) {
+  const char* op = "fp8_dequantize";
+  const detail::OpChecker c(op);
+  const auto qr = c.rows(q, "q");
+  if (qr.rows == 0 || qr.cols == 0) return;
+  DequantArgs a{};
+  a.q = static_cast<const std::uint8_t*>(q.data);
+  a.q_stride = qr.row_stride;
+  a.scales = scales.ptr<const float>();
+  a.y = y.data;
+  a.y_stride = c.rows(y, "y").row_stride;
+  a.rows = qr.rows;
+  a.cols = qr.cols;
+  const ScaleGrid grid = scale_grid(options, qr.rows, qr.cols);
+  switch (options.granularity) {
+    case Fp8Granularity::kTensor: a.row_shift = 63; a.col_shift = 63; break;
+    case Fp8Granularity::kRow: a.row_shift = 0; a.col_shift = 63; break;
+    case Fp8Granularity::kTile1x128: a.row_shift = 0; a.col_shift = 7; break;
+    case Fp8Granularity::kBlock128x128: a.row_shift = 7; a.col_shift = 7; break;
+  }
+  a.across = grid.groups_across;
+  a.m_major = grid.m_major;
+  a.pitch = grid.m_major_pitch;
+  const std::int64_t chunks = (qr.cols + 7) / 8;
+  int lanes_log2 = 0;
+  while (lanes_log2 < 8 && (std::int64_t{1} << lanes_log2) < chunks) ++lanes_log2;
+  a.lanes_log2 = lanes_log2;
+  a.q_vec = aligned_rows(a.q, a.q_stride, 8);
+  const auto elem = static_cast<std::int64_t>(dtype_size(y.dtype));
+  a.y_vec = aligned_rows(a.y, a.y_stride * elem, 16);
+  const std::int64_t rows_per_block = 256 >> lanes_log2;
+  const std::int64_t blocks = std::min(kMaxGrid, (a.rows + rows_per_block - 1) / rows_per_block);
+  detail::dispatch_activation_dtype(y.dtype, op, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if (q.dtype == DType::kFloat8E4M3) {
+      dequant_kernel<T, true><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(a);
+    } else {
+      dequant_kernel<T, false><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(a);
+    }
+  });
+  detail::check_launch(op);
+}
+
+}  // namespace trainscale::ops::fp8
