@@ -35,6 +35,25 @@ if ! cmake_ok; then
   hash -r
 fi
 
+# Headers of the cuDNN frontend (its header-only C++ graph API, from PyPI) for trainscale-bench's
+# optional cuDNN baselines; CMake finds them through python3. Only where CUDA is built, and best
+# effort: without them (no network, no pip) the baselines are simply not built.
+cudnn_frontend_version=1.32.0
+if { command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; } && command -v python3 >/dev/null &&
+  ! python3 - "$cudnn_frontend_version" 2>/dev/null <<'PY'
+import sys, importlib.metadata as md
+sys.exit(0 if md.version("nvidia-cudnn-frontend") == sys.argv[1] else 1)
+PY
+then
+  echo "[deps] installing nvidia-cudnn-frontend==$cudnn_frontend_version from PyPI (cuDNN baseline headers)"
+  pip_frontend() {
+    PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1 \
+      python3 -m pip install -q --no-deps "$@" "nvidia-cudnn-frontend==$cudnn_frontend_version" >/dev/null 2>&1
+  }
+  pip_frontend || pip_frontend --break-system-packages ||
+    echo "[deps] could not install nvidia-cudnn-frontend: the cuDNN baselines will not be built"
+fi
+
 # nvcc is optional: without it the CPU reference is built alone.
 if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
   echo "[deps] add /usr/local/cuda/bin to PATH to build the CUDA kernels"

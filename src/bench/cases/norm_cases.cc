@@ -1,5 +1,6 @@
 // Norm family: RMSNorm forward / backward, fused residual-add + RMSNorm, LayerNorm forward /
 // backward. M rows of N; weight and bias in the activation dtype.
+#include "bench/baselines/cudnn_norm.h"
 #include "bench/cases/case_util.h"
 #include "bench/gate.h"
 #include "trainscale/norm.h"
@@ -112,6 +113,25 @@ const Registrar kRegister([](Registry& r) {
     r.add_configs("llama", op, {{kLlamaTokens, kLlamaHidden}}, bf16);
   }
   for (const char* op : {"rmsnorm_fwd", "layernorm_fwd"}) r.add_configs("sweep", op, sweep_row_shapes(), bf16);
+
+  // cuDNN baselines (same tensors and eps as our entry points; the cases use weight offset 0).
+  // cuDNN has no fused residual-add + RMSNorm, so fused_add_rmsnorm_fwd has no baseline.
+  if (cudnn_norm_built()) {
+    const double rms_eps = RMSNormOptions{}.eps, rms_offset = RMSNormOptions{}.weight_offset;
+    const double ln_eps = LayerNormOptions{}.eps;
+    r.add_baseline("rmsnorm_fwd", "cudnn", [=](const Case& c) {
+      return cudnn_norm_baseline(CudnnNormOp::kRmsNormForward, c, rms_eps, rms_offset);
+    });
+    r.add_baseline("rmsnorm_bwd", "cudnn", [=](const Case& c) {
+      return cudnn_norm_baseline(CudnnNormOp::kRmsNormBackward, c, rms_eps, rms_offset);
+    });
+    r.add_baseline("layernorm_fwd", "cudnn", [=](const Case& c) {
+      return cudnn_norm_baseline(CudnnNormOp::kLayerNormForward, c, ln_eps);
+    });
+    r.add_baseline("layernorm_bwd", "cudnn", [=](const Case& c) {
+      return cudnn_norm_baseline(CudnnNormOp::kLayerNormBackward, c, ln_eps);
+    });
+  }
 });
 
 }  // namespace
