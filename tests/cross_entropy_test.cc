@@ -45,7 +45,16 @@ CrossEntropyOptions with_reduction(CrossEntropyOptions o, Reduction r) {
 HostTensor make_targets(DType dtype, std::int64_t rows, std::int64_t classes,
                         std::int64_t ignore_index, std::int64_t first_ignored = 1) {
   auto t = HostTensor::random(dtype, {rows}, 0, static_cast<double>(classes - 1));
-  for (std::int64_t i = first_ignored; i < rows; i += 3) t.set(i, static_cast<double>(ignore_index));
+  for (std::int64_t i = 0; i < rows; ++i) {
+    const bool ignored = i >= first_ignored && (i - first_ignored) % 3 == 0;
+    if (ignored) {
+      t.set(i, static_cast<double>(ignore_index));
+    } else if (static_cast<std::int64_t>(t.at(i)) == ignore_index) {
+      // ignore_index may be a real class: keep the other rows counted, or a mean over
+      // all-ignored rows would be NaN by chance.
+      t.set(i, static_cast<double>((ignore_index + 1) % classes));
+    }
+  }
   return t;
 }
 
