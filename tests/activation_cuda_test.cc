@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "strided_device_buffer.h"
+#include "util/strided_device_buffer.h"
 #include "trainscale/activation.h"
 
 namespace trainscale {
