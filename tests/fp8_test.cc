@@ -894,8 +894,10 @@ TEST(Fp8Dequantize, ArgumentErrors) {
                   "fp8_dequantize", "argument 'y'", "stride 1");
   TS_EXPECT_ERROR(fp8_dequantize(Q, S, TensorView(Q.data, DType::kFloat32, {M, N})),
                   "fp8_dequantize", "argument 'y'", "memory disjoint from 'q'");
+  // A [4, 8] float view at the 16-byte scales also reaches past them, possibly into q's heap
+  // block (checked first): only the argument and the kind of error are certain.
   TS_EXPECT_ERROR(fp8_dequantize(Q, S, TensorView(S.data, DType::kFloat32, {M, N})),
-                  "fp8_dequantize", "argument 'y'", "memory disjoint from 'scales'");
+                  "fp8_dequantize", "argument 'y'", "memory disjoint from");
   TS_EXPECT_ERROR(fp8_dequantize(Q, S, on_cuda(Y)), "fp8_dequantize", "argument 'y'",
                   "a tensor on cpu like 'q'");
   TS_EXPECT_ERROR(fp8_dequantize(Q, S, Y, {static_cast<Fp8Granularity>(-1)}), "fp8_dequantize",
