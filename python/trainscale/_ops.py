@@ -198,7 +198,9 @@ def _rope_setup(ctx, inputs, output):
 
 def _rope_backward(ctx, dq_out, dk_out):
     cos, sin, offsets = ctx.saved_tensors
-    dq, dk = ops.rope_bwd(dq_out, dk_out if ctx.has_k else None, cos, sin, offsets, *ctx.args)
+    dq_out = dq_out.contiguous()  # upstream gradients may be expanded (stride 0), e.g. of a sum
+    dk_out = dk_out.contiguous() if ctx.has_k else None
+    dq, dk = ops.rope_bwd(dq_out, dk_out, cos, sin, offsets, *ctx.args)
     return dq, (dk if ctx.has_k else None), None, None, None, None, None, None
 
 

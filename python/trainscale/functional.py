@@ -33,6 +33,8 @@ class _FusedAddRMSNorm(torch.autograd.Function):
         res, weight, rstd = ctx.saved_tensors
         if dy is None:
             dy = torch.zeros_like(res, dtype=res.dtype)
+        if d_residual is not None:
+            d_residual = d_residual.contiguous()  # may be expanded (stride 0), e.g. of a sum
         dx, dw = ops.fused_add_rmsnorm_bwd(dy.contiguous(), d_residual, res, weight, rstd,
                                            ctx.eps, ctx.weight_offset)
         return dx, dx, (dw if weight is not None else None), None, None
