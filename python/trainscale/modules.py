@@ -1,0 +1,108 @@
+"""torch.nn modules backed by the trainscale ops (drop-in replacements, Liger-style)."""
+from typing import Optional
+
+import torch
+from torch import nn
+
+from . import functional as F
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim: x * rstd * (weight + offset). offset=1.0 with zero-initialized
+    weights is Gemma's form."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, weight_offset: float = 0.0,
+                 elementwise_affine: bool = True, device=None, dtype=None):
+        super().__init__()
+        self.hidden_size, self.eps, self.weight_offset = hidden_size, eps, weight_offset
+        if elementwise_affine:
+            init = torch.zeros if weight_offset != 0.0 else torch.ones
+            self.weight = nn.Parameter(init(hidden_size, device=device, dtype=dtype))
+        else:
+            self.register_parameter("weight", None)
+
+    def forward(self, x):
+        return F.rms_norm(x, self.weight, self.eps, self.weight_offset)
+
+    def extra_repr(self):
+        return f"{self.hidden_size}, eps={self.eps}, weight_offset={self.weight_offset}"
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last dim, like nn.LayerNorm(hidden_size)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, elementwise_affine: bool = True,
+                 bias: bool = True, device=None, dtype=None):
+        super().__init__()
+        self.hidden_size, self.eps = hidden_size, eps
+        kw = dict(device=device, dtype=dtype)
+        self.weight = nn.Parameter(torch.ones(hidden_size, **kw)) if elementwise_affine else None
+        self.bias = (nn.Parameter(torch.zeros(hidden_size, **kw))
+                     if elementwise_affine and bias else None)
+
+    def forward(self, x):
+        return F.layer_norm(x, self.weight, self.bias, self.eps)
+
+    def extra_repr(self):
+        return f"{self.hidden_size}, eps={self.eps}"
+
+
+class FusedAddRMSNorm(RMSNorm):
+    """forward(x, residual) -> (rms_norm(x + residual), x + residual): the pre-norm residual
+    pattern of a transformer block in one pass."""
+
+    def forward(self, x, residual):
+        return F.fused_add_rms_norm(x, residual, self.weight, self.eps, self.weight_offset)
+
+
+class SwiGLU(nn.Module):
+    """silu(a) * b; forward(ab) for a packed [..., 2F] input, forward(a, b) for halves."""
+
+    def forward(self, a, b=None):
+        return F.swiglu(a, b)
+
+
+class SwiGLUMLP(nn.Module):
+    """Llama MLP: down_proj(silu(gate_proj(x)) * up_proj(x)) with the activation fused."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 device=None, dtype=None):
+        super().__init__()
+        kw = dict(bias=bias, device=device, dtype=dtype)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
+
+    def forward(self, x):
+        return self.down_proj(F.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE with cached cos / sin tables (float32, [max_positions, rotary_dim // 2], grown on
+    demand). forward(q, k=None, position_offsets=None) -> q_out or (q_out, k_out), q / k
+    [B, S, H, head_dim]."""
+
+    def __init__(self, head_dim: int, max_positions: int = 2048, theta: float = 10000.0,
+                 rotary_dim: Optional[int] = None, interleaved: bool = False, device=None):
+        super().__init__()
+        self.head_dim, self.theta, self.interleaved = head_dim, theta, interleaved
+        self.rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        self._build(max_positions, device)
+
+    def _build(self, positions, device):
+        cos, sin = F.rope_tables(positions, self.rotary_dim, self.theta, device=device)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, q, k=None, position_offsets=None):
+        needed = q.shape[1]
+        if position_offsets is not None and not torch.compiler.is_compiling():
+            needed += int(position_offsets.max()) if position_offsets.numel() else 0
+        if needed > self.cos.shape[0] or self.cos.device != q.device:
+            self._build(max(needed, 2 * self.cos.shape[0]), q.device)
+        return F.apply_rotary(q, k, self.cos, self.sin, position_offsets, self.interleaved,
+                              self.rotary_dim, self.theta)
+
+    def extra_repr(self):
+        return (f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, theta={self.theta}, "
+                f"interleaved={self.interleaved}, cached={self.cos.shape[0]}")

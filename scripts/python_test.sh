@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Builds the Python package (PyTorch extension + the trainscale library, CUDA sources included
+# when nvcc is found) with `pip install .` and runs its pytest suite (python/tests; GPU tests
+# skip without a device). Installs torch, pytest, scikit-build-core and ninja from PyPI when
+# missing. PYTHON picks the interpreter (default python3).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x /usr/local/cuda/bin/nvcc ] && export PATH="/usr/local/cuda/bin:$PATH"
+PY=${PYTHON:-python3}
+export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
+pip_install() {
+  "$PY" -m pip install -q "$@" || "$PY" -m pip install -q --break-system-packages "$@"
+}
+if ! "$PY" -m pip --version >/dev/null 2>&1; then
+  sudo_cmd=""
+  [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
+  $sudo_cmd apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq python3-pip >/dev/null
+fi
+need=()
+"$PY" -c "import torch" 2>/dev/null || need+=(torch)
+"$PY" -c "import pytest" 2>/dev/null || need+=(pytest)
+"$PY" -c "import scikit_build_core" 2>/dev/null || need+=("scikit-build-core>=0.10")
+command -v ninja >/dev/null || "$PY" -c "import ninja" 2>/dev/null || need+=(ninja)
+if [ ${#need[@]} -gt 0 ]; then
+  echo "[python] installing: ${need[*]}"
+  pip_install "${need[@]}"
+fi
+
+# Without build isolation: the extension must be built against the torch installed here.
+# The build tree (build/python-*) is kept, so a second run only rebuilds what changed.
+echo "[python] building and installing trainscale (pip install .)"
+export CMAKE_BUILD_PARALLEL_LEVEL=${JOBS:-$(nproc)}
+log=$(mktemp)
+if ! pip_install . --no-build-isolation --no-deps -v >"$log" 2>&1; then
+  grep -E "error|Error" -A3 "$log" | head -60
+  tail -20 "$log"
+  exit 1
+fi
+rm -f "$log"
+
+# Run from the tests folder's parent so the installed package (not python/trainscale) is imported.
+echo "[python] pytest python/tests"
+set +e
+"$PY" -m pytest -q -rs -p no:cacheprovider python/tests
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+  echo "[python] pytest collected no tests" >&2
+  exit 1
+fi
+exit "$rc"
