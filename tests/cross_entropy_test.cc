@@ -443,7 +443,7 @@ TEST(CrossEntropy, InputErrors) {
   TensorView lse_one(lse.data(), DType::kFloat32, {1});
   TensorView grad_over_lse(lse.data(), DType::kFloat32, {1, classes});
   TS_EXPECT_ERROR(fwd(logits_one_row, one_target.view(), loss.view(), lse_one, grad_over_lse), op,
-                  "argument 'grad_logits'", "disjoint from 'lse'");
+                  "argument 'grad_logits'", "memory disjoint from");
   TS_EXPECT_ERROR(fwd(logits.view(), targets.view(), loss.view(), {}, {}, {.label_smoothing = 1.5}), op,
                   "argument 'options.label_smoothing'", "[0, 1]", "1.5");
   TS_EXPECT_ERROR(fwd(logits.view(), targets.view(), loss.view(), {}, {}, {.label_smoothing = NAN}), op,
@@ -485,15 +485,17 @@ TEST(CrossEntropy, InputErrors) {
   TS_EXPECT_ERROR(bwd(loss.view(), head, targets.view(), lse.view(), shifted_by_one),
                   bop, "argument 'grad_logits'", "disjoint from 'logits'");
   TS_EXPECT_ERROR(bwd(loss.view(), logits_one_row, one_target.view(), lse_one, grad_over_lse), bop,
-                  "argument 'grad_logits'", "disjoint from 'lse'");
+                  "argument 'grad_logits'", "memory disjoint from");
+  // The next three views are larger than the buffer they start in and may also reach a
+  // neighbouring heap block checked earlier: only the argument and the error kind are certain.
   TensorView grad_loss_one(per_row.data(), DType::kFloat32, {1});
   TensorView grad_over_grad_loss(per_row.data(), DType::kFloat32, {1, classes});
   TS_EXPECT_ERROR(bwd(grad_loss_one, logits_one_row, one_target.view(), lse_one, grad_over_grad_loss,
                       {.reduction = Reduction::kNone}),
-                  bop, "argument 'grad_logits'", "disjoint from 'grad_loss'");
+                  bop, "argument 'grad_logits'", "memory disjoint from");
   TS_EXPECT_ERROR(bwd(loss.view(), logits.view(), targets.view(), lse.view(),
                       TensorView(targets.data(), DType::kFloat32, {rows, classes})),
-                  bop, "argument 'grad_logits'", "disjoint from 'targets'");
+                  bop, "argument 'grad_logits'", "memory disjoint from");
   TS_EXPECT_ERROR(bwd(loss.view(), logits.view(), targets.view(), lse.view(), grad.view(), {.z_loss = NAN}), bop,
                   "argument 'options.z_loss'");
   TensorView cuda_lse = lse.view(), cuda_grad = grad.view();
