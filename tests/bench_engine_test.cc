@@ -70,7 +70,7 @@ struct EngineFixture : ::testing::Test {
   RunResult result;
 
   void SetUp() override {
-    options.selection.suite = "smoke";
+    options.selection.suites = {"smoke"};
     options.timing.warmup_ms = 0;
     options.timing.stop.min_time_ms = 0;
     options.timing.stop.timeout_ms = 20;
@@ -207,6 +207,27 @@ TEST(BenchRegistry, GlobalRegistryHasEveryDesignSuiteAndSmokeCoversEveryOp) {
     EXPECT_TRUE(in_smoke) << op << " has no smoke config";
   }
   EXPECT_THROW(Registry().add_configs("no-such-suite", "x", {{1}}, {DType::kFloat32}), Error);
+}
+
+}  // namespace
+}  // namespace trainscale::bench
+
+namespace trainscale::bench {
+namespace {
+
+TEST(SelectConfigs, SeveralSuitesKeepOrderAndListEachConfigOnce) {
+  const Registry& registry = Registry::global();
+  Selection one;
+  one.suites = {"quack"};
+  Selection twice;
+  twice.suites = {"quack", "smoke", "quack"};
+  Selection smoke;
+  smoke.suites = {"smoke"};
+  const auto a = select_configs(registry, one);
+  const auto b = select_configs(registry, twice);
+  ASSERT_FALSE(a.empty());
+  ASSERT_EQ(b.size(), a.size() + select_configs(registry, smoke).size());
+  for (std::size_t i = 0; i < a.size(); ++i) EXPECT_EQ(b[i].op, a[i].op);
 }
 
 }  // namespace

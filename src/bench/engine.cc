@@ -19,10 +19,17 @@ std::vector<Config> select_configs(const Registry& registry, const Selection& se
     return filter.empty() || std::find(filter.begin(), filter.end(), value) != filter.end();
   };
   std::vector<Config> configs;
-  for (const Config& config : registry.suite(selection.suite)) {
-    if (wanted(selection.ops, config.op) && wanted(selection.dtypes, config.dtype) &&
-        wanted(selection.configs, config.shape)) {
-      configs.push_back(config);
+  auto seen = [&](const Config& c) {
+    return std::any_of(configs.begin(), configs.end(), [&](const Config& o) {
+      return o.op == c.op && o.shape == c.shape && o.dtype == c.dtype;
+    });
+  };
+  for (const std::string& suite : selection.suites) {
+    for (const Config& config : registry.suite(suite)) {
+      if (wanted(selection.ops, config.op) && wanted(selection.dtypes, config.dtype) &&
+          wanted(selection.configs, config.shape) && !seen(config)) {
+        configs.push_back(config);
+      }
     }
   }
   return configs;

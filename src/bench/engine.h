@@ -18,7 +18,7 @@ inline constexpr const char* kOursGpu = "trainscale";
 inline constexpr const char* kOursCpu = "cpu-ref";
 
 struct Selection {
-  std::string suite = "smoke";
+  std::vector<std::string> suites = {"smoke"};       // configs of each, duplicates once
   std::vector<std::string> ops;                    // empty: all
   std::vector<DType> dtypes;                       // empty: all
   std::vector<std::vector<std::int64_t>> configs;  // empty: all

@@ -1,3 +1,4 @@
+#include <sstream>
 #include "commands.h"
 
 #include <algorithm>
@@ -51,10 +52,15 @@ bool choose_gpu(const std::string& device) {
 // Turns the filters into a Selection, rejecting names the registry does not know.
 Selection make_selection(const Registry& registry, const RunArgs& args) {
   Selection s;
-  if (!registry.has_suite(args.suite)) {
-    throw UsageError("unknown suite '" + args.suite + "' (known: " + join(registry.suite_names()) + ")");
+  s.suites.clear();
+  std::stringstream names(args.suite);
+  for (std::string suite; std::getline(names, suite, ',');) {
+    if (!registry.has_suite(suite)) {
+      throw UsageError("unknown suite '" + suite + "' (known: " + join(registry.suite_names()) + ")");
+    }
+    s.suites.push_back(suite);
   }
-  s.suite = args.suite;
+  if (s.suites.empty()) throw UsageError("--suite names no suite");
   for (const auto& op : args.ops) {
     if (!registry.find_op(op)) throw UsageError("unknown op '" + op + "' (known: " + join(registry.op_names()) + ")");
     s.ops.push_back(op);
