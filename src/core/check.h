@@ -78,6 +78,23 @@ class OpChecker {
 // Same memory element for element: pointer, dtype, device, shape and strides.
 bool same_view(const TensorView& a, const TensorView& b);
 
+// For CUDA arguments, runs `launch()` (after checking they are on the current device) and
+// returns true; for CPU arguments returns false so the caller runs the reference. A build
+// without CUDA reports CUDA arguments as an error. The launchers `launch` calls are declared
+// in every build and defined only with CUDA: the lambda is never called without it.
+template <class Launch>
+bool ran_on_cuda(const OpChecker& c, Launch&& launch) {
+  if (!c.on_cuda()) return false;
+#if TRAINSCALE_HAVE_CUDA
+  require_current_device(c.op(), c.device());
+  launch();
+  return true;
+#else
+  (void)launch;
+  throw_no_cuda_build(c.op());
+#endif
+}
+
 // Lowest and one-past-highest byte a view can touch (equal when empty).
 std::pair<std::uintptr_t, std::uintptr_t> byte_extent(const TensorView& t);
 

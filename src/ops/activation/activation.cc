@@ -67,30 +67,13 @@ void check_packed_half_like(detail::OpChecker& c, const TensorView& t, const cha
   c.rows(t, name);
 }
 
-// CUDA tensors: runs launch(stream) on the current device and returns true (or throws in a
-// build without CUDA, where the launchers are declared but never called, so never linked);
-// CPU tensors: returns false, and the caller runs the reference.
-template <class Launch>
-bool ran_on_cuda(const detail::OpChecker& c, cudaStream_t stream, Launch&& launch) {
-  if (!c.on_cuda()) return false;
-#if TRAINSCALE_HAVE_CUDA
-  detail::require_current_device(c.op(), c.device());
-  launch(stream);
-  return true;
-#else
-  (void)stream;
-  (void)launch;
-  detail::throw_no_cuda_build(c.op());
-#endif
-}
-
 void plain_forward(detail::OpChecker& c, Activation act, const TensorView& x, TensorView y,
                    cudaStream_t stream) {
   check_first_input(c, x, "x");
   check_like(c, y, "y", x, "x");
   c.in_place_or_disjoint(y, "y", x, "x");
-  if (ran_on_cuda(c, stream, [&](cudaStream_t s) {
-        ops::activation::activation_forward_cuda(act, x, y, s, c.op());
+  if (detail::ran_on_cuda(c, [&] {
+        ops::activation::activation_forward_cuda(act, x, y, stream, c.op());
       })) {
     return;
   }
@@ -104,8 +87,8 @@ void plain_backward(detail::OpChecker& c, Activation act, const TensorView& dy, 
   check_like(c, dx, "dx", x, "x");
   c.in_place_or_disjoint(dx, "dx", dy, "dy");
   c.in_place_or_disjoint(dx, "dx", x, "x");
-  if (ran_on_cuda(c, stream, [&](cudaStream_t s) {
-        ops::activation::activation_backward_cuda(act, dy, x, dx, s, c.op());
+  if (detail::ran_on_cuda(c, [&] {
+        ops::activation::activation_backward_cuda(act, dy, x, dx, stream, c.op());
       })) {
     return;
   }
@@ -119,8 +102,8 @@ void gated_forward(detail::OpChecker& c, Activation act, const TensorView& a, co
   check_like(c, y, "y", a, "a");
   c.in_place_or_disjoint(y, "y", a, "a");
   c.in_place_or_disjoint(y, "y", b, "b");
-  if (ran_on_cuda(c, stream, [&](cudaStream_t s) {
-        ops::activation::gated_forward_cuda(act, a, b, y, s, c.op());
+  if (detail::ran_on_cuda(c, [&] {
+        ops::activation::gated_forward_cuda(act, a, b, y, stream, c.op());
       })) {
     return;
   }
@@ -139,8 +122,8 @@ void gated_backward(detail::OpChecker& c, Activation act, const TensorView& dy, 
     c.in_place_or_disjoint(grad, name, b, "b");
   }
   c.no_overlap(da, "da", db, "db");
-  if (ran_on_cuda(c, stream, [&](cudaStream_t s) {
-        ops::activation::gated_backward_cuda(act, dy, a, b, da, db, s, c.op());
+  if (detail::ran_on_cuda(c, [&] {
+        ops::activation::gated_backward_cuda(act, dy, a, b, da, db, stream, c.op());
       })) {
     return;
   }
@@ -153,8 +136,8 @@ void packed_forward(detail::OpChecker& c, Activation act, const TensorView& ab, 
   check_packed_half_like(c, y, "y", ab);
   c.no_overlap(y, "y", ab, "ab");
   const TensorView a = packed_half(ab, Half::kA), b = packed_half(ab, Half::kB);
-  if (ran_on_cuda(c, stream, [&](cudaStream_t s) {
-        ops::activation::gated_forward_cuda(act, a, b, y, s, c.op());
+  if (detail::ran_on_cuda(c, [&] {
+        ops::activation::gated_forward_cuda(act, a, b, y, stream, c.op());
       })) {
     return;
   }
@@ -170,8 +153,8 @@ void packed_backward(detail::OpChecker& c, Activation act, const TensorView& dy,
   c.no_overlap(dab, "dab", dy, "dy");
   const TensorView a = packed_half(ab, Half::kA), b = packed_half(ab, Half::kB);
   const TensorView da = packed_half(dab, Half::kA), db = packed_half(dab, Half::kB);
-  if (ran_on_cuda(c, stream, [&](cudaStream_t s) {
-        ops::activation::gated_backward_cuda(act, dy, a, b, da, db, s, c.op());
+  if (detail::ran_on_cuda(c, [&] {
+        ops::activation::gated_backward_cuda(act, dy, a, b, da, db, stream, c.op());
       })) {
     return;
   }

@@ -6,9 +6,7 @@
 
 #include "ops/fp8/fp8_internal.h"
 
-#if TRAINSCALE_HAVE_CUDA
 #include "ops/fp8/fp8_cuda.h"
-#endif
 
 namespace trainscale {
 
@@ -135,15 +133,10 @@ void fp8_quantize(const TensorView& x, TensorView q, TensorView scales, TensorVi
       c.no_overlap(*views[out].first, views[out].second, *views[other].first, views[other].second);
     }
   }
-  if (c.on_cuda()) {
-#if TRAINSCALE_HAVE_CUDA
-    detail::require_current_device(c.op(), c.device());
-    ops::fp8::fp8_quantize_cuda(x, q, scales, q_t, scales_t, options, stream);
+  if (detail::ran_on_cuda(c, [&] {
+      ops::fp8::fp8_quantize_cuda(x, q, scales, q_t, scales_t, options, stream);
+      })) {
     return;
-#else
-    (void)stream;
-    detail::throw_no_cuda_build(c.op());
-#endif
   }
   ops::fp8::fp8_quantize_cpu(x, q, scales, q_t, scales_t, options);
 }
@@ -157,15 +150,10 @@ void fp8_dequantize(const TensorView& q, const TensorView& scales, TensorView y,
   check_matrix(c, y, "y", kHighPrecisionTypes);
   c.same_shape(y, "y", q, "q");
   c.no_overlap(y, "y", q, "q").no_overlap(y, "y", scales, "scales");
-  if (c.on_cuda()) {
-#if TRAINSCALE_HAVE_CUDA
-    detail::require_current_device(c.op(), c.device());
-    ops::fp8::fp8_dequantize_cuda(q, scales, y, options, stream);
+  if (detail::ran_on_cuda(c, [&] {
+      ops::fp8::fp8_dequantize_cuda(q, scales, y, options, stream);
+      })) {
     return;
-#else
-    (void)stream;
-    detail::throw_no_cuda_build(c.op());
-#endif
   }
   ops::fp8::fp8_dequantize_cpu(q, scales, y, options);
 }

@@ -3,9 +3,7 @@
 
 #include "ops/loss/loss_internal.h"
 
-#if TRAINSCALE_HAVE_CUDA
 #include "ops/loss/loss_cuda.h"
-#endif
 
 namespace trainscale {
 
@@ -134,15 +132,10 @@ void mse_forward(const TensorView& a, const TensorView& b, TensorView out, Reduc
   c.rows(b, "b");
   check_loss_value(c, out, "out", a, reduction);
   c.no_overlap(out, "out", a, "a").no_overlap(out, "out", b, "b");
-  if (c.on_cuda()) {
-#if TRAINSCALE_HAVE_CUDA
-    detail::require_current_device(c.op(), c.device());
-    ops::loss::mse_forward_cuda(a, b, out, reduction, stream);
+  if (detail::ran_on_cuda(c, [&] {
+      ops::loss::mse_forward_cuda(a, b, out, reduction, stream);
+      })) {
     return;
-#else
-    (void)stream;
-    detail::throw_no_cuda_build(c.op());
-#endif
   }
   ops::loss::mse_forward_cpu(a, b, out, reduction);
 }
@@ -163,15 +156,10 @@ void mse_backward(const TensorView& grad_out, const TensorView& a, const TensorV
     c.no_overlap(g, name, a, "a").no_overlap(g, name, b, "b").no_overlap(g, name, grad_out, "grad_out");
   }
   c.no_overlap(grad_a, "grad_a", grad_b, "grad_b");
-  if (c.on_cuda()) {
-#if TRAINSCALE_HAVE_CUDA
-    detail::require_current_device(c.op(), c.device());
-    ops::loss::mse_backward_cuda(grad_out, a, b, grad_a, grad_b, reduction, stream);
+  if (detail::ran_on_cuda(c, [&] {
+      ops::loss::mse_backward_cuda(grad_out, a, b, grad_a, grad_b, reduction, stream);
+      })) {
     return;
-#else
-    (void)stream;
-    detail::throw_no_cuda_build(c.op());
-#endif
   }
   ops::loss::mse_backward_cpu(grad_out, a, b, grad_a, grad_b, reduction);
 }

@@ -6,9 +6,7 @@
 
 #include "ops/norm/norm_internal.h"
 
-#if TRAINSCALE_HAVE_CUDA
 #include "ops/norm/norm_cuda.h"
-#endif
 
 namespace trainscale {
 namespace {
@@ -143,15 +141,10 @@ void rmsnorm_forward(const TensorView& x, const TensorView& weight, TensorView y
   check_optional_stat(c, rstd, "rstd", x, rows.rows);
   check_options(c, options);
   check_disjoint(c, {{y, "y"}, {rstd, "rstd"}}, {{x, "x"}, {weight, "weight"}});
-  if (c.on_cuda()) {
-#if TRAINSCALE_HAVE_CUDA
-    detail::require_current_device(c.op(), c.device());
-    ops::norm::rmsnorm_forward_cuda(x, weight, y, rstd, options, stream);
+  if (detail::ran_on_cuda(c, [&] {
+      ops::norm::rmsnorm_forward_cuda(x, weight, y, rstd, options, stream);
+      })) {
     return;
-#else
-    (void)stream;
-    detail::throw_no_cuda_build(c.op());
-#endif
   }
   ops::norm::rmsnorm_forward_cpu(x, weight, y, rstd, options);
 }
@@ -170,15 +163,10 @@ void rmsnorm_backward(const TensorView& dy, const TensorView& x, const TensorVie
   check_options(c, options);
   check_disjoint(c, {{dx, "dx"}, {dw, "dw"}, {workspace, "workspace"}},
                  {{dy, "dy"}, {x, "x"}, {weight, "weight"}, {rstd, "rstd"}}, {&dx, &dy});
-  if (c.on_cuda()) {
-#if TRAINSCALE_HAVE_CUDA
-    detail::require_current_device(c.op(), c.device());
-    ops::norm::rmsnorm_backward_cuda(dy, x, weight, rstd, dx, dw, workspace, options, stream);
+  if (detail::ran_on_cuda(c, [&] {
+      ops::norm::rmsnorm_backward_cuda(dy, x, weight, rstd, dx, dw, workspace, options, stream);
+      })) {
     return;
-#else
-    (void)stream;
-    detail::throw_no_cuda_build(c.op());
-#endif
   }
   ops::norm::rmsnorm_backward_cpu(dy, x, weight, rstd, dx, dw, options);
 }
@@ -193,15 +181,10 @@ void fused_add_rmsnorm_forward(TensorView x, TensorView residual, const TensorVi
   check_optional_stat(c, rstd, "rstd", x, rows.rows);
   check_options(c, options);
   check_disjoint(c, {{x, "x"}, {residual, "residual"}, {rstd, "rstd"}}, {{weight, "weight"}});
-  if (c.on_cuda()) {
-#if TRAINSCALE_HAVE_CUDA
-    detail::require_current_device(c.op(), c.device());
-    ops::norm::fused_add_rmsnorm_forward_cuda(x, residual, weight, rstd, options, stream);
+  if (detail::ran_on_cuda(c, [&] {
+      ops::norm::fused_add_rmsnorm_forward_cuda(x, residual, weight, rstd, options, stream);
+      })) {
     return;
-#else
-    (void)stream;
-    detail::throw_no_cuda_build(c.op());
-#endif
   }
   ops::norm::fused_add_rmsnorm_forward_cpu(x, residual, weight, rstd, options);
 }
@@ -225,16 +208,11 @@ void fused_add_rmsnorm_backward(const TensorView& dy, const TensorView& d_residu
                  {{dy, "dy"}, {d_residual, "d_residual"}, {residual, "residual"},
                   {weight, "weight"}, {rstd, "rstd"}},
                  {&dx, &dy});
-  if (c.on_cuda()) {
-#if TRAINSCALE_HAVE_CUDA
-    detail::require_current_device(c.op(), c.device());
-    ops::norm::fused_add_rmsnorm_backward_cuda(dy, d_residual, residual, weight, rstd, dx, dw,
-                                               workspace, options, stream);
+  if (detail::ran_on_cuda(c, [&] {
+      ops::norm::fused_add_rmsnorm_backward_cuda(dy, d_residual, residual, weight, rstd, dx, dw,
+                                                 workspace, options, stream);
+      })) {
     return;
-#else
-    (void)stream;
-    detail::throw_no_cuda_build(c.op());
-#endif
   }
   ops::norm::fused_add_rmsnorm_backward_cpu(dy, d_residual, residual, weight, rstd, dx, dw,
                                             options);
@@ -253,15 +231,10 @@ void layernorm_forward(const TensorView& x, const TensorView& weight, const Tens
   check_options(c, options);
   check_disjoint(c, {{y, "y"}, {mean, "mean"}, {rstd, "rstd"}},
                  {{x, "x"}, {weight, "weight"}, {bias, "bias"}});
-  if (c.on_cuda()) {
-#if TRAINSCALE_HAVE_CUDA
-    detail::require_current_device(c.op(), c.device());
-    ops::norm::layernorm_forward_cuda(x, weight, bias, y, mean, rstd, options, stream);
+  if (detail::ran_on_cuda(c, [&] {
+      ops::norm::layernorm_forward_cuda(x, weight, bias, y, mean, rstd, options, stream);
+      })) {
     return;
-#else
-    (void)stream;
-    detail::throw_no_cuda_build(c.op());
-#endif
   }
   ops::norm::layernorm_forward_cpu(x, weight, bias, y, mean, rstd, options);
 }
@@ -285,15 +258,10 @@ void layernorm_backward(const TensorView& dy, const TensorView& x, const TensorV
   check_disjoint(c, {{dx, "dx"}, {dw, "dw"}, {db, "db"}, {workspace, "workspace"}},
                  {{dy, "dy"}, {x, "x"}, {weight, "weight"}, {mean, "mean"}, {rstd, "rstd"}},
                  {&dx, &dy});
-  if (c.on_cuda()) {
-#if TRAINSCALE_HAVE_CUDA
-    detail::require_current_device(c.op(), c.device());
-    ops::norm::layernorm_backward_cuda(dy, x, weight, mean, rstd, dx, dw, db, workspace, options, stream);
+  if (detail::ran_on_cuda(c, [&] {
+      ops::norm::layernorm_backward_cuda(dy, x, weight, mean, rstd, dx, dw, db, workspace, options, stream);
+      })) {
     return;
-#else
-    (void)stream;
-    detail::throw_no_cuda_build(c.op());
-#endif
   }
   ops::norm::layernorm_backward_cpu(dy, x, weight, mean, rstd, dx, dw, db);
 }

@@ -7,9 +7,7 @@
 #include "core/host_dtype.h"
 #include "ops/rope/rope_internal.h"
 
-#if TRAINSCALE_HAVE_CUDA
 #include "ops/rope/rope_cuda.h"
-#endif
 
 namespace trainscale {
 
@@ -192,16 +190,11 @@ void rope(const char* op, const ArgNames& n, ops::rope::Direction direction, con
     check_disjoint(c, out, out_name, sin, "sin");
     check_disjoint(c, out, out_name, offsets, "position_offsets");
   }
-  if (c.on_cuda()) {
-#if TRAINSCALE_HAVE_CUDA
-    detail::require_current_device(c.op(), c.device());
-    ops::rope::rope_cuda(direction, q, k, q_out, k_out, cos, sin, offsets, rotary_dim, options,
-                         stream);
+  if (detail::ran_on_cuda(c, [&] {
+      ops::rope::rope_cuda(direction, q, k, q_out, k_out, cos, sin, offsets, rotary_dim, options,
+                           stream);
+      })) {
     return;
-#else
-    (void)stream;
-    detail::throw_no_cuda_build(c.op());
-#endif
   }
   ops::rope::rope_cpu(direction, q, k, q_out, k_out, cos, sin, offsets, rotary_dim, options);
 }
