@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <string>
 #include <string_view>
 
@@ -21,6 +22,15 @@ inline void check_cuda(cudaError_t status, std::string_view op, std::string_view
 
 // After a launch: configuration errors surface here, asynchronous faults at the next sync.
 inline void check_launch(std::string_view op) { check_cuda(cudaGetLastError(), op, "kernel launch"); }
+
+// Blocks of `kernel` resident per SM at `block` threads (the grid is one full wave).
+template <class Kernel>
+int resident_blocks_per_sm(Kernel kernel, int block, std::string_view op) {
+  int n = 0;
+  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, block, 0), op,
+             "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  return std::max(n, 1);
+}
 
 struct DeviceInfo {
   int sm_count = 0;

@@ -126,15 +126,6 @@ ElementwisePlan plan_elementwise(std::int64_t rows, std::int64_t cols,
   return p;
 }
 
-// Blocks of `kernel` resident per SM at `block` threads (the grid is one full wave).
-template <class Kernel>
-int resident_blocks_per_sm(Kernel kernel, int block, std::string_view op) {
-  int n = 0;
-  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, block, 0), op,
-             "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-  return std::max(n, 1);
-}
-
 // Ops may read device-side parameters once per thread (say, an upstream gradient scalar):
 // an op with `Op bind() const` is replaced by its result at the start of the kernel.
 template <class Op>

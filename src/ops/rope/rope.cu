@@ -293,19 +293,6 @@ bool vector_layout(const TensorView& t) {
   return true;
 }
 
-// Blocks that fit on the device at once for a kernel (grid-stride loops fill one wave).
-template <class Kernel>
-std::int64_t resident_blocks(Kernel kernel, const char* op) {
-  // Per kernel instance; the occupancy depends only on the architecture.
-  static const int per_sm = [&] {
-    int blocks = 0;
-    detail::check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kBlock, 0),
-                       op, "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-    return std::max(blocks, 1);
-  }();
-  return static_cast<std::int64_t>(per_sm) * detail::current_device_info().sm_count;
-}
-
 template <class T, RopeStyle kStyle, int N, bool kVec>
 void launch(RopeArgs a, cudaStream_t stream, const char* op) {
   const std::int64_t d = a.head_dim, r = a.rotary_dim;
@@ -320,7 +307,12 @@ void launch(RopeArgs a, cudaStream_t stream, const char* op) {
   a.items = a.items * a.head_groups * a.chunks;  // a.items holds the token count on entry
   if (a.items == 0) return;
   auto kernel = rope_kernel<T, kStyle, N, kVec>;
-  const std::int64_t grid = std::min((a.items + kBlock - 1) / kBlock, resident_blocks(kernel, op));
+  // Cached per kernel instance (this function is one per instance); a grid-stride loop fills
+  // one wave of resident blocks.
+  static const int per_sm = detail::resident_blocks_per_sm(kernel, kBlock, op);
+  const std::int64_t grid = std::min((a.items + kBlock - 1) / kBlock,
+                                     static_cast<std::int64_t>(per_sm) *
+                                         detail::current_device_info().sm_count);
   kernel<<<static_cast<unsigned>(grid), kBlock, 0, stream>>>(a);
   detail::check_launch(op);
 }
