@@ -1,23 +1,29 @@
 #!/usr/bin/env bash
-# On a GPU machine: build with every core, run all tests (GPU ones included), run
-# compute-sanitizer memcheck and racecheck over the GPU test binaries, and leave logs in
-# $OUT (default /tmp/trainscale-out). SANITIZE lists test binaries (default: every *_cuda_test).
+# On a GPU machine: build (device_build.sh), run all tests (GPU ones included) and the Python
+# GPU tests, then compute-sanitizer memcheck and racecheck over the GPU test binaries; logs
+# go to $OUT as one tarball (the device tool brings back few files).
+# SANITIZE lists test binaries (default: every *_cuda_test); SANITIZE_TIMEOUT caps each run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/trainscale-out}
-mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw \
-  --format=csv | tee "$OUT/gpu.txt"
-cmake -S . -B build -G Ninja -DTRAINSCALE_CUDA_ARCHS="${TRAINSCALE_CUDA_ARCHS:-90a}" \
-  -DTRAINSCALE_WARNINGS_AS_ERRORS=ON >"$OUT/configure.log" 2>&1 || { tail -40 "$OUT/configure.log"; exit 1; }
-cmake --build build -j "$(nproc)" >"$OUT/build.log" 2>&1 || { grep -E "error" -A3 "$OUT/build.log" | head -60; exit 1; }
-ctest --test-dir build -j 4 --output-on-failure >"$OUT/ctest.log" 2>&1
-echo "ctest rc=$?"
-grep -E "tests passed|tests failed|\(Failed\)|Skipped" "$OUT/ctest.log" | grep -v "_cpu\b" | head -40
+source scripts/device_build.sh
+logs=$OUT/logs
+mkdir -p "$logs"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
+start=$SECONDS
+ctest --test-dir build -j 4 --output-on-failure >"$logs/ctest.log" 2>&1
+echo "ctest rc=$? ($((SECONDS - start)) s)"
+grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|\(SEGFAULT\)" "$logs/ctest.log" | head -40
+if [ -f build/pypkg/trainscale/_C.so ]; then
+  start=$SECONDS
+  (cd build && python3 -m pytest -q -rs -p no:cacheprovider ../python/tests) >"$logs/pytest.log" 2>&1
+  echo "pytest rc=$? ($((SECONDS - start)) s): $(tail -1 "$logs/pytest.log")"
+  grep -E "^(FAILED|ERROR)" "$logs/pytest.log" | head -20
+fi
 for t in ${SANITIZE:-$(cd build/tests && ls *_cuda_test 2>/dev/null)}; do
   for tool in memcheck racecheck; do
-    timeout 400 compute-sanitizer --tool "$tool" --error-exitcode 9 "build/tests/$t" \
-      >"$OUT/sanitize-$t-$tool.log" 2>&1
-    echo "sanitize $t $tool rc=$? $(grep -E 'ERROR SUMMARY|tests? from .* ran|PASSED|FAILED' "$OUT/sanitize-$t-$tool.log" | tr '\n' ' ')"
+    timeout "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool "$tool" --error-exitcode 9 "build/tests/$t" \
+      >"$logs/sanitize-$t-$tool.log" 2>&1
+    echo "sanitize $t $tool rc=$? $(grep -E 'ERROR SUMMARY|PASSED|FAILED' "$logs/sanitize-$t-$tool.log" | tr '\n' ' ' | cut -c1-200)"
   done
 done
+tar -C "$OUT" -czf "$OUT/check-logs.tgz" logs configure.log build.log && rm -rf "$logs"

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# On a lent GPU machine (no network, no .git): configure and build everything once into
+# build/ with every core — library, tests, trainscale-bench, and the PyTorch extension when
+# torch imports — and stage the Python package in build/pypkg (put it on PYTHONPATH).
+# A carried .whl/nvidia_cudnn_frontend-*.whl enables the cuDNN baselines (docs/benchmarking.md).
+# Sourced by device_check.sh and device_bench.sh; a second call reuses the build.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT=${OUT:-/tmp/trainscale-out}
+mkdir -p "$OUT"
+cmake_args=(-G Ninja -DTRAINSCALE_CUDA_ARCHS="${TRAINSCALE_CUDA_ARCHS:-90a}" -DTRAINSCALE_WARNINGS_AS_ERRORS=ON)
+if compgen -G ".whl/nvidia_cudnn_frontend-*.whl" >/dev/null && [ ! -d /tmp/site/include ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    .whl/*.whl || return 1 2>/dev/null || exit 1
+fi
+if [ -d /tmp/site/include ]; then
+  cudnn_dir=$(python3 -c "import nvidia.cudnn as m; print(list(m.__path__)[0])")
+  export TRAINSCALE_CUDNN_LIB_DIR=$cudnn_dir/lib
+  cmake_args+=(-DTRAINSCALE_CUDNN_FRONTEND_INCLUDE=/tmp/site/include
+               -DTRAINSCALE_CUDNN_INCLUDE="$cudnn_dir/include")
+fi
+python3 -c "import torch" 2>/dev/null && cmake_args+=(-DTRAINSCALE_BUILD_PYTHON=ON -DPython_EXECUTABLE="$(command -v python3)")
+if [ ! -f build/build.ninja ]; then
+  cmake -S . -B build "${cmake_args[@]}" >"$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
+fi
+start=$SECONDS
+cmake --build build -j "$(nproc)" >"$OUT/build.log" 2>&1 || { grep -E "error" -A3 "$OUT/build.log" | head -40; exit 1; }
+echo "build: $((SECONDS - start)) s; $(grep -h 'cuDNN baselines' "$OUT/configure.log" 2>/dev/null)"
+if [ -f build/python/_C.so ]; then
+  rm -rf build/pypkg && mkdir -p build/pypkg/trainscale
+  cp python/trainscale/*.py build/python/_C.so build/pypkg/trainscale/
+  export PYTHONPATH=$PWD/build/pypkg${PYTHONPATH:+:$PYTHONPATH}
+fi
