@@ -1,5 +1,5 @@
-// Activations: GELU (erf), SiLU, SwiGLU and GeGLU (separate a / b), forward and backward;
-// M rows of N (F for the gated ones).
+// Activations: GELU (erf and tanh), SiLU, SwiGLU and GeGLU (separate a / b, and packed: the two
+// halves of one [M, 2F] tensor), forward and backward; M rows of N (F for the gated ones).
 #include "bench/cases/case_util.h"
 #include "trainscale/activation.h"
 
@@ -15,6 +15,12 @@ using GatedBackward = void (*)(const TensorView&, const TensorView&, const Tenso
 void gelu_fwd(const TensorView& x, TensorView y, cudaStream_t s) { gelu_forward(x, y, GeluApproximation::kNone, s); }
 void gelu_bwd(const TensorView& dy, const TensorView& x, TensorView dx, cudaStream_t s) {
   gelu_backward(dy, x, dx, GeluApproximation::kNone, s);
+}
+void gelu_tanh_fwd(const TensorView& x, TensorView y, cudaStream_t s) {
+  gelu_forward(x, y, GeluApproximation::kTanh, s);
+}
+void gelu_tanh_bwd(const TensorView& dy, const TensorView& x, TensorView dx, cudaStream_t s) {
+  gelu_backward(dy, x, dx, GeluApproximation::kTanh, s);
 }
 void geglu_fwd(const TensorView& a, const TensorView& b, TensorView y, cudaStream_t s) {
   geglu_forward(a, b, y, GeluApproximation::kNone, s);
@@ -56,6 +62,32 @@ CaseFactory unary_backward(const char* op, UnaryBackward fn) {
   };
 }
 
+using PackedForward = void (*)(const TensorView&, TensorView, cudaStream_t);
+using PackedBackward = void (*)(const TensorView&, const TensorView&, TensorView, cudaStream_t);
+
+CaseFactory packed_forward(const char* op, PackedForward fn) {
+  return [=](std::span<const std::int64_t> shape, DType dtype) {
+    const Shape mf(shape.begin(), shape.end());
+    const Shape m2f{mf[0], 2 * mf[1]};
+    Case c = elementwise(op, shape, dtype, {input("ab", dtype, m2f), output("y", dtype, mf)}, 9.0);
+    c.entry = [=](Views t, cudaStream_t s) { fn(t[0], t[1], s); };
+    c.reference = [=](Views t) { fn(t[0], t[1], nullptr); };
+    return c;
+  };
+}
+
+CaseFactory packed_backward(const char* op, PackedBackward fn) {
+  return [=](std::span<const std::int64_t> shape, DType dtype) {
+    const Shape mf(shape.begin(), shape.end());
+    const Shape m2f{mf[0], 2 * mf[1]};
+    Case c = elementwise(op, shape, dtype, {input("dy", dtype, mf), input("ab", dtype, m2f), output("dab", dtype, m2f)},
+                         14.0);
+    c.entry = [=](Views t, cudaStream_t s) { fn(t[0], t[1], t[2], s); };
+    c.reference = [=](Views t) { fn(t[0], t[1], t[2], nullptr); };
+    return c;
+  };
+}
+
 CaseFactory gated_forward(const char* op, Gated fn) {
   return [=](std::span<const std::int64_t> shape, DType dtype) {
     const Shape mf(shape.begin(), shape.end());
@@ -82,21 +114,27 @@ CaseFactory gated_backward(const char* op, GatedBackward fn) {
 const Registrar kRegister([](Registry& r) {
   r.add_op({"gelu_fwd", "activation", "M x N", unary_forward("gelu_fwd", gelu_fwd)});
   r.add_op({"gelu_bwd", "activation", "M x N", unary_backward("gelu_bwd", gelu_bwd)});
+  r.add_op({"gelu_tanh_fwd", "activation", "M x N", unary_forward("gelu_tanh_fwd", gelu_tanh_fwd)});
+  r.add_op({"gelu_tanh_bwd", "activation", "M x N", unary_backward("gelu_tanh_bwd", gelu_tanh_bwd)});
   r.add_op({"silu_fwd", "activation", "M x N", unary_forward("silu_fwd", silu_forward)});
   r.add_op({"silu_bwd", "activation", "M x N", unary_backward("silu_bwd", silu_backward)});
   r.add_op({"swiglu_fwd", "activation", "M x F", gated_forward("swiglu_fwd", swiglu_forward)});
   r.add_op({"swiglu_bwd", "activation", "M x F", gated_backward("swiglu_bwd", swiglu_backward)});
   r.add_op({"geglu_fwd", "activation", "M x F", gated_forward("geglu_fwd", geglu_fwd)});
   r.add_op({"geglu_bwd", "activation", "M x F", gated_backward("geglu_bwd", geglu_bwd)});
+  r.add_op({"swiglu_packed_fwd", "activation", "M x F", packed_forward("swiglu_packed_fwd", swiglu_forward_packed)});
+  r.add_op({"swiglu_packed_bwd", "activation", "M x F", packed_backward("swiglu_packed_bwd", swiglu_backward_packed)});
   const auto bf16 = std::vector<DType>{DType::kBFloat16};
-  for (const char* op : {"gelu_fwd", "gelu_bwd", "silu_fwd", "silu_bwd", "swiglu_fwd", "swiglu_bwd", "geglu_fwd",
-                         "geglu_bwd"}) {
+  for (const char* op : {"gelu_fwd", "gelu_bwd", "gelu_tanh_fwd", "gelu_tanh_bwd", "silu_fwd", "silu_bwd", "swiglu_fwd",
+                         "swiglu_bwd", "swiglu_packed_fwd", "swiglu_packed_bwd", "geglu_fwd", "geglu_bwd"}) {
     r.add_configs("smoke", op, {{64, 512}}, {DType::kFloat32, DType::kBFloat16});
   }
   // Llama-3-8B MLP at 8192 tokens (DESIGN.md anchor: swiglu fwd 16384 x 14336 too).
-  for (const char* op : {"swiglu_fwd", "swiglu_bwd"}) {
+  for (const char* op : {"swiglu_fwd", "swiglu_bwd", "swiglu_packed_fwd", "swiglu_packed_bwd"}) {
     r.add_configs("llama", op, {{kLlamaTokens, kLlamaFfn}, {2 * kLlamaTokens, kLlamaFfn}}, bf16);
   }
+  // Issue 5's gelu-tanh target shape (a GPT-style MLP's 4h activation).
+  for (const char* op : {"gelu_tanh_fwd", "gelu_tanh_bwd"}) r.add_configs("llama", op, {{16384, 4096}}, bf16);
   for (const char* op : {"gelu_fwd", "silu_fwd"}) r.add_configs("sweep", op, sweep_row_shapes(), bf16);
 });
 

@@ -31,7 +31,8 @@ struct GeluErf {
   __device__ static ValueAndDerivative eval(float x) {
     constexpr float kInvSqrt2 = 0.707106781186547524f;
     constexpr float kInvSqrt2Pi = 0.398942280401432678f;  // 1 / sqrt(2 pi)
-    const float cdf = 0.5f * (1.f + erff(x * kInvSqrt2));
+    // erfc keeps Phi accurate for negative x, where 1 + erf(x) cancels.
+    const float cdf = 0.5f * erfcf(-x * kInvSqrt2);
     // x * x overflowing to inf gives exp(-inf) = 0 and x * 0 = 0, as in fp64 for finite x.
     return {x * cdf, cdf + x * (expf(-0.5f * x * x) * kInvSqrt2Pi)};
   }

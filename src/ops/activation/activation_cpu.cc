@@ -17,11 +17,13 @@ using detail::store_from_double;
 namespace {
 
 struct GeluErf {
-  static double value(double x) { return 0.5 * x * (1.0 + std::erf(x * std::numbers::sqrt2 / 2)); }
+  // Phi(x) = erfc(-x / sqrt2) / 2: no cancellation for negative x, as 1 + erf(x / sqrt2) has.
+  static double cdf(double x) { return 0.5 * std::erfc(-x * std::numbers::sqrt2 / 2); }
+  static double value(double x) { return x * cdf(x); }
   // Phi(x) + x phi(x).
   static double derivative(double x) {
     const double pdf = std::exp(-0.5 * x * x) * std::numbers::inv_sqrtpi / std::numbers::sqrt2;
-    return 0.5 * (1.0 + std::erf(x * std::numbers::sqrt2 / 2)) + x * pdf;
+    return cdf(x) + x * pdf;
   }
 };
 
