@@ -19,6 +19,10 @@ if [ -d /tmp/site/include ]; then
   cmake_args+=(-DTRAINSCALE_CUDNN_FRONTEND_INCLUDE=/tmp/site/include
                -DTRAINSCALE_CUDNN_INCLUDE="$cudnn_dir/include")
 fi
+# The image's default CXX (/opt/gcc) links against a newer libstdc++ than the one torch loads
+# into Python; the extension then crashed in std::ostream inside Python. Build with the
+# system compiler torch was built against.
+[ -x /usr/bin/g++ ] && cmake_args+=(-DCMAKE_CXX_COMPILER=/usr/bin/g++ -DCMAKE_CUDA_HOST_COMPILER=/usr/bin/g++)
 python3 -c "import torch" 2>/dev/null && cmake_args+=(-DTRAINSCALE_BUILD_PYTHON=ON -DPython_EXECUTABLE="$(command -v python3)")
 if [ ! -f build/build.ninja ]; then
   cmake -S . -B build "${cmake_args[@]}" >"$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }

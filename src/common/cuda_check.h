@@ -5,6 +5,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <limits>
 #include <string>
 #include <string_view>
 
@@ -22,6 +24,15 @@ inline void check_cuda(cudaError_t status, std::string_view op, std::string_view
 
 // After a launch: configuration errors surface here, asynchronous faults at the next sync.
 inline void check_launch(std::string_view op) { check_cuda(cudaGetLastError(), op, "kernel launch"); }
+
+// One block per tile of `per_block` work items, capped only by the launch limit: streaming
+// kernels reach more of HBM with a grid as large as the work than with one resident wave looping
+// over it (H100: 2 GiB copy 3020 vs 2830 GB/s, docs/perf-notes.md). Kernels still loop, so any
+// grid covers everything.
+inline std::int64_t grid_for_tiles(std::int64_t items, std::int64_t per_block) {
+  const std::int64_t tiles = (items + per_block - 1) / per_block;
+  return std::clamp<std::int64_t>(tiles, 1, std::numeric_limits<int>::max());
+}
 
 // Blocks of `kernel` resident per SM at `block` threads (the grid is one full wave).
 template <class Kernel>

@@ -11,7 +11,7 @@
 //
 // Aliasing: each element's inputs are read before its outputs are written, by the same thread,
 // and no two threads touch the same element, so an output may be exactly the same view as an
-// input (y == x, da == a, ...). Loads are coherent (ld.global.cs), never the read-only path.
+// input (y == x, da == a, ...). Loads are coherent (plain ld.global), never the read-only path.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -253,11 +253,7 @@ void launch_elementwise_with(const char* op_name, const ElementwisePlan& plan,
   constexpr int kUnroll = kElementwiseUnroll<Op::kIn>;
   constexpr int kBlock = kElementwiseBlock;
   const auto kernel = elementwise_kernel<T, V, kUnroll, Op>;
-  static const int per_sm = resident_blocks_per_sm(kernel, kBlock, op_name);
-  const std::int64_t units = plan.rows * (plan.cols / V);
-  const std::int64_t wanted = (units + kBlock * kUnroll - 1) / (kBlock * kUnroll);
-  const std::int64_t grid = std::clamp<std::int64_t>(
-      wanted, 1, static_cast<std::int64_t>(current_device_info().sm_count) * per_sm);
+  const std::int64_t grid = grid_for_tiles(plan.rows * (plan.cols / V), kBlock * kUnroll);
   ElementwiseArgs<T, Op::kIn, Op::kOut> a{};
   for (int n = 0; n < Op::kIn; ++n) {
     a.in[n] = static_cast<const T*>(in[n].data);

@@ -9,7 +9,9 @@
 //   gelu_tanh = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), computed as
 //               x sigmoid(2u) (the same function, one exponential), d = s + 2 x s (1 - s) u'
 //   silu      = x s,                 s = sigmoid(x), d = s (1 + x (1 - s))
-// sigmoid uses the accurate expf and a correctly rounded reciprocal (fp32 error ~1e-7).
+// sigmoid uses the hardware exponential and reciprocal (MUFU, a few ulp: relative error ~1e-6
+// for |z| < 80), as Triton does: with the accurate expf and a correctly rounded reciprocal the
+// instruction count per element held swiglu near 2780 GB/s on the H100.
 #include <array>
 
 #include "common/elementwise.cuh"
@@ -25,7 +27,8 @@ struct ValueAndDerivative {
   float derivative;
 };
 
-__device__ __forceinline__ float sigmoid(float z) { return __frcp_rn(1.f + expf(-z)); }
+// 1 + e^-z = +Inf (z very negative) gives 0; NaN stays NaN.
+__device__ __forceinline__ float sigmoid(float z) { return __fdividef(1.f, 1.f + __expf(-z)); }
 
 struct GeluErf {
   __device__ static ValueAndDerivative eval(float x) {

@@ -307,12 +307,7 @@ void launch(RopeArgs a, cudaStream_t stream, const char* op) {
   a.items = a.items * a.head_groups * a.chunks;  // a.items holds the token count on entry
   if (a.items == 0) return;
   auto kernel = rope_kernel<T, kStyle, N, kVec>;
-  // Cached per kernel instance (this function is one per instance); a grid-stride loop fills
-  // one wave of resident blocks.
-  static const int per_sm = detail::resident_blocks_per_sm(kernel, kBlock, op);
-  const std::int64_t grid = std::min((a.items + kBlock - 1) / kBlock,
-                                     static_cast<std::int64_t>(per_sm) *
-                                         detail::current_device_info().sm_count);
+  const std::int64_t grid = detail::grid_for_tiles(a.items, kBlock);
   kernel<<<static_cast<unsigned>(grid), kBlock, 0, stream>>>(a);
   detail::check_launch(op);
 }
