@@ -26,4 +26,4 @@ for t in ${SANITIZE:-$(cd build/tests && ls *_cuda_test 2>/dev/null)}; do
     echo "sanitize $t $tool rc=$? $(grep -E 'ERROR SUMMARY|PASSED|FAILED' "$logs/sanitize-$t-$tool.log" | tr '\n' ' ' | cut -c1-200)"
   done
 done
-tar -C "$OUT" -czf "$OUT/check-logs.tgz" logs configure.log build.log && rm -rf "$logs"
+(cd "$OUT" && tar -czf check-logs.tgz logs $(ls configure.log build.log 2>/dev/null)) && rm -rf "$logs"
