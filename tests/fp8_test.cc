@@ -2,14 +2,11 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "core/host_dtype.h"
-#include "core/parallel.h"
-#include "ops/fp8/fp8_divide.h"
 #include "trainscale/fp8.h"
 #include "util/gpu_util.h"
 #include "util/test_util.h"
@@ -744,119 +741,6 @@ TEST(Fp8RoundTrip, ErrorWithinHalfAnFp8UlpTimesTheScale) {
 TensorView on_cuda(TensorView t) {
   t.device = Device::cuda(0);
   return t;
-}
-
-// --- The kernels' division-free quotient (ops/fp8/fp8_divide.h), run here on the CPU ---
-
-// The fp8 cast the kernels get from the cvt instruction, here from the reference codec.
-template <DType kFp8>
-struct HostCodec {
-  static std::uint8_t encode(float v) { return ::trainscale::encode(kFp8, v); }
-  static float decode(std::uint8_t code) { return ::trainscale::decode(kFp8, code); }
-};
-
-// Scales the kernels meet (amax / fmax for every bf16 amax significand, so x / s often sits on
-// or next to an fp8 midpoint), random scales over the whole checked range and past it, powers of
-// two (exact reciprocals, subnormal ones included) and the edges of each regime.
-std::vector<float> divisor_test_scales(DType fp8) {
-  std::vector<float> s;
-  for (int e : {-20, 0, 7}) {
-    for (int m = 128; m < 256; ++m) s.push_back(std::ldexp(static_cast<float>(m), e) / fp8_max(fp8));
-  }
-  std::uniform_real_distribution<float> significand(1.0f, 2.0f);
-  std::uniform_int_distribution<int> exponent(-75, 75);
-  for (int k = 0; k < 200; ++k) s.push_back(std::ldexp(significand(test::rng()), exponent(test::rng())));
-  for (int e = -149; e <= 127; e += 7) s.push_back(pow2f(e));
-  for (float edge : {pow2f(-64), pow2f(64), pow2f(-126), pow2f(127), pow2f(-127)}) {
-    s.push_back(edge);
-    s.push_back(std::nextafter(edge, 0.0f));
-    s.push_back(std::nextafter(edge, INFINITY));
-  }
-  for (float v : {3.0f * pow2f(-140), std::numeric_limits<float>::max(),
-                  std::numeric_limits<float>::min(), 1.0f / 448.0f, 1.0f / 57344.0f, INFINITY, NAN}) {
-    s.push_back(v);
-  }
-  return s;
-}
-
-// Every bf16 and every fp16 value (NaN, Inf, subnormals, zeros) and random float32 values of
-// every exponent, against each scale: quantize_one must give the code of the float32 quotient.
-template <DType kFp8>
-void check_divisor_matches_division() {
-  using Codec = HostCodec<kFp8>;
-  std::vector<float> xs;
-  for (std::uint32_t b = 0; b < 0x10000; ++b) {
-    const std::uint32_t f32 = b << 16;
-    float v;
-    std::memcpy(&v, &f32, sizeof v);
-    xs.push_back(v);                                               // bf16
-    xs.push_back(static_cast<float>(detail::half_to_double(static_cast<std::uint16_t>(b))));  // fp16
-  }
-  std::uniform_int_distribution<std::uint32_t> bits;
-  for (int k = 0; k < 20000; ++k) {
-    const std::uint32_t b = bits(test::rng());
-    float v;
-    std::memcpy(&v, &b, sizeof v);
-    xs.push_back(v);
-  }
-  const std::vector<float> scales = divisor_test_scales(kFp8);
-  std::vector<long long> resolved(scales.size(), 0), divided(scales.size(), 0);
-  std::vector<std::string> failures(scales.size());
-  detail::parallel_for(static_cast<std::int64_t>(scales.size()), 1, [&](std::int64_t lo, std::int64_t hi) {
-    for (std::int64_t k = lo; k < hi; ++k) {
-      const float s = scales[k];
-      const ops::fp8::Fp8Divisor d = ops::fp8::make_divisor(s);
-      for (float x : xs) {
-        const std::uint8_t want = Codec::encode(x / s);
-        const std::uint8_t got = ops::fp8::quantize_one<Codec>(x, d);
-        const std::uint8_t a = Codec::encode(x * d.lo), b = Codec::encode(x * d.hi);
-        if (a != b) ++(d.lo != 0.0f ? resolved[k] : divided[k]);
-        if (got != want && failures[k].empty()) {
-          char msg[160];
-          std::snprintf(msg, sizeof msg, "x = %a, s = %a: got 0x%02X, expected 0x%02X",
-                        static_cast<double>(x), static_cast<double>(s), unsigned{got}, unsigned{want});
-          failures[k] = msg;
-        }
-      }
-    }
-  });
-  long long total_resolved = 0, total_divided = 0;
-  for (std::size_t k = 0; k < scales.size(); ++k) {
-    EXPECT_TRUE(failures[k].empty()) << failures[k];
-    total_resolved += resolved[k];
-    total_divided += divided[k];
-  }
-  // Both slow branches ran (the test would prove little otherwise).
-  EXPECT_GT(total_resolved, 1000);
-  EXPECT_GT(total_divided, 1000);
-  std::printf("[fp8] %s: %zu scales x %zu inputs, %lld resolved at an fp8 midpoint, %lld divided\n",
-              dtype_name(kFp8), scales.size(), xs.size(), total_resolved, total_divided);
-}
-
-TEST(Fp8Divisor, CodeEqualsTheCodeOfTheFloat32QuotientE4M3) {
-  check_divisor_matches_division<DType::kFloat8E4M3>();
-}
-
-TEST(Fp8Divisor, CodeEqualsTheCodeOfTheFloat32QuotientE5M2) {
-  check_divisor_matches_division<DType::kFloat8E5M2>();
-}
-
-// The bounds themselves, exactly: lo * s <= 1 <= hi * s (the products of two floats are exact
-// in double), equal to 1 only for the exact reciprocals of powers of two.
-TEST(Fp8Divisor, BoundsBracketTheReciprocal) {
-  for (float s : divisor_test_scales(DType::kFloat8E4M3)) {
-    const ops::fp8::Fp8Divisor d = ops::fp8::make_divisor(s);
-    if (std::isnan(s) || std::isinf(s) || d.lo == 0.0f) continue;
-    const double lo = static_cast<double>(d.lo) * s, hi = static_cast<double>(d.hi) * s;
-    if (d.lo == d.hi) {
-      EXPECT_EQ(lo, 1.0) << s;
-    } else {
-      EXPECT_LT(lo, 1.0) << s;
-      EXPECT_GT(hi, 1.0) << s;
-      EXPECT_GT(lo, 1.0 - 0x1p-21) << s;  // narrow: few elements leave the fast path
-      EXPECT_LT(hi, 1.0 + 0x1p-21) << s;
-    }
-  }
 }
 
 TEST(Fp8Quantize, ArgumentErrors) {
