@@ -138,7 +138,8 @@ py::dict summary_dict(const tb::SampleSet& samples, const std::string& timer) {
 py::dict time_callable(const py::function& fn, int device, const py::dict& timing) {
   tb::TimingOptions options = timing_from(timing, "time_callable");
   tb::SampleSet samples;
-  auto call = [&] { call_python([&] { fn(); }); };
+  // Python exceptions pass through the engine unchanged, back to the caller.
+  auto call = [&] { fn(); };
   if (device < 0) {
     tb::HostSampleSource source([&](int) { call(); }, 1);
     samples = tb::collect_samples(source, options, nullptr);

@@ -46,10 +46,13 @@ def test_patched_llama_matches(monkeypatch, capsys, per_batch_positions):
     assert model.model.norm.weight is dict(model.named_parameters())["model.norm.weight"]
 
     loss, grads = loss_and_grads(model, ids, positions)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=1e-12)
+    # LlamaRMSNorm computes in float32 even for float64 inputs (ours stays in float64), so the two
+    # agree to float32 rounding, not float64's.
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
     assert grads.keys() == ref_grads.keys()
     for name in grads:
-        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-8, atol=1e-10, msg=name)
+        scale = ref_grads[name].abs().max().item()
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=1e-5 * scale, msg=name)
 
 
 def test_patch_fp32_and_idempotent(monkeypatch):

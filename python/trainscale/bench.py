@@ -41,6 +41,13 @@ def _rope(t, cos, sin):
     return ref.apply_rotary(t["q"], t["k"], cos, sin)
 
 
+def _layer_norm_bwd(dy, x, w, bias, mean, rstd):
+    if not x.is_cuda:  # PyTorch's CPU kernel takes the statistics in x's dtype
+        mean, rstd = mean.to(x.dtype), rstd.to(x.dtype)
+    return _aten.native_layer_norm_backward(dy, x, [x.shape[-1]], mean[:, None], rstd[:, None], w, bias,
+                                            [True, True, True])
+
+
 def _fused_add_rms(x, residual, w):
     s = x + residual
     y, rstd = ref.rms_norm_with_rstd(s, w)
@@ -49,6 +56,9 @@ def _fused_add_rms(x, residual, w):
 
 def _layer_norm_fwd(x, w, b):
     y, mean, rstd = _aten.native_layer_norm(x, [x.shape[-1]], w, b, 1e-5)
+    if mean.dtype != torch.float32 and x.dtype != torch.float64:
+        # PyTorch's CPU kernel returns bfloat16 / float16 statistics; training keeps them in float32.
+        return ref.layer_norm_with_stats(x, w, b)
     return y, mean.reshape(-1), rstd.reshape(-1)
 
 
@@ -58,9 +68,7 @@ _TORCH = {
     "rmsnorm_bwd": lambda t, _: _rms_bwd(t["dy"], t["x"], t["weight"], t["rstd"]),
     "fused_add_rmsnorm_fwd": lambda t, _: _fused_add_rms(t["x"], t["residual"], t["weight"]),
     "layernorm_fwd": lambda t, _: _layer_norm_fwd(t["x"], t["weight"], t["bias"]),
-    "layernorm_bwd": lambda t, _: _aten.native_layer_norm_backward(
-        t["dy"], t["x"], [t["x"].shape[-1]], t["mean"][:, None], t["rstd"][:, None], t["weight"], None,
-        [True, True, True]),
+    "layernorm_bwd": lambda t, bias: _layer_norm_bwd(t["dy"], t["x"], t["weight"], bias, t["mean"], t["rstd"]),
     "gelu_fwd": lambda t, _: F.gelu(t["x"]),
     "gelu_bwd": lambda t, _: _aten.gelu_backward(t["dy"], t["x"]),
     "gelu_tanh_fwd": lambda t, _: F.gelu(t["x"], approximate="tanh"),
@@ -80,10 +88,13 @@ _TORCH = {
 
 def _prep(op, t):
     """Untimed state of an op: RoPE's cos / sin tables (ours computes angles in the kernel; a
-    PyTorch model keeps tables)."""
+    PyTorch model keeps tables); a bias for LayerNorm's backward (whose db PyTorch computes only
+    when given one; its values are not read)."""
     if op.startswith("rope"):
         q = t["q"]
         return ref.rope_angles(torch.arange(q.shape[1], device=q.device), q.shape[-1], 10000.0)
+    if op == "layernorm_bwd":
+        return torch.zeros_like(t["weight"])
     return None
 
 
