@@ -16,6 +16,8 @@ if ! "$PY" -m pip --version >/dev/null 2>&1; then
   [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
   $sudo_cmd apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq python3-pip >/dev/null
 fi
+# The extension links the benchmark engine, which needs nlohmann-json (scripts/deps.sh, apt).
+[ -f /usr/include/nlohmann/json.hpp ] || bash scripts/deps.sh
 need=()
 "$PY" -c "import torch" 2>/dev/null || need+=(torch)
 "$PY" -c "import pytest" 2>/dev/null || need+=(pytest)
