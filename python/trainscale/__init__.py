@@ -35,12 +35,13 @@ from .modules import (  # noqa: E402
     SwiGLU,
     SwiGLUMLP,
 )
-from .patch import patch  # noqa: E402
+from .patching import hf_apply_rotary_pos_emb, patch  # noqa: E402
 from .selection import config, print_selection  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [
     "apply_rotary", "fp8_quantize", "fused_add_rms_norm", "fused_add_rms_norm_", "gelu",
     "layer_norm", "rms_norm", "rope_tables", "silu", "swiglu", "FusedAddRMSNorm", "LayerNorm",
-    "RMSNorm", "RotaryEmbedding", "SwiGLU", "SwiGLUMLP", "config", "patch", "print_selection",
+    "RMSNorm", "RotaryEmbedding", "SwiGLU", "SwiGLUMLP", "config", "hf_apply_rotary_pos_emb", "patch",
+    "print_selection",
 ]

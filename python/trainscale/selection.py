@@ -170,12 +170,13 @@ def _decide(ours: Callable, torch_fn: Callable, args, kwargs, grad: bool, device
         return {"impl": "torch", "reason": f"trainscale raised {type(e).__name__}: {e}"}
     if device.type != "cuda":
         return {"impl": "torch", "reason": "cpu: trainscale runs its fp64 reference there"}
+    index = device.index if device.index is not None else torch.cuda.current_device()
     try:
         torch_call = _timed(torch_fn, args, kwargs, grad)
-        torch_ms = _C.time_callable(torch_call, device.index or 0, config.timing)["median"]
+        torch_ms = _C.time_callable(torch_call, index, config.timing)["median"]
     except Exception as e:  # noqa: BLE001
         return {"impl": "trainscale", "reason": f"PyTorch raised {type(e).__name__}: {e}"}
-    ours_ms = _C.time_callable(ours_call, device.index or 0, config.timing)["median"]
+    ours_ms = _C.time_callable(ours_call, index, config.timing)["median"]
     impl = "trainscale" if ours_ms <= torch_ms else "torch"
     return {"impl": impl, "reason": f"faster: trainscale {ours_ms:.4f} ms, torch {torch_ms:.4f} ms",
             "ms": {"trainscale": ours_ms, "torch": torch_ms}}
