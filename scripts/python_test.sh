@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds the Python package (PyTorch extension + the trainscale library, CUDA sources included
 # when nvcc is found) with `pip install .` and runs its pytest suite (python/tests; GPU tests
-# skip without a device). Installs torch, pytest, scikit-build-core and ninja from PyPI when
-# missing. PYTHON picks the interpreter (default python3).
+# skip without a device). Installs torch, pytest, scikit-build-core, ninja, transformers and
+# matplotlib from PyPI when missing. PYTHON picks the interpreter (default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x /usr/local/cuda/bin/nvcc ] && export PATH="/usr/local/cuda/bin:$PATH"
@@ -16,11 +16,16 @@ if ! "$PY" -m pip --version >/dev/null 2>&1; then
   [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
   $sudo_cmd apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq python3-pip >/dev/null
 fi
+# The extension links the benchmark engine, which needs nlohmann-json (scripts/deps.sh, apt).
+[ -f /usr/include/nlohmann/json.hpp ] || bash scripts/deps.sh
 need=()
 "$PY" -c "import torch" 2>/dev/null || need+=(torch)
 "$PY" -c "import pytest" 2>/dev/null || need+=(pytest)
 "$PY" -c "import scikit_build_core" 2>/dev/null || need+=("scikit-build-core>=0.10")
 command -v ninja >/dev/null || "$PY" -c "import ninja" 2>/dev/null || need+=(ninja)
+# Test-only: a tiny Llama for trainscale.patch, and the --plot of python -m trainscale.bench.
+"$PY" -c "import transformers" 2>/dev/null || need+=(transformers)
+"$PY" -c "import matplotlib" 2>/dev/null || need+=(matplotlib)
 if [ ${#need[@]} -gt 0 ]; then
   echo "[python] installing: ${need[*]}"
   pip_install "${need[@]}"

@@ -1,21 +1,34 @@
-"""Functions in the style of torch.nn.functional, backed by torch.ops.trainscale."""
+"""Functions in the style of torch.nn.functional, backed by torch.ops.trainscale. Each public
+function follows its trainscale.config switch (selection.py): ours (the default), PyTorch's
+(trainscale.reference), or the faster of the two per shape ("auto")."""
 from typing import Optional, Tuple
 
 import torch
 
+from . import reference as _ref
+from .selection import dispatch as _dispatch
+
 ops = torch.ops.trainscale
+
+
+def _rms_norm(x, weight, eps, weight_offset):
+    return ops.rmsnorm_fwd(x, weight, eps, weight_offset)[0]
 
 
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
              weight_offset: float = 0.0) -> torch.Tensor:
     """y = x / sqrt(mean(x^2, -1) + eps) * (weight + weight_offset), over the last dim."""
-    return ops.rmsnorm_fwd(x, weight, eps, weight_offset)[0]
+    return _dispatch("rmsnorm", "rms_norm", _rms_norm, _ref.rms_norm, x, weight, eps, weight_offset)
+
+
+def _layer_norm(x, weight, bias, eps):
+    return ops.layernorm_fwd(x, weight, bias, eps)[0]
 
 
 def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None,
                bias: Optional[torch.Tensor] = None, eps: float = 1e-5) -> torch.Tensor:
     """LayerNorm over the last dim (biased variance), like F.layer_norm(x, (N,), w, b, eps)."""
-    return ops.layernorm_fwd(x, weight, bias, eps)[0]
+    return _dispatch("layernorm", "layer_norm", _layer_norm, _ref.layer_norm, x, weight, bias, eps)
 
 
 class _FusedAddRMSNorm(torch.autograd.Function):
@@ -44,7 +57,8 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor,
                        weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
                        weight_offset: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
     """Returns (rms_norm(x + residual), x + residual); differentiable, inputs untouched."""
-    return _FusedAddRMSNorm.apply(x, residual, weight, eps, weight_offset)
+    return _dispatch("rmsnorm", "fused_add_rms_norm", _FusedAddRMSNorm.apply, _ref.fused_add_rms_norm,
+                     x, residual, weight, eps, weight_offset)
 
 
 def fused_add_rms_norm_(x: torch.Tensor, residual: torch.Tensor,
@@ -52,7 +66,8 @@ def fused_add_rms_norm_(x: torch.Tensor, residual: torch.Tensor,
                         weight_offset: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
     """In place: residual <- x + residual, x <- rms_norm(residual). Returns (x, residual).
 
-    No autograd (use fused_add_rms_norm for training)."""
+    No autograd (use fused_add_rms_norm for training). Always trainscale's kernel: an in-place
+    call cannot be timed against another on the same data."""
     ops.fused_add_rmsnorm_fwd(x, residual, weight, eps, weight_offset)
     return x, residual
 
@@ -60,19 +75,21 @@ def fused_add_rms_norm_(x: torch.Tensor, residual: torch.Tensor,
 def swiglu(a: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
     """silu(a) * b; with b omitted, a is packed [..., 2F] (gate in the first half, up in the
     second) and the result is [..., F]."""
-    if b is None:
-        return ops.swiglu_packed_fwd(a)
-    return ops.swiglu_fwd(a, b)
+    return _dispatch("swiglu", "swiglu", _swiglu, _ref.swiglu, a, b)
+
+
+def _swiglu(a, b):
+    return ops.swiglu_packed_fwd(a) if b is None else ops.swiglu_fwd(a, b)
 
 
 def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """GELU, erf form ('none') or tanh form ('tanh'), like F.gelu."""
-    return ops.gelu_fwd(x, approximate)
+    return _dispatch("gelu", "gelu", ops.gelu_fwd, _ref.gelu, x, approximate)
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
     """x * sigmoid(x)."""
-    return ops.silu_fwd(x)
+    return _dispatch("silu", "silu", ops.silu_fwd, _ref.silu, x)
 
 
 def rope_tables(positions: int, rotary_dim: int, theta: float = 10000.0,
@@ -91,6 +108,11 @@ def apply_rotary(q: torch.Tensor, k: Optional[torch.Tensor] = None,
     default, GPT-J with interleaved=True. cos / sin: [P, rotary_dim // 2] tables, or None to
     compute angles from theta. position_offsets: int [B], token s of batch b at offsets[b] + s.
     Returns q_out, or (q_out, k_out) when k is given. No gradient flows to cos / sin."""
+    return _dispatch("rope", "apply_rotary", _apply_rotary, _ref.apply_rotary, q, k, cos, sin,
+                     position_offsets, interleaved, rotary_dim, theta)
+
+
+def _apply_rotary(q, k, cos, sin, position_offsets, interleaved, rotary_dim, theta):
     q_out, k_out = ops.rope_fwd(q, k, cos, sin, position_offsets, interleaved, rotary_dim, theta)
     return q_out if k is None else (q_out, k_out)
 
@@ -101,4 +123,5 @@ def fp8_quantize(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn,
     """Quantizes x [M, N] to fp8 with float32 dequantization scales per row ('row', [M]) or per
     1x128 tile ('1x128', [M, ceil(N/128)], or [ceil(N/128), align4(M)] when scales_m_major).
     Returns (q, scales) with x ~= q.float() * scales (broadcast per group)."""
-    return ops.fp8_quantize(x, dtype, granularity, power_of_two_scales, scales_m_major)
+    return _dispatch("fp8", "fp8_quantize", ops.fp8_quantize, _ref.fp8_quantize, x, dtype, granularity,
+                     power_of_two_scales, scales_m_major)

@@ -171,7 +171,7 @@ struct Runner {
       gate.load_inputs(sets[0]);
       const std::int64_t free_after_alloc = impl.on_gpu ? free_device_memory() : 0;
       const std::vector<TensorView> views = views_of(sets[0]);
-      impl.run(views, stream());
+      (impl.gate_run ? impl.gate_run : impl.run)(views, stream());
       synchronize();
       const std::int64_t kept = impl.on_gpu ? std::max<std::int64_t>(0, free_after_alloc - free_device_memory()) : 0;
       row.peak_memory_bytes = output_bytes(c) + impl.workspace_bytes + kept;
@@ -203,8 +203,10 @@ struct Runner {
       SampleSet samples;
 #if TRAINSCALE_HAVE_CUDA
       if (impl.on_gpu) {
+        TimingOptions timing = options.timing;
+        if (!impl.capturable) timing.batch = 1;
         auto timed = gpu->make_source(
-            [&](int set, cudaStream_t stream) { impl.run(set_views[set], stream); }, options.timing);
+            [&](int set, cudaStream_t stream) { impl.run(set_views[set], stream); }, timing);
         row.timer = timed.timer;
         row.batch = timed.batch;
         samples = collect_samples(*timed.source, options.timing, &gpu->clock_monitor());
@@ -242,9 +244,9 @@ std::vector<Implementation> implementations(const Registry& registry, const Case
   ours.on_gpu = options.use_gpu;
   ours.run = c.entry;
   impls.push_back(std::move(ours));
-  if (options.use_gpu) {
-    for (auto& b : registry.baselines_for(c)) impls.push_back(std::move(b));
-  }
+  // Baselines of the run's device: CUDA ones on a GPU; the Python front-end also adds PyTorch
+  // baselines on the CPU.
+  for (auto& b : registry.baselines_for(c, options.use_gpu)) impls.push_back(std::move(b));
   const auto& filter = options.selection.impls;
   if (!filter.empty()) {
     std::erase_if(impls, [&](const Implementation& i) {

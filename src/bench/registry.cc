@@ -80,8 +80,8 @@ void Registry::add_configs(const std::string& suite, const std::string& op,
   }
 }
 
-void Registry::add_baseline(const std::string& op, std::string name, BaselineFactory factory) {
-  baselines_.push_back({op, std::move(name), std::move(factory)});
+void Registry::add_baseline(const std::string& op, std::string name, BaselineFactory factory, bool on_gpu) {
+  baselines_.push_back({op, std::move(name), std::move(factory), on_gpu});
 }
 
 const OpInfo* Registry::find_op(const std::string& name) const {
@@ -111,13 +111,14 @@ std::vector<std::string> Registry::baseline_names() const {
   return names;
 }
 
-std::vector<Implementation> Registry::baselines_for(const Case& c) const {
+std::vector<Implementation> Registry::baselines_for(const Case& c, bool on_gpu) const {
   std::vector<Implementation> impls;
   for (const auto& b : baselines_) {
-    if (b.op != c.op) continue;
+    if (b.op != c.op || b.on_gpu != on_gpu) continue;
     if (auto impl = b.factory(c)) {
       impl->name = b.name;
       impl->baseline = true;
+      impl->on_gpu = b.on_gpu;
       impls.push_back(std::move(*impl));
     }
   }

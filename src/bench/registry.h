@@ -66,8 +66,15 @@ struct Implementation {
   bool on_gpu = true;
   bool baseline = false;
   std::function<void(Views tensors, cudaStream_t stream)> run;
+  // The gate's call, when it differs from `run`: an implementation that returns fresh outputs
+  // (PyTorch callables) copies them into the case's tensors here, and `run`, which is timed,
+  // does not. Unset: `run`.
+  std::function<void(Views tensors, cudaStream_t stream)> gate_run;
   // Scratch memory the implementation allocates per call (counted in peak memory).
   std::int64_t workspace_bytes = 0;
+  // Whether `run` may be captured in a CUDA graph (batch mode). PyTorch callables may not: the
+  // caching allocator must not allocate inside a capture it did not start.
+  bool capturable = true;
 };
 
 struct Case {
@@ -124,7 +131,8 @@ class Registry {
   void add_configs(const std::string& suite, const std::string& op,
                    const std::vector<std::vector<std::int64_t>>& shapes,
                    const std::vector<DType>& dtypes);
-  void add_baseline(const std::string& op, std::string name, BaselineFactory factory);
+  // `on_gpu`: the device the baseline runs on (CUDA baselines are only built on a GPU run).
+  void add_baseline(const std::string& op, std::string name, BaselineFactory factory, bool on_gpu = true);
 
   const OpInfo* find_op(const std::string& name) const;
   std::vector<std::string> op_names() const;
@@ -133,8 +141,8 @@ class Registry {
   // Configs of a suite in registration order.
   const std::vector<Config>& suite(const std::string& suite) const;
   std::vector<std::string> baseline_names() const;
-  // Every baseline that applies to the case.
-  std::vector<Implementation> baselines_for(const Case& c) const;
+  // Every baseline on that device (GPU or CPU) that applies to the case.
+  std::vector<Implementation> baselines_for(const Case& c, bool on_gpu) const;
 
  private:
   std::map<std::string, OpInfo> ops_;
@@ -143,6 +151,7 @@ class Registry {
   struct Baseline {
     std::string op, name;
     BaselineFactory factory;
+    bool on_gpu = true;
   };
   std::vector<Baseline> baselines_;
 };

@@ -1,0 +1,80 @@
+"""python -m trainscale.bench on the CPU (smoke suite, short timing): the JSON of
+docs/bench-json.md with ours and the PyTorch baselines gated and timed, CSV / Markdown from the
+C++ reporters, the suites from the C++ registry, usage errors."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from trainscale import _C, bench
+
+FAST = ["--timeout-ms", "30", "--min-time-ms", "2", "--min-samples", "3", "--warmup-ms", "1", "--quiet"]
+OPS = "rmsnorm_fwd,rmsnorm_bwd,fused_add_rmsnorm_fwd,layernorm_fwd,layernorm_bwd,gelu_fwd,gelu_bwd," \
+      "gelu_tanh_bwd,silu_bwd,swiglu_fwd,swiglu_bwd,swiglu_packed_fwd,swiglu_packed_bwd,rope_fwd,rope_bwd," \
+      "fp8_quant_row,fp8_quant_1x128"
+
+
+def test_registry_through_binding():
+    assert "smoke" in _C.suite_names() and "llama" in _C.suite_names()
+    configs = _C.suite_configs(["smoke"])
+    assert ("rmsnorm_fwd", (64, 512), "bfloat16") in configs
+    assert {op for op, _, _ in configs} >= set(OPS.split(","))
+    with pytest.raises(ValueError, match="suite_configs: argument 'suites': unknown suite 'nope'"):
+        _C.suite_configs(["nope"])
+
+
+def test_smoke_json(tmp_path):
+    out = tmp_path / "smoke.json"
+    rc = bench.main(["--suite", "smoke", "--ops", OPS, "--impl", "cpu-ref,torch", "--json", str(out),
+                     "--csv", str(tmp_path / "s.csv"), "--md", str(tmp_path / "s.md")] + FAST)
+    doc = json.load(open(out))
+    assert doc["schema"] == "trainscale-bench" and doc["schema_version"] == 1
+    assert doc["meta"]["suite"] == "smoke" and doc["meta"]["env"]["device"] == "cpu"
+    assert doc["meta"]["env"]["command_line"].startswith("python -m trainscale.bench")
+    rows = doc["rows"]
+    failed = [(r["case"], r["impl"], r["message"]) for r in rows if r["status"] != "ok"]
+    assert rc == 0 and not failed, failed
+    for op in OPS.split(","):
+        for dtype in ("float32", "bfloat16"):
+            impls = {r["impl"] for r in rows if r["op"] == op and r["dtype"] == dtype}
+            assert impls == {"cpu-ref", "torch"}, (op, dtype, impls)
+    for r in rows:
+        assert r["timer"] == "host" and r["ms"]["count"] >= 3 and r["ms"]["median"] > 0 and r["gbps"] > 0
+        assert r["gate"]["rel_l2"] <= r["gate"]["tolerance"]
+        assert r["baseline"] == (r["impl"] == "torch")
+    assert (tmp_path / "s.csv").read_text().startswith("case,")
+    assert "rmsnorm_fwd" in (tmp_path / "s.md").read_text()
+
+
+def test_gate_catches_wrong_baseline(tmp_path, monkeypatch):
+    monkeypatch.setitem(bench._TORCH, "gelu_fwd", lambda t, _: t["x"] * 2)
+    out = tmp_path / "bad.json"
+    rc = bench.main(["--ops", "gelu_fwd", "--dtype", "fp32", "--impl", "torch", "--json", str(out)] + FAST)
+    (row,) = json.load(open(out))["rows"]
+    assert rc == 1 and row["status"] == "failed" and row["gate"]["rel_l2"] > row["gate"]["tolerance"]
+
+
+def test_torch_compile_row(tmp_path):
+    out = tmp_path / "compile.json"
+    rc = bench.main(["--ops", "swiglu_fwd", "--dtype", "fp32", "--impl", "torch-compile", "--json", str(out)] + FAST)
+    (row,) = json.load(open(out))["rows"]
+    if row["status"] == "failed" and ("Inductor" in row["message"] or "compiler" in row["message"]):
+        pytest.skip(f"inductor cannot compile on this CPU: {row['message'][:200]}")
+    assert rc == 0 and row["status"] == "ok" and row["impl"] == "torch-compile"
+
+
+def test_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "p.png"
+    bench.main(["--ops", "gelu_fwd", "--impl", "cpu-ref,torch", "--plot", str(png)] + FAST)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_usage_errors():
+    run = subprocess.run([sys.executable, "-m", "trainscale.bench", "--ops", "nope", "--quiet"],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and "run_bench: argument 'ops': unknown op 'nope'" in run.stderr
+    run = subprocess.run([sys.executable, "-m", "trainscale.bench", "--list", "--suite", "smoke"],
+                         capture_output=True, text=True)
+    assert run.returncode == 0 and "rmsnorm_fwd 64x512 bfloat16" in run.stdout

@@ -1,0 +1,73 @@
+"""trainscale.patch on a tiny Hugging Face Llama (CPU, fp64): the swapped model computes the
+same loss and gradients as the original. Skipped when transformers is not installed."""
+import copy
+
+import pytest
+import torch
+
+import trainscale as ts
+
+transformers = pytest.importorskip("transformers")
+modeling_llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+
+
+def tiny_llama():
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   attn_implementation="eager")
+    return transformers.LlamaForCausalLM(cfg).double().eval()
+
+
+def loss_and_grads(model, ids, position_ids=None):
+    model.zero_grad()
+    loss = model(input_ids=ids, labels=ids, position_ids=position_ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("per_batch_positions", [False, True])
+def test_patched_llama_matches(monkeypatch, capsys, per_batch_positions):
+    # patch() replaces the modeling module's apply_rotary_pos_emb; restore it after the test.
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", modeling_llama.apply_rotary_pos_emb)
+    torch.manual_seed(0)
+    model = tiny_llama()
+    original = copy.deepcopy(model)
+    ids = torch.randint(0, 97, (2, 12))
+    positions = torch.stack([torch.arange(12), torch.arange(5, 17)]) if per_batch_positions else None
+    ref_loss, ref_grads = loss_and_grads(original, ids, positions)
+
+    report = ts.patch(model)
+    assert "trainscale.patch:" in capsys.readouterr().out
+    assert len(report["rms_norm"]) == 2 * 2 + 1  # two per layer and the final norm
+    assert len(report["swiglu_mlp"]) == 2
+    assert report["rope"] == ["transformers.models.llama.modeling_llama.apply_rotary_pos_emb"]
+    assert isinstance(model.model.norm, ts.RMSNorm) and isinstance(model.model.layers[0].mlp, ts.SwiGLUMLP)
+    # Parameters are shared, not copied.
+    assert model.model.norm.weight is dict(model.named_parameters())["model.norm.weight"]
+
+    loss, grads = loss_and_grads(model, ids, positions)
+    # LlamaRMSNorm computes in float32 even for float64 inputs (ours stays in float64), so the two
+    # agree to float32 rounding, not float64's.
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        scale = ref_grads[name].abs().max().item()
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=1e-5 * scale, msg=name)
+
+
+def test_patch_fp32_and_idempotent(monkeypatch):
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", modeling_llama.apply_rotary_pos_emb)
+    torch.manual_seed(0)
+    model = tiny_llama().float()
+    original = copy.deepcopy(model)
+    ids = torch.randint(0, 97, (1, 9))
+    ts.patch(model, verbose=False)
+    again = ts.patch(model, verbose=False)
+    assert again["rms_norm"] == [] and again["swiglu_mlp"] == [] and again["rope"] == []
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, original(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_patch_rejects_non_modules():
+    with pytest.raises(TypeError, match="trainscale.patch: argument 'model'"):
+        ts.patch("not a model")

@@ -1,0 +1,274 @@
+"""python -m trainscale.bench: trainscale-bench's engine (gate against the fp64 reference, CUDA
+events, L2 flush, stopping rule, statistics, JSON / CSV / Markdown reporters) run from Python,
+with PyTorch eager, torch.compile(dynamic=False) and, when importable, Liger-Kernel and QuACK
+timed next to ours on the same cases (the C++ registry's suites and shapes).
+
+Each baseline gets the case's input tensors by name and returns its outputs in the case's
+order; work it needs before the timed call (compilation, tables, the forward pass of a
+backward) happens in its untimed setup. PyTorch callables are timed one call per CUDA event
+pair (no CUDA graphs), so tiny shapes include their launch overhead.
+"""
+import argparse
+import inspect
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from . import _C
+from . import reference as ref
+
+_aten = torch.ops.aten
+
+
+def _rms_bwd(dy, x, w, rstd):
+    # The case's saved rstd is an input (as in training), so the backward is written out rather
+    # than taken from autograd, which would recompute it.
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    dyf, xf, r = dy.to(acc), x.to(acc), rstd.to(acc)[:, None]
+    xhat = xf * r
+    wdy = dyf * w.to(acc)
+    dx = r * (wdy - xhat * (wdy * xhat).mean(-1, keepdim=True))
+    return dx.to(x.dtype), (dyf * xhat).sum(0).to(w.dtype)
+
+
+def _swiglu_bwd(dy, a, b):
+    return _aten.silu_backward(dy * b, a), dy * F.silu(a)
+
+
+def _rope(t, cos, sin):
+    return ref.apply_rotary(t["q"], t["k"], cos, sin)
+
+
+def _layer_norm_bwd(dy, x, w, bias, mean, rstd):
+    if not x.is_cuda:  # PyTorch's CPU kernel takes the statistics in x's dtype
+        mean, rstd = mean.to(x.dtype), rstd.to(x.dtype)
+    return _aten.native_layer_norm_backward(dy, x, [x.shape[-1]], mean[:, None], rstd[:, None], w, bias,
+                                            [True, True, True])
+
+
+def _fused_add_rms(x, residual, w):
+    s = x + residual
+    y, rstd = ref.rms_norm_with_rstd(s, w)
+    return y, s, rstd
+
+
+def _layer_norm_fwd(x, w, b):
+    y, mean, rstd = _aten.native_layer_norm(x, [x.shape[-1]], w, b, 1e-5)
+    if mean.dtype != torch.float32 and x.dtype != torch.float64:
+        # PyTorch's CPU kernel returns bfloat16 / float16 statistics; training keeps them in float32.
+        return ref.layer_norm_with_stats(x, w, b)
+    return y, mean.reshape(-1), rstd.reshape(-1)
+
+
+# op -> (inputs, untimed state) -> outputs, in PyTorch. `prep` (optional) builds the state once.
+_TORCH = {
+    "rmsnorm_fwd": lambda t, _: ref.rms_norm_with_rstd(t["x"], t["weight"]),
+    "rmsnorm_bwd": lambda t, _: _rms_bwd(t["dy"], t["x"], t["weight"], t["rstd"]),
+    "fused_add_rmsnorm_fwd": lambda t, _: _fused_add_rms(t["x"], t["residual"], t["weight"]),
+    "layernorm_fwd": lambda t, _: _layer_norm_fwd(t["x"], t["weight"], t["bias"]),
+    "layernorm_bwd": lambda t, bias: _layer_norm_bwd(t["dy"], t["x"], t["weight"], bias, t["mean"], t["rstd"]),
+    "gelu_fwd": lambda t, _: F.gelu(t["x"]),
+    "gelu_bwd": lambda t, _: _aten.gelu_backward(t["dy"], t["x"]),
+    "gelu_tanh_fwd": lambda t, _: F.gelu(t["x"], approximate="tanh"),
+    "gelu_tanh_bwd": lambda t, _: _aten.gelu_backward(t["dy"], t["x"], approximate="tanh"),
+    "silu_fwd": lambda t, _: F.silu(t["x"]),
+    "silu_bwd": lambda t, _: _aten.silu_backward(t["dy"], t["x"]),
+    "swiglu_fwd": lambda t, _: F.silu(t["a"]) * t["b"],
+    "swiglu_bwd": lambda t, _: _swiglu_bwd(t["dy"], t["a"], t["b"]),
+    "swiglu_packed_fwd": lambda t, _: ref.swiglu(t["ab"]),
+    "swiglu_packed_bwd": lambda t, _: torch.cat(_swiglu_bwd(t["dy"], *t["ab"].chunk(2, -1)), -1),
+    "rope_fwd": lambda t, cs: _rope(t, *cs),
+    "rope_bwd": lambda t, cs: _rope(t, cs[0], -cs[1]),  # rotation by -angle
+    "fp8_quant_row": lambda t, _: ref.fp8_quantize(t["x"], granularity="row"),
+    "fp8_quant_1x128": lambda t, _: ref.fp8_quantize(t["x"], granularity="1x128"),
+}
+
+
+def _prep(op, t):
+    """Untimed state of an op: RoPE's cos / sin tables (ours computes angles in the kernel; a
+    PyTorch model keeps tables); a bias for LayerNorm's backward (whose db PyTorch computes only
+    when given one; its values are not read)."""
+    if op.startswith("rope"):
+        q = t["q"]
+        return ref.rope_angles(torch.arange(q.shape[1], device=q.device), q.shape[-1], 10000.0)
+    if op == "layernorm_bwd":
+        return torch.zeros_like(t["weight"])
+    return None
+
+
+def _torch_baseline(compiled):
+    def make(op, shape, dtype):
+        fn = _TORCH.get(op)
+        if fn is None:
+            return None
+        if compiled:
+            fn = torch.compile(fn, dynamic=False)
+
+        def setup(t):
+            state = _prep(op, t)
+            fn(t, state)  # compiles (torch.compile) and warms up, untimed
+            return lambda: fn(t, state)
+        return setup
+    return make
+
+
+def _by_name(fn, **values):
+    """fn called with the parameters it declares, by name: Liger's internal signatures change
+    between releases. Declared parameters without a default that are not given get None."""
+    params = inspect.signature(fn).parameters
+    return fn(**{n: values.get(n) for n, p in params.items() if p.default is inspect.Parameter.empty or n in values})
+
+
+def _liger_baseline():
+    """Liger-Kernel's Triton kernels: RMSNorm forward / backward (its internal functions, which
+    take the saved rstd like the case does) and SwiGLU forward."""
+    try:
+        from liger_kernel.ops.rms_norm import rms_norm_backward, rms_norm_forward
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+    except ImportError:
+        return None
+
+    def forward(t):
+        return _by_name(rms_norm_forward, X=t["x"], W=t["weight"], eps=1e-6, offset=0.0, casting_mode="llama")
+
+    def rms_fwd(t):
+        def run():
+            out = forward(t)
+            return out[0], out[2]
+        return run
+
+    def rms_bwd(t):
+        fwd = forward(t)  # Liger's launch settings for this shape (BLOCK_SIZE, num_warps)
+        settings = dict(BLOCK_SIZE=fwd[3], num_warps=fwd[4]) if len(fwd) > 5 else {}
+        return lambda: tuple(_by_name(rms_norm_backward, dY=t["dy"], X=t["x"], W=t["weight"], RSTD=t["rstd"],
+                                      offset=0.0, casting_mode=fwd[-1], in_place=False, **settings)[:2])
+
+    setups = {"rmsnorm_fwd": rms_fwd, "rmsnorm_bwd": rms_bwd,
+              "swiglu_fwd": lambda t: (lambda: LigerSiLUMulFunction.apply(t["a"], t["b"]))}
+    return lambda op, shape, dtype: setups.get(op)
+
+
+def _quack_baseline():
+    """QuACK's CuTe-DSL RMSNorm forward (out first, rstd last in what it returns)."""
+    try:
+        from quack.rmsnorm import rmsnorm_fwd
+    except ImportError:
+        return None
+
+    def setup(t):
+        def run():
+            out = rmsnorm_fwd(t["x"], t["weight"], eps=1e-6, store_rstd=True)
+            return out[0], out[-1]
+        return run
+    return lambda op, shape, dtype: setup if op == "rmsnorm_fwd" else None
+
+
+def baselines(use_gpu):
+    """(name, make) of every baseline available here; Liger and QuACK run on GPUs only."""
+    out = [("torch", _torch_baseline(False)), ("torch-compile", _torch_baseline(True))]
+    if use_gpu:
+        out += [(name, make) for name, make in (("liger", _liger_baseline()), ("quack", _quack_baseline()))
+                if make is not None]
+    return out
+
+
+def plot(result, path):
+    """GB/s per shape and implementation, one panel per (op, dtype)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if r["status"] == "ok"]
+    panels = sorted({(r["op"], r["dtype"]) for r in rows})
+    if not panels:
+        raise SystemExit("trainscale.bench: --plot: no timed rows to plot")
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 3.2 * len(panels)), squeeze=False)
+    for ax, (op, dtype) in zip(axes[:, 0], panels):
+        sel = [r for r in rows if r["op"] == op and r["dtype"] == dtype]
+        shapes = list(dict.fromkeys(r["shape"] for r in sel))
+        impls = list(dict.fromkeys(r["impl"] for r in sel))
+        width = 0.8 / len(impls)
+        for k, impl in enumerate(impls):
+            gbps = {r["shape"]: r["gbps"] for r in sel if r["impl"] == impl}
+            xs = [i + k * width for i, s in enumerate(shapes) if s in gbps]
+            ax.bar(xs, [gbps[s] for s in shapes if s in gbps], width, label=impl)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(shapes))], shapes, fontsize=8)
+        ax.set_title(f"{op} {dtype}")
+        ax.set_ylabel("GB/s")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _csv_list(text):
+    return [s for s in text.split(",") if s] if text else []
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m trainscale.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--suite", default=None, help="suites, comma-separated (default: llama on a GPU, smoke on the CPU)")
+    p.add_argument("--ops", default="", help="only these ops (--list shows them)")
+    p.add_argument("--dtype", default="", help="only these dtypes (fp32, fp16, bf16, ...)")
+    p.add_argument("--configs", default="", help="only these shapes (dims joined by x)")
+    p.add_argument("--impl", default="", help="only these implementations (trainscale / cpu-ref, torch, "
+                                               "torch-compile, liger, quack)")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--gpu", type=int, default=0, help="CUDA device index")
+    p.add_argument("--json"), p.add_argument("--csv"), p.add_argument("--md")
+    p.add_argument("--plot", help="PNG of GB/s per shape and implementation (needs matplotlib)")
+    p.add_argument("--target-noise", type=float, default=0.005)
+    p.add_argument("--min-samples", type=int, default=10)
+    p.add_argument("--min-time-ms", type=float, default=50.0)
+    p.add_argument("--timeout-ms", type=float, default=3000.0)
+    p.add_argument("--warmup-ms", type=float, default=25.0)
+    p.add_argument("--warm", action="store_true", help="no L2 flush before samples")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--no-roofline", action="store_true")
+    p.add_argument("--list", action="store_true", help="print the selected configs and exit")
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+
+    if args.device == "cuda" and not (torch.cuda.is_available() and _C.has_cuda):
+        p.error("--device cuda: no CUDA device, or trainscale was built without CUDA")
+    use_gpu = args.device != "cpu" and torch.cuda.is_available() and _C.has_cuda
+    suites = _csv_list(args.suite or ("llama" if use_gpu else "smoke"))
+    if args.list:
+        ops = set(_csv_list(args.ops))
+        try:
+            configs = _C.suite_configs(suites)
+        except ValueError as e:
+            p.error(str(e))
+        for op, shape, dtype in configs:
+            if not ops or op in ops:
+                print(f"{op} {'x'.join(map(str, shape))} {dtype}")
+        return 0
+    timing = {"target_rel_noise": args.target_noise, "min_samples": args.min_samples,
+              "min_time_ms": args.min_time_ms, "timeout_ms": args.timeout_ms, "warmup_ms": args.warmup_ms,
+              "flush_l2": not args.warm}
+    try:
+        text = _C.run_bench(suites, _csv_list(args.ops), _csv_list(args.dtype), _csv_list(args.configs),
+                            _csv_list(args.impl), baselines(use_gpu), use_gpu, args.gpu, timing, args.seed,
+                            not args.no_roofline, " ".join(["python -m trainscale.bench"] + sys.argv[1:]),
+                            not args.quiet)
+    except ValueError as e:
+        p.error(str(e))
+    print(_C.report(text, "terminal"), end="")
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    for path, fmt in ((args.csv, "csv"), (args.md, "markdown")):
+        if path:
+            with open(path, "w") as f:
+                f.write(_C.report(text, fmt))
+    result = json.loads(text)
+    if args.plot:
+        plot(result, args.plot)
+    if result["meta"]["interrupted"]:
+        return 130
+    return 1 if any(r["status"] == "failed" for r in result["rows"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
