@@ -75,49 +75,43 @@ __device__ __forceinline__ float scale_from_amax(unsigned amax_bits, float fmax,
 template <bool kE4M3>
 constexpr __nv_fp8_interpretation_t kFp8Kind = kE4M3 ? __NV_E4M3 : __NV_E5M2;
 
-template <bool kE4M3>
-__device__ __forceinline__ unsigned encode2(float a, float b) {
-  // x.x lands in the low byte.
-  return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, kFp8Kind<kE4M3>);
-}
-
-// The fp8 cast for fp8_divide.h's slow branch (the same cvt as encode2).
+// The fp8 cast for fp8_divide.h (fp8_test.cc's HostCodec emulates it on the CPU, byte for byte).
 template <bool kE4M3>
 struct DeviceCodec {
-  static TRAINSCALE_FP8_HD std::uint8_t encode(float v) {
+  static __device__ __forceinline__ std::uint8_t encode(float v) {
     return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, kFp8Kind<kE4M3>);
   }
-  static TRAINSCALE_FP8_HD float decode(std::uint8_t code) {
+  static __device__ __forceinline__ float decode(std::uint8_t code) {
     return __half2float(__half(__nv_cvt_fp8_to_halfraw(code, kFp8Kind<kE4M3>)));
+  }
+  // Code k of v0..v3 in byte k: cvt d, a, b puts a's code in d's upper byte. One asm, so that
+  // no 16-bit half of the word exists outside it (fp8_divide.h's quantize8 says why).
+  static __device__ __forceinline__ std::uint32_t encode4(float v0, float v1, float v2, float v3) {
+    std::uint32_t w;
+    if constexpr (kE4M3) {
+      asm("{\n\t.reg .b16 lo, hi;\n\t"
+          "cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n\t"
+          "cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n\t"
+          "mov.b32 %0, {lo, hi};\n\t}"
+          : "=r"(w)
+          : "f"(v0), "f"(v1), "f"(v2), "f"(v3));
+    } else {
+      asm("{\n\t.reg .b16 lo, hi;\n\t"
+          "cvt.rn.satfinite.e5m2x2.f32 lo, %2, %1;\n\t"
+          "cvt.rn.satfinite.e5m2x2.f32 hi, %4, %3;\n\t"
+          "mov.b32 %0, {lo, hi};\n\t}"
+          : "=r"(w)
+          : "f"(v0), "f"(v1), "f"(v2), "f"(v3));
+    }
+    return w;
   }
 };
 
-// Codes of 8 values sharing divisor d, value k in byte k: the casts of x * d.lo and x * d.hi,
-// which agree except near an fp8 rounding boundary; there `resolve` decides (fp8_divide.h).
+// Codes of 8 values sharing divisor d, value k in byte k (fp8_divide.h's quantize8).
 template <bool kE4M3>
-__device__ __forceinline__ uint2 quantize8(const float (&v)[8], const Fp8Divisor& d) {
-  unsigned lo[4], hi[4];
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    lo[k] = encode2<kE4M3>(__fmul_rn(v[2 * k], d.lo), __fmul_rn(v[2 * k + 1], d.lo));
-    hi[k] = encode2<kE4M3>(__fmul_rn(v[2 * k], d.hi), __fmul_rn(v[2 * k + 1], d.hi));
-  }
-  const uint2 a = make_uint2(lo[0] | (lo[1] << 16), lo[2] | (lo[3] << 16));
-  uint2 b = make_uint2(hi[0] | (hi[1] << 16), hi[2] | (hi[3] << 16));
-  if (__builtin_expect(a.x != b.x || a.y != b.y, 0)) {
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const unsigned wa = k < 4 ? a.x : a.y, shift = 8 * (k & 3);
-      unsigned& wb = k < 4 ? b.x : b.y;
-      const unsigned ca = (wa >> shift) & 0xffu, cb = (wb >> shift) & 0xffu;
-      if (ca != cb) {
-        const unsigned c = resolve<DeviceCodec<kE4M3>>(v[k], d, static_cast<std::uint8_t>(ca),
-                                                       static_cast<std::uint8_t>(cb));
-        wb = (wb & ~(0xffu << shift)) | (c << shift);
-      }
-    }
-  }
-  return b;
+__device__ __forceinline__ uint2 codes8(const float (&v)[8], const Fp8Divisor& d) {
+  const Codes8 c = quantize8<DeviceCodec<kE4M3>>(v, d);
+  return make_uint2(c.x, c.y);
 }
 
 template <class T>
@@ -377,7 +371,7 @@ __global__ void __launch_bounds__(kTileThreads) tile_kernel(TileArgs a) {
       for (int r = 0; r < 8; ++r) {
         float v[8];
         to_floats8(raw[r], v);
-        qc[r] = quantize8<kE4M3>(v, rd[r]);
+        qc[r] = codes8<kE4M3>(v, rd[r]);
         const std::int64_t row = r0 + r;
         if (row < a.rows) store_codes8(a.q + row * a.q_stride + c0, qc[r], c0, a.cols, a.q_vec);
       }
@@ -398,7 +392,7 @@ __global__ void __launch_bounds__(kTileThreads) tile_kernel(TileArgs a) {
             float v[8];
 #pragma unroll
             for (int r = 0; r < 8; ++r) v[r] = to_float(raw[r].v[c]);
-            tc[c] = quantize8<kE4M3>(v, d);
+            tc[c] = codes8<kE4M3>(v, d);
           }
         }
 #pragma unroll
@@ -461,7 +455,7 @@ __global__ void __launch_bounds__(256) tile_rows_kernel(TileArgs a) {
         if (col < a.cols) {
           float v[8];
           to_floats8(raw[k], v);
-          store_codes8(a.q + row * a.q_stride + col, quantize8<kE4M3>(v, make_divisor(s)), col,
+          store_codes8(a.q + row * a.q_stride + col, codes8<kE4M3>(v, make_divisor(s)), col,
                        a.cols, a.q_vec);
         }
       }
@@ -557,7 +551,7 @@ __global__ void __launch_bounds__(kThreads < 256 ? 256 : kThreads) row_kernel(Ro
       if (col >= a.cols) continue;
       float v[8];
       to_floats8(raw[k], v);
-      store_codes8(a.q + row * a.q_stride + col, quantize8<kE4M3>(v, d), col, a.cols, a.q_vec);
+      store_codes8(a.q + row * a.q_stride + col, codes8<kE4M3>(v, d), col, a.cols, a.q_vec);
     }
   }
 }

@@ -1,7 +1,14 @@
 // The fp8 code of x / s (saturate_rn of the float32 quotient, as include/trainscale/fp8.h fixes
 // it) without a float32 division per element, bit for bit. Shared by the CUDA kernels and the
-// CPU test that checks it (fp8_test.cc), so both run this very code; `Codec` supplies the fp8
-// cast (the cvt instruction on the GPU, the reference codec on the CPU).
+// CPU test that checks it (fp8_test.cc), so both run this very code, down to the packing of
+// codes into words; `Codec` supplies the fp8 cast: on the GPU the cvt instruction
+// (fp8.cu's DeviceCodec), on the CPU the reference codec packed in the cvt's byte order
+// (fp8_test.cc's HostCodec). A Codec has
+//   encode(v)                 the code of one float (the saturating round-to-nearest-even cast)
+//   decode(c)                 the value of a code, as a float (exact)
+//   encode4(v0, v1, v2, v3)   the codes of four floats as one word, code k in byte k, built as
+//                             cvt.rn.satfinite.<fmt>x2.f32 twice (d, a, b: a's code in d's upper
+//                             byte, b's in the lower): lo16 = x2(v1, v0), hi16 = x2(v3, v2).
 //
 // Per group, once: bounds lo <= 1/s <= hi (real numbers) from r = RN(1/s):
 //   s a normal power of two   lo = hi = 1/s, exact: x * lo is then the same real number as
@@ -27,6 +34,11 @@
 #define TRAINSCALE_FP8_HD __host__ __device__ __forceinline__
 #else
 #define TRAINSCALE_FP8_HD inline
+#endif
+#if defined(__CUDA_ARCH__)
+#define TRAINSCALE_FP8_UNROLL _Pragma("unroll")
+#else
+#define TRAINSCALE_FP8_UNROLL
 #endif
 
 namespace trainscale::ops::fp8 {
@@ -99,11 +111,64 @@ TRAINSCALE_FP8_HD std::uint8_t resolve(float x, const Fp8Divisor& d, std::uint8_
   return Codec::encode(exact_quotient(x, d.s));
 }
 
-// One element (the CPU test's entry point; the kernels do the same eight at a time).
+TRAINSCALE_FP8_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+// One element.
 template <class Codec>
 TRAINSCALE_FP8_HD std::uint8_t quantize_one(float x, const Fp8Divisor& d) {
-  const std::uint8_t a = Codec::encode(x * d.lo), b = Codec::encode(x * d.hi);
+  const std::uint8_t a = Codec::encode(mul_rn(x, d.lo)), b = Codec::encode(mul_rn(x, d.hi));
   return a == b ? b : resolve<Codec>(x, d, a, b);
+}
+
+// Eight codes as the kernels store them (8 bytes, little endian): code k in byte k % 4 of word
+// k / 4, x holding codes 0..3 and y codes 4..7.
+struct Codes8 {
+  std::uint32_t x, y;
+};
+
+// Eight elements sharing divisor d, as every kernel quantizes (fp8.cu): the words of the casts
+// of x * d.lo and of x * d.hi, equal except near an fp8 rounding boundary; there each byte that
+// differs goes through `resolve` and replaces its byte of the hi word.
+//
+// The codes stay in 32-bit words from the cast on (Codec::encode4 is one opaque asm on the GPU).
+// With 16-bit packed casts instead (__nv_cvt_float2_to_fp8x2 per pair, then lo | hi << 16),
+// NVVM read the bytes of this loop straight from the 16-bit cast results, and ptxas (CUDA 13.0,
+// sm_90a, -O1 and up), having fused the pairs into F2FP.PACK_AB_MERGE_C, read those 16-bit
+// values from R1 (the stack pointer) in the slow branch: bytes of the lo words were garbage
+// there, and the GPU wrote wrong codes (half or twice the value, NaN, other signs) in the chunks
+// that took the branch. Only the GPU test and the SASS show that class of fault: check
+// `cuobjdump -sass` of fp8.cu.o for PRMT reading R1 after changing this code.
+template <class Codec>
+TRAINSCALE_FP8_HD Codes8 quantize8(const float (&v)[8], const Fp8Divisor& d) {
+  float pl[8], ph[8];
+  TRAINSCALE_FP8_UNROLL
+  for (int k = 0; k < 8; ++k) {
+    pl[k] = mul_rn(v[k], d.lo);
+    ph[k] = mul_rn(v[k], d.hi);
+  }
+  const Codes8 a{Codec::encode4(pl[0], pl[1], pl[2], pl[3]),
+                 Codec::encode4(pl[4], pl[5], pl[6], pl[7])};
+  Codes8 b{Codec::encode4(ph[0], ph[1], ph[2], ph[3]), Codec::encode4(ph[4], ph[5], ph[6], ph[7])};
+  if (__builtin_expect(a.x != b.x || a.y != b.y, 0)) {
+    TRAINSCALE_FP8_UNROLL
+    for (int k = 0; k < 8; ++k) {
+      const std::uint32_t wa = k < 4 ? a.x : a.y, shift = 8 * (k & 3);
+      std::uint32_t& wb = k < 4 ? b.x : b.y;
+      const std::uint32_t ca = (wa >> shift) & 0xffu, cb = (wb >> shift) & 0xffu;
+      if (ca != cb) {
+        const std::uint32_t c = resolve<Codec>(v[k], d, static_cast<std::uint8_t>(ca),
+                                               static_cast<std::uint8_t>(cb));
+        wb = (wb & ~(0xffu << shift)) | (c << shift);
+      }
+    }
+  }
+  return b;
 }
 
 }  // namespace trainscale::ops::fp8
