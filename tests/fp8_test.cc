@@ -2,11 +2,14 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "core/host_dtype.h"
+#include "core/parallel.h"
+#include "ops/fp8/fp8_divide.h"
 #include "trainscale/fp8.h"
 #include "util/gpu_util.h"
 #include "util/test_util.h"
@@ -741,6 +744,182 @@ TEST(Fp8RoundTrip, ErrorWithinHalfAnFp8UlpTimesTheScale) {
 TensorView on_cuda(TensorView t) {
   t.device = Device::cuda(0);
   return t;
+}
+
+// --- The kernels' division-free quotient (ops/fp8/fp8_divide.h), run here on the CPU ---
+//
+// What this covers: the arithmetic of fp8_divide.h (bounds, the two casts, `resolve`, the
+// fallback division) and, through quantize8, everything the kernels do to a chunk of 8 codes
+// in fp8_divide.h: the packing of codes into two words (HostCodec::encode4 below mirrors the
+// device's asm, cvt for cvt, in the instruction's byte order), the fast-path comparison of the
+// words, which byte of which word goes to `resolve`, and where its code goes back. A bug in
+// that byte and lane bookkeeping fails here as it would on the GPU.
+// What only the GPU test (fp8_cuda_test) covers: the cvt instructions themselves (that the
+// asm's operand order matches the emulation below, satfinite, NaN bytes), __frcp_rn and
+// __fdiv_rn, the kernels' loads, amax reductions, divisor per row / tile / column, stores and
+// the transposed copy, and the compiler: ptxas 13.0 once miscompiled this very code (16-bit
+// cast results read from the stack pointer register in the slow branch, see quantize8),
+// which no host run can see.
+
+// The fp8 cast the kernels get from the cvt instruction, here from the reference codec.
+template <DType kFp8>
+struct HostCodec {
+  static std::uint8_t encode(float v) { return ::trainscale::encode(kFp8, v); }
+  static float decode(std::uint8_t code) { return ::trainscale::decode(kFp8, code); }
+  // cvt.rn.satfinite.<fmt>x2.f32 d, a, b: a's code in the upper byte of d, b's in the lower.
+  static std::uint32_t cvt_x2(float a, float b) {
+    return (std::uint32_t{encode(a)} << 8) | std::uint32_t{encode(b)};
+  }
+  // DeviceCodec::encode4's asm (fp8.cu), instruction for instruction:
+  //   cvt lo, v1, v0;  cvt hi, v3, v2;  mov.b32 w, {lo, hi}  (lo in the low half)
+  static std::uint32_t encode4(float v0, float v1, float v2, float v3) {
+    const std::uint32_t lo = cvt_x2(v1, v0), hi = cvt_x2(v3, v2);
+    return lo | (hi << 16);
+  }
+};
+
+// The packed cast puts code k in byte k of the word (the byte order of the 8-byte stores).
+TEST(Fp8Divisor, PackedCastPutsCodeKInByteK) {
+  using Codec = HostCodec<DType::kFloat8E4M3>;
+  EXPECT_EQ(Codec::cvt_x2(1.0f, -2.0f), 0x38C0u);  // 1 -> 0x38 (upper), -2 -> 0xC0 (lower)
+  EXPECT_EQ(Codec::encode4(1.0f, -2.0f, 448.0f, 0.0f), 0x007EC038u);
+  const float v[8] = {1.0f, -2.0f, 448.0f, 0.0f, -0.5f, 0.25f, 3.0f, -448.0f};
+  const ops::fp8::Codes8 c = ops::fp8::quantize8<Codec>(v, ops::fp8::make_divisor(1.0f));
+  for (int k = 0; k < 8; ++k) {
+    EXPECT_EQ(((k < 4 ? c.x : c.y) >> (8 * (k % 4))) & 0xffu, Codec::encode(v[k])) << k;
+  }
+}
+
+// Scales the kernels meet (amax / fmax for every bf16 amax significand, so x / s often sits on
+// or next to an fp8 midpoint), random scales over the whole checked range and past it, powers of
+// two (exact reciprocals, subnormal ones included) and the edges of each regime.
+std::vector<float> divisor_test_scales(DType fp8) {
+  std::vector<float> s;
+  for (int e : {-20, 0, 7}) {
+    for (int m = 128; m < 256; ++m) s.push_back(std::ldexp(static_cast<float>(m), e) / fp8_max(fp8));
+  }
+  std::uniform_real_distribution<float> significand(1.0f, 2.0f);
+  std::uniform_int_distribution<int> exponent(-75, 75);
+  for (int k = 0; k < 200; ++k) s.push_back(std::ldexp(significand(test::rng()), exponent(test::rng())));
+  for (int e = -149; e <= 127; e += 7) s.push_back(pow2f(e));
+  for (float edge : {pow2f(-64), pow2f(64), pow2f(-126), pow2f(127), pow2f(-127)}) {
+    s.push_back(edge);
+    s.push_back(std::nextafter(edge, 0.0f));
+    s.push_back(std::nextafter(edge, INFINITY));
+  }
+  for (float v : {3.0f * pow2f(-140), std::numeric_limits<float>::max(),
+                  std::numeric_limits<float>::min(), 1.0f / 448.0f, 1.0f / 57344.0f, INFINITY, NAN}) {
+    s.push_back(v);
+  }
+  return s;
+}
+
+// Every bf16 and every fp16 value (NaN, Inf, subnormals, zeros) and random float32 values of
+// every exponent, against each scale: quantize_one must give the code of the float32 quotient.
+template <DType kFp8>
+void check_divisor_matches_division() {
+  using Codec = HostCodec<kFp8>;
+  std::vector<float> xs;
+  for (std::uint32_t b = 0; b < 0x10000; ++b) {
+    const std::uint32_t f32 = b << 16;
+    float v;
+    std::memcpy(&v, &f32, sizeof v);
+    xs.push_back(v);                                               // bf16
+    xs.push_back(static_cast<float>(detail::half_to_double(static_cast<std::uint16_t>(b))));  // fp16
+  }
+  std::uniform_int_distribution<std::uint32_t> bits;
+  for (int k = 0; k < 20000; ++k) {
+    const std::uint32_t b = bits(test::rng());
+    float v;
+    std::memcpy(&v, &b, sizeof v);
+    xs.push_back(v);
+  }
+  // Chunks of 8 as the kernels see them: each input once in each lane over the shifted passes
+  // below, and chunks whose slow branch has one lane or several to fix.
+  while (xs.size() % 8 != 0) xs.push_back(0.0f);
+  const std::vector<float> scales = divisor_test_scales(kFp8);
+  std::vector<long long> resolved(scales.size(), 0), divided(scales.size(), 0);
+  std::vector<long long> slow_chunks(scales.size(), 0);
+  std::vector<std::string> failures(scales.size());
+  detail::parallel_for(static_cast<std::int64_t>(scales.size()), 1, [&](std::int64_t lo, std::int64_t hi) {
+    for (std::int64_t k = lo; k < hi; ++k) {
+      const float s = scales[k];
+      const ops::fp8::Fp8Divisor d = ops::fp8::make_divisor(s);
+      std::vector<std::uint8_t> want(xs.size()), casts_differ(xs.size());
+      auto fail = [&](const char* what, float x, unsigned got, unsigned expected) {
+        if (!failures[k].empty()) return;
+        char msg[200];
+        std::snprintf(msg, sizeof msg, "%s: x = %a, s = %a: got 0x%02X, expected 0x%02X", what,
+                      static_cast<double>(x), static_cast<double>(s), got, expected);
+        failures[k] = msg;
+      };
+      for (std::size_t i = 0; i < xs.size(); ++i) {
+        const float x = xs[i];
+        want[i] = Codec::encode(x / s);
+        const std::uint8_t got = ops::fp8::quantize_one<Codec>(x, d);
+        const std::uint8_t a = Codec::encode(x * d.lo), b = Codec::encode(x * d.hi);
+        casts_differ[i] = a != b;
+        if (a != b) ++(d.lo != 0.0f ? resolved[k] : divided[k]);
+        if (got != want[i]) fail("quantize_one", x, got, want[i]);
+      }
+      // The kernels' 8-element path, in every lane (chunk j of pass p starts at 8 j + p).
+      for (std::size_t shift = 0; shift < 8; ++shift) {
+        for (std::size_t i0 = shift; i0 + 8 <= xs.size(); i0 += 8) {
+          float v[8];
+          for (int e = 0; e < 8; ++e) v[e] = xs[i0 + e];
+          const ops::fp8::Codes8 c = ops::fp8::quantize8<Codec>(v, d);
+          bool slow = false;
+          for (int e = 0; e < 8; ++e) {
+            slow |= casts_differ[i0 + e] != 0;
+            const unsigned got = ((e < 4 ? c.x : c.y) >> (8 * (e % 4))) & 0xffu;
+            if (got != want[i0 + e]) fail("quantize8", v[e], got, want[i0 + e]);
+          }
+          slow_chunks[k] += slow;
+        }
+      }
+    }
+  });
+  long long total_resolved = 0, total_divided = 0, total_slow_chunks = 0;
+  for (std::size_t k = 0; k < scales.size(); ++k) {
+    EXPECT_TRUE(failures[k].empty()) << failures[k];
+    total_resolved += resolved[k];
+    total_divided += divided[k];
+    total_slow_chunks += slow_chunks[k];
+  }
+  // Both slow branches ran (the test would prove little otherwise).
+  EXPECT_GT(total_resolved, 1000);
+  EXPECT_GT(total_divided, 1000);
+  EXPECT_GT(total_slow_chunks, 1000);
+  std::printf("[fp8] %s: %zu scales x %zu inputs, %lld resolved at an fp8 midpoint, %lld divided; "
+              "%lld chunks of 8 through the slow branch\n",
+              dtype_name(kFp8), scales.size(), xs.size(), total_resolved, total_divided,
+              total_slow_chunks);
+}
+
+TEST(Fp8Divisor, CodeEqualsTheCodeOfTheFloat32QuotientE4M3) {
+  check_divisor_matches_division<DType::kFloat8E4M3>();
+}
+
+TEST(Fp8Divisor, CodeEqualsTheCodeOfTheFloat32QuotientE5M2) {
+  check_divisor_matches_division<DType::kFloat8E5M2>();
+}
+
+// The bounds themselves, exactly: lo * s <= 1 <= hi * s (the products of two floats are exact
+// in double), equal to 1 only for the exact reciprocals of powers of two.
+TEST(Fp8Divisor, BoundsBracketTheReciprocal) {
+  for (float s : divisor_test_scales(DType::kFloat8E4M3)) {
+    const ops::fp8::Fp8Divisor d = ops::fp8::make_divisor(s);
+    if (std::isnan(s) || std::isinf(s) || d.lo == 0.0f) continue;
+    const double lo = static_cast<double>(d.lo) * s, hi = static_cast<double>(d.hi) * s;
+    if (d.lo == d.hi) {
+      EXPECT_EQ(lo, 1.0) << s;
+    } else {
+      EXPECT_LT(lo, 1.0) << s;
+      EXPECT_GT(hi, 1.0) << s;
+      EXPECT_GT(lo, 1.0 - 0x1p-21) << s;  // narrow: few elements leave the fast path
+      EXPECT_LT(hi, 1.0 + 0x1p-21) << s;
+    }
+  }
 }
 
 TEST(Fp8Quantize, ArgumentErrors) {
