@@ -1,10 +1,7 @@
 // FP8 quantize / dequantize kernels. The arithmetic is fixed by include/trainscale/fp8.h and
-// matched bit for bit: amax over |x| as float, r = amax / fmax as an IEEE float32 division
-// (__fdiv_rn; the library is built without fast math, so no flush to zero), and the code of
-// q = x / s through the saturating round-to-nearest-even fp8 cast (cvt.rn.satfinite.*x2.f32).
-// q takes no division per element: each group's Fp8Divisor (fp8_divide.h, proved there and
-// checked exhaustively on the CPU by fp8_test) gives it from two multiplies and two casts, with
-// a rare exact fallback; __fdiv_rn (~13 instructions in its own branch region) serialized.
+// matched bit for bit: amax over |x| as float, r = amax / fmax and q = x / s as IEEE float32
+// divisions (__fdiv_rn; the library is built without fast math, so no flush to zero), and the
+// saturating round-to-nearest-even fp8 cast (cvt.rn.satfinite.{e4m3,e5m2}x2.f32).
 //
 // amax is taken as the unsigned maximum of the bit patterns of |x|: for non-negative floats the
 // integer order is the numeric order, and every NaN (sign cleared) compares above +Inf, so a NaN
@@ -36,7 +33,6 @@
 #include "common/dtype.cuh"
 #include "common/vec.cuh"
 #include "ops/fp8/fp8_cuda.h"
-#include "ops/fp8/fp8_divide.h"
 #include "ops/fp8/fp8_internal.h"
 
 namespace trainscale::ops::fp8 {
@@ -73,45 +69,18 @@ __device__ __forceinline__ float scale_from_amax(unsigned amax_bits, float fmax,
 }
 
 template <bool kE4M3>
-constexpr __nv_fp8_interpretation_t kFp8Kind = kE4M3 ? __NV_E4M3 : __NV_E5M2;
+__device__ __forceinline__ unsigned encode2(float a, float b) {
+  // x.x lands in the low byte.
+  return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, kE4M3 ? __NV_E4M3 : __NV_E5M2);
+}
 
-// The fp8 cast for fp8_divide.h (fp8_test.cc's HostCodec emulates it on the CPU, byte for byte).
+// Codes of 8 values sharing scale s, value k in byte k: one float32 division each, then the cast.
 template <bool kE4M3>
-struct DeviceCodec {
-  static __device__ __forceinline__ std::uint8_t encode(float v) {
-    return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, kFp8Kind<kE4M3>);
-  }
-  static __device__ __forceinline__ float decode(std::uint8_t code) {
-    return __half2float(__half(__nv_cvt_fp8_to_halfraw(code, kFp8Kind<kE4M3>)));
-  }
-  // Code k of v0..v3 in byte k: cvt d, a, b puts a's code in d's upper byte. One asm, so that
-  // no 16-bit half of the word exists outside it (fp8_divide.h's quantize8 says why).
-  static __device__ __forceinline__ std::uint32_t encode4(float v0, float v1, float v2, float v3) {
-    std::uint32_t w;
-    if constexpr (kE4M3) {
-      asm("{\n\t.reg .b16 lo, hi;\n\t"
-          "cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n\t"
-          "cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n\t"
-          "mov.b32 %0, {lo, hi};\n\t}"
-          : "=r"(w)
-          : "f"(v0), "f"(v1), "f"(v2), "f"(v3));
-    } else {
-      asm("{\n\t.reg .b16 lo, hi;\n\t"
-          "cvt.rn.satfinite.e5m2x2.f32 lo, %2, %1;\n\t"
-          "cvt.rn.satfinite.e5m2x2.f32 hi, %4, %3;\n\t"
-          "mov.b32 %0, {lo, hi};\n\t}"
-          : "=r"(w)
-          : "f"(v0), "f"(v1), "f"(v2), "f"(v3));
-    }
-    return w;
-  }
-};
-
-// Codes of 8 values sharing divisor d, value k in byte k (fp8_divide.h's quantize8).
-template <bool kE4M3>
-__device__ __forceinline__ uint2 codes8(const float (&v)[8], const Fp8Divisor& d) {
-  const Codes8 c = quantize8<DeviceCodec<kE4M3>>(v, d);
-  return make_uint2(c.x, c.y);
+__device__ __forceinline__ uint2 quantize8(const float (&v)[8], float s) {
+  unsigned w[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) w[k] = encode2<kE4M3>(__fdiv_rn(v[2 * k], s), __fdiv_rn(v[2 * k + 1], s));
+  return make_uint2(w[0] | (w[1] << 16), w[2] | (w[3] << 16));
 }
 
 template <class T>
@@ -226,7 +195,7 @@ __global__ void __launch_bounds__(kTileThreads) tile_kernel(TileArgs a) {
   constexpr float kMax = kFp8Max<kE4M3>;
 
   __shared__ unsigned col_amax[kColAmax ? kTileThreads / 32 : 1][128];
-  __shared__ Fp8Divisor col_div[kMode == TileMode::kTile && kTranspose ? 128 : 1];
+  __shared__ float col_scale[kMode == TileMode::kTile && kTranspose ? 128 : 1];
   // q_t's 128 x 128 codes: row jl (a column of x) holds 16 chunks of 8 codes (8 rows of x);
   // logical chunk L sits at physical chunk L ^ ((jl / 8) % 16), so that both the 8-byte writes
   // (16 lanes: 16 columns groups, one chunk each) and the 16-byte reads are conflict free.
@@ -319,25 +288,24 @@ __global__ void __launch_bounds__(kTileThreads) tile_kernel(TileArgs a) {
           if (j < a.cols && m != 0) atomicMax(reinterpret_cast<unsigned*>(a.scales_t) + j, m);
         } else {
           const float s = scale_from_amax(m, kMax, a.pow2);
-          col_div[tid] = make_divisor(s);
+          col_scale[tid] = s;
           // scales_t is the 1x128 grid of x^T: row j, tile bi.
           if (j < a.cols) a.scales_t[a.m_major ? bi * a.pitch_t + j : j * a.row_tiles + bi] = s;
         }
       }
-      if constexpr (kMode == TileMode::kTile) __syncthreads();  // col_div
+      if constexpr (kMode == TileMode::kTile) __syncthreads();  // col_scale
     }
 
     if constexpr (!kAmaxOnly) {
-      // Row divisors for q.
-      Fp8Divisor rd[8];
+      // Row scales for q.
+      float rs[8];
       if constexpr (kMode == TileMode::kTile) {
 #pragma unroll
         for (int r = 0; r < 8; ++r) {
-          const float s = scale_from_amax(ra[r], kMax, a.pow2);
-          rd[r] = make_divisor(s);
+          rs[r] = scale_from_amax(ra[r], kMax, a.pow2);
           const std::int64_t row = r0 + r;
           if (cg == 0 && row < a.rows) {
-            a.scales[a.m_major ? bj * a.pitch + row : row * a.col_tiles + bj] = s;
+            a.scales[a.m_major ? bj * a.pitch + row : row * a.col_tiles + bj] = rs[r];
           }
         }
         if (a.m_major) {  // zero padding of the m-major layouts: rows M .. align4(M) - 1
@@ -350,20 +318,19 @@ __global__ void __launch_bounds__(kTileThreads) tile_kernel(TileArgs a) {
         }
       } else if constexpr (kMode == TileMode::kBlock) {
         const float s = scale_from_amax(whole, kMax, a.pow2);
-        const Fp8Divisor d = make_divisor(s);
 #pragma unroll
-        for (int r = 0; r < 8; ++r) rd[r] = d;
+        for (int r = 0; r < 8; ++r) rs[r] = s;
         if (tid == 0) {
           a.scales[bi * a.col_tiles + bj] = s;
           if (kTranspose) a.scales_t[bj * a.row_tiles + bi] = s;
         }
       } else if constexpr (kMode == TileMode::kGivenRow) {
 #pragma unroll
-        for (int r = 0; r < 8; ++r) rd[r] = make_divisor(r0 + r < a.rows ? a.scales[r0 + r] : 1.0f);
+        for (int r = 0; r < 8; ++r) rs[r] = r0 + r < a.rows ? a.scales[r0 + r] : 1.0f;
       } else {  // kGivenTensor
-        const Fp8Divisor d = make_divisor(a.scales[0]);
+        const float s = a.scales[0];
 #pragma unroll
-        for (int r = 0; r < 8; ++r) rd[r] = d;
+        for (int r = 0; r < 8; ++r) rs[r] = s;
       }
 
       uint2 qc[8];
@@ -371,7 +338,7 @@ __global__ void __launch_bounds__(kTileThreads) tile_kernel(TileArgs a) {
       for (int r = 0; r < 8; ++r) {
         float v[8];
         to_floats8(raw[r], v);
-        qc[r] = codes8<kE4M3>(v, rd[r]);
+        qc[r] = quantize8<kE4M3>(v, rs[r]);
         const std::int64_t row = r0 + r;
         if (row < a.rows) store_codes8(a.q + row * a.q_stride + c0, qc[r], c0, a.cols, a.q_vec);
       }
@@ -383,16 +350,16 @@ __global__ void __launch_bounds__(kTileThreads) tile_kernel(TileArgs a) {
         } else {
 #pragma unroll
           for (int c = 0; c < 8; ++c) {
-            Fp8Divisor d;
+            float s;
             if constexpr (kMode == TileMode::kTile) {
-              d = col_div[cg * 8 + c];
+              s = col_scale[cg * 8 + c];
             } else {  // kGivenRow
-              d = make_divisor(c0 + c < a.cols ? a.scales_t[c0 + c] : 1.0f);
+              s = c0 + c < a.cols ? a.scales_t[c0 + c] : 1.0f;
             }
             float v[8];
 #pragma unroll
             for (int r = 0; r < 8; ++r) v[r] = to_float(raw[r].v[c]);
-            tc[c] = codes8<kE4M3>(v, d);
+            tc[c] = quantize8<kE4M3>(v, s);
           }
         }
 #pragma unroll
@@ -455,8 +422,7 @@ __global__ void __launch_bounds__(256) tile_rows_kernel(TileArgs a) {
         if (col < a.cols) {
           float v[8];
           to_floats8(raw[k], v);
-          store_codes8(a.q + row * a.q_stride + col, codes8<kE4M3>(v, make_divisor(s)), col,
-                       a.cols, a.q_vec);
+          store_codes8(a.q + row * a.q_stride + col, quantize8<kE4M3>(v, s), col, a.cols, a.q_vec);
         }
       }
       // m-major zero padding, rows M .. align4(M) - 1 of each tile column.
@@ -542,7 +508,6 @@ __global__ void __launch_bounds__(kThreads < 256 ? 256 : kThreads) row_kernel(Ro
       }
     }
     const float s = scale_from_amax(m, kFp8Max<kE4M3>, a.pow2);
-    const Fp8Divisor d = make_divisor(s);
     if (!valid) continue;
     if (lane == 0) a.scales[row] = s;
 #pragma unroll
@@ -551,7 +516,7 @@ __global__ void __launch_bounds__(kThreads < 256 ? 256 : kThreads) row_kernel(Ro
       if (col >= a.cols) continue;
       float v[8];
       to_floats8(raw[k], v);
-      store_codes8(a.q + row * a.q_stride + col, codes8<kE4M3>(v, d), col, a.cols, a.q_vec);
+      store_codes8(a.q + row * a.q_stride + col, quantize8<kE4M3>(v, s), col, a.cols, a.q_vec);
     }
   }
 }
