@@ -14,6 +14,7 @@ ctest --test-dir build -j 4 --output-on-failure >"$logs/ctest.log" 2>&1
 echo "ctest rc=$? ($((SECONDS - start)) s)"
 grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|\(SEGFAULT\)" "$logs/ctest.log" | head -40
 if [ -f build/pypkg/trainscale/_C.so ]; then
+  echo "_C.so: $(nm -DC --defined-only build/pypkg/trainscale/_C.so | grep -c ' std::.*::id$') libstdc++ locale ids defined (0 expected)"
   start=$SECONDS
   (cd build && python3 -m pytest -q -rs -p no:cacheprovider ../python/tests) >"$logs/pytest.log" 2>&1
   echo "pytest rc=$? ($((SECONDS - start)) s): $(tail -1 "$logs/pytest.log")"
