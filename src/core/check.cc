@@ -1,6 +1,7 @@
 #include "core/check.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <utility>
 
 namespace trainscale::detail {
@@ -29,6 +30,12 @@ void throw_no_cuda_kernel(std::string_view op) {
   throw_op_error(op,
                  "CUDA tensors given, but this op has only its CPU reference so far "
                  "(pass CPU tensors)");
+}
+
+std::string format_number(double v) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g", v);
+  return text;
 }
 
 std::string dtype_list(std::initializer_list<DType> dtypes) {

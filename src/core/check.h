@@ -24,6 +24,8 @@ namespace trainscale::detail {
 void require_current_device(std::string_view op, Device device);
 
 std::string dtype_list(std::initializer_list<DType> dtypes);  // "float32, bfloat16"
+// A number for a message, shortest form (%g): "1e-06", "0.5", "inf", "nan".
+std::string format_number(double v);
 
 // A tensor seen as M rows of N contiguous elements: leading dims flattened into rows,
 // which must share one row stride (so a [B, S, N] view with padded rows is fine).

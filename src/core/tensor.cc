@@ -1,6 +1,5 @@
 #include "trainscale/tensor.h"
 
-#include <sstream>
 
 #include "core/check.h"
 
@@ -119,11 +118,9 @@ bool TensorView::is_contiguous() const {
 
 namespace {
 std::string join(const std::array<std::int64_t, kMaxDims>& v, int n) {
-  std::ostringstream os;
-  os << '[';
-  for (int d = 0; d < n; ++d) os << (d ? ", " : "") << v[d];
-  os << ']';
-  return os.str();
+  std::string text = "[";
+  for (int d = 0; d < n; ++d) text += (d ? ", " : "") + std::to_string(v[d]);
+  return text + "]";
 }
 }  // namespace
 

@@ -1,5 +1,4 @@
 #include <cmath>
-#include <sstream>
 
 #include "ops/loss/loss_internal.h"
 
@@ -42,20 +41,14 @@ void check_loss_value(detail::OpChecker& c, const TensorView& t, const char* nam
   }
 }
 
-std::string format_number(double v) {
-  std::ostringstream os;
-  os << v;
-  return os.str();
-}
-
 void check_options(detail::OpChecker& c, const CrossEntropyOptions& o) {
   const double e = o.label_smoothing;
   c.require(std::isfinite(e) && e >= 0 && e <= 1, "options.label_smoothing", "a value in [0, 1]",
-            format_number(e));
+            detail::format_number(e));
   c.require(std::isfinite(o.z_loss) && o.z_loss >= 0, "options.z_loss", "a finite value >= 0",
-            format_number(o.z_loss));
+            detail::format_number(o.z_loss));
   c.require(std::isfinite(o.softcap) && o.softcap >= 0, "options.softcap",
-            "a finite value >= 0 (0 turns it off)", format_number(o.softcap));
+            "a finite value >= 0 (0 turns it off)", detail::format_number(o.softcap));
   const bool known = o.reduction == Reduction::kNone || o.reduction == Reduction::kMean ||
                      o.reduction == Reduction::kSum;
   c.require(known, "options.reduction", "none, mean or sum",

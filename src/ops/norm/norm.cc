@@ -1,6 +1,5 @@
 #include <cmath>
 #include <initializer_list>
-#include <sstream>
 #include <string>
 #include <utility>
 
@@ -111,21 +110,15 @@ void check_optional_stat(OpChecker& c, const TensorView& s, const char* name,
   if (s.defined()) check_stat(c, s, name, x, rows);
 }
 
-std::string to_text(double v) {
-  std::ostringstream os;
-  os << v;
-  return os.str();
-}
-
 void check_eps(OpChecker& c, double eps) {
   c.require(std::isfinite(eps) && eps >= 0, "options.eps", "a finite value >= 0",
-            to_text(eps));
+            detail::format_number(eps));
 }
 
 void check_options(OpChecker& c, const RMSNormOptions& options) {
   check_eps(c, options.eps);
   c.require(std::isfinite(options.weight_offset), "options.weight_offset", "a finite value",
-            to_text(options.weight_offset));
+            detail::format_number(options.weight_offset));
 }
 
 void check_options(OpChecker& c, const LayerNormOptions& options) { check_eps(c, options.eps); }
