@@ -19,16 +19,7 @@ if [ -d /tmp/site/include ]; then
   cmake_args+=(-DTRAINSCALE_CUDNN_FRONTEND_INCLUDE=/tmp/site/include
                -DTRAINSCALE_CUDNN_INCLUDE="$cudnn_dir/include")
 fi
-# The image's default CXX (/opt/gcc) links against a newer libstdc++ than the one torch loads
-# into Python; the extension then crashed in std::ostream inside Python. Build with the
-# system compiler torch was built against.
-[ -x /usr/bin/g++ ] && cmake_args+=(-DCMAKE_CXX_COMPILER=/usr/bin/g++ -DCMAKE_CUDA_HOST_COMPILER=/usr/bin/g++)
 python3 -c "import torch" 2>/dev/null && cmake_args+=(-DTRAINSCALE_BUILD_PYTHON=ON -DPython_EXECUTABLE="$(command -v python3)")
-# A build configured with another compiler (an older tree on a warm machine) starts over.
-cxx=$(printf '%s\n' "${cmake_args[@]}" | sed -n 's/^-DCMAKE_CXX_COMPILER=//p')
-if [ -n "$cxx" ] && [ -f build/CMakeCache.txt ] && ! grep -q "^CMAKE_CXX_COMPILER:.*=$cxx\$" build/CMakeCache.txt; then
-  rm -rf build
-fi
 if [ ! -f build/build.ninja ]; then
   cmake -S . -B build "${cmake_args[@]}" >"$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
 fi

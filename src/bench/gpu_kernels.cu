@@ -3,9 +3,9 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
-#include <limits>
 
 #include "bench/cuda_util.h"
+#include "common/cuda_check.h"
 
 namespace trainscale::bench {
 namespace {
@@ -83,7 +83,7 @@ double probe_sm_clock_mhz(cudaStream_t stream) {
 
 void launch_copy(void* dst, const void* src, std::size_t bytes, cudaStream_t stream) {
   const std::size_t n = bytes / sizeof(int4);
-  const std::size_t grid = std::min<std::size_t>((n + kBlock - 1) / kBlock, std::numeric_limits<int>::max());
+  const auto grid = detail::grid_for_tiles(static_cast<std::int64_t>(n), kBlock);
   copy_kernel<<<static_cast<unsigned>(grid), kBlock, 0, stream>>>(static_cast<int4*>(dst), static_cast<const int4*>(src), n);
   cuda_check(cudaGetLastError(), "copy kernel launch");
 }

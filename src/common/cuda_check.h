@@ -34,15 +34,6 @@ inline std::int64_t grid_for_tiles(std::int64_t items, std::int64_t per_block) {
   return std::clamp<std::int64_t>(tiles, 1, std::numeric_limits<int>::max());
 }
 
-// Blocks of `kernel` resident per SM at `block` threads (the grid is one full wave).
-template <class Kernel>
-int resident_blocks_per_sm(Kernel kernel, int block, std::string_view op) {
-  int n = 0;
-  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, block, 0), op,
-             "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-  return std::max(n, 1);
-}
-
 struct DeviceInfo {
   int sm_count = 0;
   int max_threads_per_sm = 0;
