@@ -190,10 +190,8 @@ OpChecker& OpChecker::in_place_or_disjoint(const TensorView& out, const char* ou
   return *this;
 }
 
-OpChecker& OpChecker::require(bool ok, const char* arg, std::string_view expected,
-                              std::string_view got) {
-  if (!ok) throw_arg_error(op_, arg, expected, got);
-  return *this;
+void OpChecker::fail(const char* arg, std::string_view expected, std::string_view got) const {
+  throw_arg_error(op_, arg, expected, got);
 }
 
 Rows OpChecker::rows(const TensorView& t, const char* name) const {

@@ -63,7 +63,9 @@ class OpChecker {
   // Byte ranges of a and b must not intersect (outputs vs inputs, outputs vs outputs).
   OpChecker& no_overlap(const TensorView& a, const char* a_name, const TensorView& b,
                         const char* b_name);
-  OpChecker& require(bool ok, const char* arg, std::string_view expected, std::string_view got);
+  // Throws the argument error. Callers test their condition first, so the message strings are
+  // only built for a failing call, never on the hot path of a valid one.
+  [[noreturn]] void fail(const char* arg, std::string_view expected, std::string_view got) const;
 
   // Device shared by every argument checked (CPU when none was given).
   Device device() const { return device_; }

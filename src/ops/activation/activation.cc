@@ -20,9 +20,9 @@ using ops::activation::Activation;
 
 constexpr auto kFloatTypes = {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kFloat64};
 void check_approximation(detail::OpChecker& c, GeluApproximation approx) {
-  c.require(approx == GeluApproximation::kNone || approx == GeluApproximation::kTanh, "approx",
-            "GeluApproximation::kNone or kTanh",
-            "value " + std::to_string(static_cast<int>(approx)));
+  if (!(approx == GeluApproximation::kNone || approx == GeluApproximation::kTanh))
+    c.fail("approx", "GeluApproximation::kNone or kTanh",
+           "value " + std::to_string(static_cast<int>(approx)));
 }
 
 // The tensor every other argument of the call is compared with.
@@ -51,8 +51,8 @@ TensorView packed_half(const TensorView& ab, Half half) {
 
 void check_packed(detail::OpChecker& c, const TensorView& ab) {
   check_first_input(c, ab, "ab");
-  c.require(ab.size(-1) % 2 == 0, "ab", "an even last dim (the a and b halves of [..., 2F])",
-            "shape " + ab.shape_str());
+  if (!(ab.size(-1) % 2 == 0))
+    c.fail("ab", "an even last dim (the a and b halves of [..., 2F])", "shape " + ab.shape_str());
 }
 
 // y or dy of a packed call: [..., F] with ab's dtype.
@@ -62,8 +62,8 @@ void check_packed_half_like(detail::OpChecker& c, const TensorView& t, const cha
   const TensorView a = packed_half(ab, Half::kA);
   bool same = t.ndim == a.ndim;
   for (int d = 0; same && d < t.ndim; ++d) same = t.shape[d] == a.shape[d];
-  c.require(same, name, "shape " + a.shape_str() + " ('ab' with its last dim halved)",
-            t.shape_str());
+  if (!same)
+    c.fail(name, "shape " + a.shape_str() + " ('ab' with its last dim halved)", t.shape_str());
   c.rows(t, name);
 }
 

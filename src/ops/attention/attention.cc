@@ -23,8 +23,9 @@ void require_distinct_elements(detail::OpChecker& c, const TensorView& t, const 
   std::sort(stride_size.begin(), stride_size.end());
   std::int64_t reach = 1;  // one past the largest offset the smaller dims reach
   for (auto [stride, size] : stride_size) {
-    c.require(stride >= reach, name, "strides under which no two elements share memory",
-              "strides " + t.strides_str() + " for shape " + t.shape_str());
+    if (!(stride >= reach))
+      c.fail(name, "strides under which no two elements share memory",
+             "strides " + t.strides_str() + " for shape " + t.shape_str());
     reach += stride * (size - 1);
   }
 }
@@ -52,18 +53,18 @@ void check_qkv(detail::OpChecker& c, const TensorView& q, const TensorView& k, c
                const AttentionOptions& options) {
   check_bshd(c, q, "q");
   c.dtype_in(q, "q", kFloatTypes);
-  c.require(q.size(3) > 0, "q", "a head dim D >= 1", "shape " + q.shape_str());
+  if (!(q.size(3) > 0)) c.fail("q", "a head dim D >= 1", "shape " + q.shape_str());
   check_bshd(c, k, "k");
   c.same_dtype(k, "k", q, "q")
       .dim_size(k, "k", 0, q.size(0), "the batch size of 'q'")
       .dim_size(k, "k", 3, q.size(3), "the head dim of 'q'");
   const std::int64_t q_heads = q.size(2), kv_heads = k.size(2);
-  c.require(kv_heads > 0 && q_heads % kv_heads == 0, "k",
-            "a head count that divides the " + std::to_string(q_heads) + " heads of 'q'",
-            std::to_string(kv_heads) + " heads (shape " + k.shape_str() + ")");
+  if (!(kv_heads > 0 && q_heads % kv_heads == 0))
+    c.fail("k", "a head count that divides the " + std::to_string(q_heads) + " heads of 'q'",
+           std::to_string(kv_heads) + " heads (shape " + k.shape_str() + ")");
   check_like(c, v, "v", k, "k");
-  c.require(std::isfinite(options.scale), "options.scale", "a finite value (0 for 1/sqrt(D))",
-            std::to_string(options.scale));
+  if (!std::isfinite(options.scale))
+    c.fail("options.scale", "a finite value (0 for 1/sqrt(D))", std::to_string(options.scale));
 }
 
 // lse [B, Hq, Sq], contiguous; float32 (float64 too on the CPU, for fp64 gradient checks).

@@ -75,11 +75,12 @@ void check_options(detail::OpChecker& c, const Fp8QuantizeOptions& options) {
   const Fp8Granularity g = options.granularity;
   const bool known = g == Fp8Granularity::kTensor || g == Fp8Granularity::kRow ||
                      g == Fp8Granularity::kTile1x128 || g == Fp8Granularity::kBlock128x128;
-  c.require(known, "options.granularity", "one of tensor, row, tile1x128, block128x128",
-            "value " + std::to_string(static_cast<int>(g)));
-  c.require(!options.scales_m_major || g == Fp8Granularity::kTile1x128, "options.scales_m_major",
-            "false unless granularity is tile1x128",
-            std::string("true with granularity ") + fp8_granularity_name(g));
+  if (!known)
+    c.fail("options.granularity", "one of tensor, row, tile1x128, block128x128",
+           "value " + std::to_string(static_cast<int>(g)));
+  if (!(!options.scales_m_major || g == Fp8Granularity::kTile1x128))
+    c.fail("options.scales_m_major", "false unless granularity is tile1x128",
+           std::string("true with granularity ") + fp8_granularity_name(g));
 }
 
 // A 2-D [rows, cols] tensor of one of `dtypes` with contiguous rows.
@@ -96,11 +97,12 @@ void check_scales(detail::OpChecker& c, const TensorView& t, const char* name,
   c.present(t, name).dtype_in(t, name, {DType::kFloat32});
   const bool shape_ok = t.ndim == grid.ndim && t.shape[0] == grid.shape[0] &&
                         (grid.ndim == 1 || t.shape[1] == grid.shape[1]);
-  c.require(shape_ok, name,
-            "shape " + grid.shape_str() + " (" + fp8_granularity_name(options.granularity) +
-                (grid.m_major ? " m-major" : "") + " scales of a [" + std::to_string(rows) + ", " +
-                std::to_string(cols) + "] matrix)",
-            "shape " + t.shape_str());
+  if (!shape_ok)
+    c.fail(name,
+           "shape " + grid.shape_str() + " (" + fp8_granularity_name(options.granularity) +
+               (grid.m_major ? " m-major" : "") + " scales of a [" + std::to_string(rows) + ", " +
+               std::to_string(cols) + "] matrix)",
+           "shape " + t.shape_str());
   c.contiguous(t, name);
 }
 

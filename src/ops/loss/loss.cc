@@ -24,8 +24,9 @@ constexpr auto kStatTypes = {DType::kFloat32, DType::kFloat64};
 // A reduced loss or its upstream gradient: one float32 (or float64) element.
 void check_reduced_value(detail::OpChecker& c, const TensorView& t, const char* name,
                          Reduction reduction) {
-  c.require(t.numel() == 1, name, "one element for reduction '" + std::string(reduction_name(reduction)) + "'",
-            "shape " + t.shape_str());
+  if (!(t.numel() == 1))
+    c.fail(name, "one element for reduction '" + std::string(reduction_name(reduction)) + "'",
+           "shape " + t.shape_str());
   c.dtype_in(t, name, kStatTypes);
 }
 
@@ -43,16 +44,18 @@ void check_loss_value(detail::OpChecker& c, const TensorView& t, const char* nam
 
 void check_options(detail::OpChecker& c, const CrossEntropyOptions& o) {
   const double e = o.label_smoothing;
-  c.require(std::isfinite(e) && e >= 0 && e <= 1, "options.label_smoothing", "a value in [0, 1]",
-            detail::format_number(e));
-  c.require(std::isfinite(o.z_loss) && o.z_loss >= 0, "options.z_loss", "a finite value >= 0",
-            detail::format_number(o.z_loss));
-  c.require(std::isfinite(o.softcap) && o.softcap >= 0, "options.softcap",
-            "a finite value >= 0 (0 turns it off)", detail::format_number(o.softcap));
+  if (!(std::isfinite(e) && e >= 0 && e <= 1))
+    c.fail("options.label_smoothing", "a value in [0, 1]", detail::format_number(e));
+  if (!(std::isfinite(o.z_loss) && o.z_loss >= 0))
+    c.fail("options.z_loss", "a finite value >= 0", detail::format_number(o.z_loss));
+  if (!(std::isfinite(o.softcap) && o.softcap >= 0))
+    c.fail("options.softcap", "a finite value >= 0 (0 turns it off)",
+           detail::format_number(o.softcap));
   const bool known = o.reduction == Reduction::kNone || o.reduction == Reduction::kMean ||
                      o.reduction == Reduction::kSum;
-  c.require(known, "options.reduction", "none, mean or sum",
-            "enum value " + std::to_string(static_cast<int>(o.reduction)));
+  if (!known)
+    c.fail("options.reduction", "none, mean or sum",
+           "enum value " + std::to_string(static_cast<int>(o.reduction)));
 }
 
 // One float32 (float64 on the CPU) value per row of `rows_of`.
@@ -88,7 +91,8 @@ std::int64_t check_matrix(detail::OpChecker& c, const TensorView& t, const char*
 // [M, V] logits with V >= 1; returns M.
 std::int64_t check_logits(detail::OpChecker& c, const TensorView& logits) {
   const std::int64_t rows = check_matrix(c, logits, "logits");
-  c.require(logits.size(1) >= 1, "logits", "at least one class (V >= 1)", "shape " + logits.shape_str());
+  if (!(logits.size(1) >= 1))
+    c.fail("logits", "at least one class (V >= 1)", "shape " + logits.shape_str());
   return rows;
 }
 
@@ -204,7 +208,8 @@ void fused_linear_cross_entropy_forward(const TensorView& hidden, const TensorVi
   const std::int64_t classes = check_matrix(c, weight, "weight");
   c.same_dtype(weight, "weight", hidden, "hidden");
   c.dim_size(weight, "weight", 1, hidden.size(1), "the hidden size of 'hidden'");
-  c.require(classes >= 1, "weight", "at least one class (V >= 1)", "shape " + weight.shape_str());
+  if (!(classes >= 1))
+    c.fail("weight", "at least one class (V >= 1)", "shape " + weight.shape_str());
   if (bias.defined()) {
     c.present(bias, "bias").same_dtype(bias, "bias", hidden, "hidden").ndim(bias, "bias", 1);
     c.dim_size(bias, "bias", 0, classes, "one per row of 'weight'");
@@ -216,7 +221,8 @@ void fused_linear_cross_entropy_forward(const TensorView& hidden, const TensorVi
   if (grad_hidden.defined()) check_like(c, grad_hidden, "grad_hidden", hidden, "hidden");
   if (grad_weight.defined()) check_like(c, grad_weight, "grad_weight", weight, "weight");
   if (grad_bias.defined()) {
-    c.require(bias.defined(), "grad_bias", "a 'bias' to differentiate", "grad_bias without bias");
+    if (!(bias.defined()))
+      c.fail("grad_bias", "a 'bias' to differentiate", "grad_bias without bias");
     check_like(c, grad_bias, "grad_bias", bias, "bias");
   }
   check_disjoint(c,

@@ -18,23 +18,24 @@ void check_matrix(detail::OpChecker& c, const TensorView& t, const char* name) {
 
 void check_finite(detail::OpChecker& c, double value, const std::string& name, bool non_negative) {
   const bool ok = std::isfinite(value) && (!non_negative || value >= 0);
-  c.require(ok, name.c_str(), non_negative ? "a finite value >= 0" : "a finite value",
-            std::to_string(value));
+  if (!ok)
+    c.fail(name.c_str(), non_negative ? "a finite value >= 0" : "a finite value",
+           std::to_string(value));
 }
 
 // `prefix` names the options in messages ("options." or "options.newton_schulz.").
 void check_newton_schulz_options(detail::OpChecker& c, const NewtonSchulzOptions& options,
                                  const std::string& prefix) {
-  c.require(options.steps >= 0, (prefix + "steps").c_str(), "steps >= 0",
-            std::to_string(options.steps));
+  if (!(options.steps >= 0))
+    c.fail((prefix + "steps").c_str(), "steps >= 0", std::to_string(options.steps));
   check_finite(c, options.a, prefix + "a", false);
   check_finite(c, options.b, prefix + "b", false);
   check_finite(c, options.c, prefix + "c", false);
   if (!options.per_step.empty()) {
-    c.require(options.per_step.size() == static_cast<std::size_t>(options.steps),
-              (prefix + "per_step").c_str(),
-              "one (a, b, c) per step: " + std::to_string(options.steps) + " entries",
-              std::to_string(options.per_step.size()) + " entries");
+    if (!(options.per_step.size() == static_cast<std::size_t>(options.steps)))
+      c.fail((prefix + "per_step").c_str(),
+             "one (a, b, c) per step: " + std::to_string(options.steps) + " entries",
+             std::to_string(options.per_step.size()) + " entries");
     for (std::size_t step = 0; step < options.per_step.size(); ++step) {
       for (double coefficient : options.per_step[step]) {
         check_finite(c, coefficient, prefix + "per_step[" + std::to_string(step) + "]", false);
@@ -69,10 +70,10 @@ void muon_step(TensorView param, const TensorView& grad, TensorView momentum_buf
   c.same_dtype(grad, "grad", param, "param").same_shape(grad, "grad", param, "param");
   check_matrix(c, momentum_buffer, "momentum_buffer");
   c.same_shape(momentum_buffer, "momentum_buffer", param, "param");
-  c.require(momentum_buffer.dtype == DType::kFloat32 || momentum_buffer.dtype == param.dtype,
-            "momentum_buffer",
-            std::string("float32 or ") + dtype_name(param.dtype) + " (the dtype of 'param')",
-            dtype_name(momentum_buffer.dtype));
+  if (!(momentum_buffer.dtype == DType::kFloat32 || momentum_buffer.dtype == param.dtype))
+    c.fail("momentum_buffer",
+           std::string("float32 or ") + dtype_name(param.dtype) + " (the dtype of 'param')",
+           dtype_name(momentum_buffer.dtype));
   c.no_overlap(param, "param", grad, "grad")
       .no_overlap(momentum_buffer, "momentum_buffer", grad, "grad")
       .no_overlap(momentum_buffer, "momentum_buffer", param, "param");

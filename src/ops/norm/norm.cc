@@ -82,8 +82,8 @@ void check_param(OpChecker& c, const TensorView& p, const char* name, const Tens
 void check_param_grad(OpChecker& c, const TensorView& g, const char* name, const TensorView& p,
                       const char* p_name) {
   if (!p.defined()) {
-    c.require(!g.defined(), name, std::string("no tensor (there is no '") + p_name + "')",
-              g.describe());
+    if (g.defined())
+      c.fail(name, std::string("no tensor (there is no '") + p_name + "')", g.describe());
     return;
   }
   c.present(g, name).same_dtype(g, name, p, p_name).same_shape(g, name, p, p_name);
@@ -98,10 +98,11 @@ void check_stat(OpChecker& c, const TensorView& s, const char* name, const Tenso
   const bool float64_allowed = x.dtype == DType::kFloat64;
   const bool dtype_ok =
       s.dtype == DType::kFloat32 || (float64_allowed && s.dtype == DType::kFloat64);
-  c.require(dtype_ok, name, float64_allowed ? "dtype in {float32, float64}" : "dtype float32",
-            dtype_name(s.dtype));
-  c.require(s.numel() == rows, name, std::to_string(rows) + " elements (one per row)",
-            "shape " + s.shape_str());
+  if (!dtype_ok)
+    c.fail(name, float64_allowed ? "dtype in {float32, float64}" : "dtype float32",
+           dtype_name(s.dtype));
+  if (!(s.numel() == rows))
+    c.fail(name, std::to_string(rows) + " elements (one per row)", "shape " + s.shape_str());
   c.contiguous(s, name);
 }
 
@@ -111,14 +112,14 @@ void check_optional_stat(OpChecker& c, const TensorView& s, const char* name,
 }
 
 void check_eps(OpChecker& c, double eps) {
-  c.require(std::isfinite(eps) && eps >= 0, "options.eps", "a finite value >= 0",
-            detail::format_number(eps));
+  if (!(std::isfinite(eps) && eps >= 0))
+    c.fail("options.eps", "a finite value >= 0", detail::format_number(eps));
 }
 
 void check_options(OpChecker& c, const RMSNormOptions& options) {
   check_eps(c, options.eps);
-  c.require(std::isfinite(options.weight_offset), "options.weight_offset", "a finite value",
-            detail::format_number(options.weight_offset));
+  if (!std::isfinite(options.weight_offset))
+    c.fail("options.weight_offset", "a finite value", detail::format_number(options.weight_offset));
 }
 
 void check_options(OpChecker& c, const LayerNormOptions& options) { check_eps(c, options.eps); }
@@ -262,11 +263,11 @@ void layernorm_backward(const TensorView& dy, const TensorView& x, const TensorV
 std::size_t norm_backward_workspace_bytes(std::int64_t rows, std::int64_t cols, DType dtype,
                                           Device device) {
   OpChecker c("norm_backward_workspace_bytes");
-  c.require(rows >= 0 && cols >= 0, "rows/cols", "non-negative sizes",
-            std::to_string(rows) + " x " + std::to_string(cols));
-  c.require(dtype == DType::kFloat32 || dtype == DType::kFloat16 || dtype == DType::kBFloat16 ||
-                dtype == DType::kFloat64,
-            "dtype", "a float dtype", dtype_name(dtype));
+  if (!(rows >= 0 && cols >= 0))
+    c.fail("rows/cols", "non-negative sizes", std::to_string(rows) + " x " + std::to_string(cols));
+  if (!(dtype == DType::kFloat32 || dtype == DType::kFloat16 || dtype == DType::kBFloat16 ||
+        dtype == DType::kFloat64))
+    c.fail("dtype", "a float dtype", dtype_name(dtype));
   if (!device.is_cuda()) return 0;
 #if TRAINSCALE_HAVE_CUDA
   return ops::norm::backward_workspace_bytes_cuda(rows, cols, dtype);

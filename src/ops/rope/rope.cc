@@ -84,30 +84,32 @@ bool elements_disjoint(const TensorView& a, const TensorView& b) {
 
 void check_disjoint(detail::OpChecker& c, const TensorView& out, const char* out_name,
                     const TensorView& other, const char* other_name) {
-  c.require(elements_disjoint(out, other), out_name,
-            std::string("memory disjoint from '") + other_name + "'", "overlapping views");
+  if (!elements_disjoint(out, other))
+    c.fail(out_name, std::string("memory disjoint from '") + other_name + "'", "overlapping views");
 }
 
 // Each pair is read before it is written, so an output may be exactly its input's view.
 void check_in_place_or_disjoint(detail::OpChecker& c, const TensorView& out, const char* out_name,
                                 const TensorView& in, const char* in_name) {
-  c.require(detail::same_view(out, in) || elements_disjoint(out, in), out_name,
-            std::string("memory disjoint from '") + in_name + "' or exactly its view (in place)",
-            "a partially overlapping view");
+  if (!(detail::same_view(out, in) || elements_disjoint(out, in)))
+    c.fail(out_name,
+           std::string("memory disjoint from '") + in_name + "' or exactly its view (in place)",
+           "a partially overlapping view");
 }
 
 std::int64_t check_options(detail::OpChecker& c, const RopeOptions& options,
                            std::int64_t head_dim) {
-  c.require(options.style == RopeStyle::kNeox || options.style == RopeStyle::kGptJ, "options.style",
-            "RopeStyle::kNeox or kGptJ",
-            "value " + std::to_string(static_cast<int>(options.style)));
-  c.require(std::isfinite(options.theta) && options.theta > 0, "options.theta",
-            "a finite value > 0", std::to_string(options.theta));
+  if (!(options.style == RopeStyle::kNeox || options.style == RopeStyle::kGptJ))
+    c.fail("options.style", "RopeStyle::kNeox or kGptJ",
+           "value " + std::to_string(static_cast<int>(options.style)));
+  if (!(std::isfinite(options.theta) && options.theta > 0))
+    c.fail("options.theta", "a finite value > 0", std::to_string(options.theta));
   const std::int64_t rotary_dim = options.rotary_dim == -1 ? head_dim : options.rotary_dim;
-  c.require(rotary_dim >= 0 && rotary_dim <= head_dim && rotary_dim % 2 == 0, "options.rotary_dim",
-            "-1 (the head dim) or an even number in [0, " + std::to_string(head_dim) + "]",
-            std::to_string(options.rotary_dim) +
-                (options.rotary_dim == -1 ? " (head dim " + std::to_string(head_dim) + ")" : ""));
+  if (!(rotary_dim >= 0 && rotary_dim <= head_dim && rotary_dim % 2 == 0))
+    c.fail("options.rotary_dim",
+           "-1 (the head dim) or an even number in [0, " + std::to_string(head_dim) + "]",
+           std::to_string(options.rotary_dim) +
+               (options.rotary_dim == -1 ? " (head dim " + std::to_string(head_dim) + ")" : ""));
   return rotary_dim;
 }
 
@@ -116,9 +118,10 @@ void check_heads(detail::OpChecker& c, const ArgNames& n, const TensorView& q, c
                  const TensorView& q_out, const TensorView& k_out) {
   c.present(q_out, n.q_out).same_dtype(q_out, n.q_out, q, n.q).same_shape(q_out, n.q_out, q, n.q);
   c.unit_last_stride(q_out, n.q_out);
-  c.require(k_out.defined() == k.defined(), k.defined() ? n.k_out : n.k,
-            std::string("'") + n.k + "' and '" + n.k_out + "' both given or both absent",
-            k.defined() ? "no '" + std::string(n.k_out) + "'" : "no '" + std::string(n.k) + "'");
+  if (!(k_out.defined() == k.defined()))
+    c.fail(k.defined() ? n.k_out : n.k,
+           std::string("'") + n.k + "' and '" + n.k_out + "' both given or both absent",
+           k.defined() ? "no '" + std::string(n.k_out) + "'" : "no '" + std::string(n.k) + "'");
   if (k.defined()) {
     c.present(k, n.k).same_dtype(k, n.k, q, n.q).ndim(k, n.k, 4);
     const std::string of_q = std::string(" of '") + n.q + "'";
@@ -138,18 +141,19 @@ void check_heads(detail::OpChecker& c, const ArgNames& n, const TensorView& q, c
 // Returns P, the number of positions the tables hold (-1 without tables).
 std::int64_t check_tables(detail::OpChecker& c, const TensorView& cos, const TensorView& sin,
                           const TensorView& q, const char* q_name, std::int64_t rotary_dim) {
-  c.require(cos.defined() == sin.defined(), cos.defined() ? "sin" : "cos",
-            "'cos' and 'sin' both given or both absent", "none");
+  if (!(cos.defined() == sin.defined()))
+    c.fail(cos.defined() ? "sin" : "cos", "'cos' and 'sin' both given or both absent", "none");
   if (!cos.defined()) return -1;
   c.present(cos, "cos").dtype_in(cos, "cos", {DType::kFloat32, q.dtype}).ndim(cos, "cos", 2);
   c.dim_size(cos, "cos", 1, rotary_dim / 2, "rotary_dim / 2").unit_last_stride(cos, "cos");
   c.present(sin, "sin").same_dtype(sin, "sin", cos, "cos").same_shape(sin, "sin", cos, "cos");
   c.unit_last_stride(sin, "sin");
   const std::int64_t positions = cos.size(0), seq = q.size(1);
-  c.require(
-      seq <= positions, "cos",
-      "at least " + std::to_string(seq) + " positions (the sequence length of '" + q_name + "')",
-      std::to_string(positions) + " rows");
+  if (!(seq <= positions))
+    c.fail(
+        "cos",
+        "at least " + std::to_string(seq) + " positions (the sequence length of '" + q_name + "')",
+        std::to_string(positions) + " rows");
   return positions;
 }
 
@@ -167,11 +171,12 @@ void check_offsets(detail::OpChecker& c, const TensorView& offsets, const Tensor
         detail::load_index(offsets.dtype, offsets.data, b * offsets.stride(0));
     const std::int64_t last = first + q.size(1) - 1;
     const bool in_range = first >= 0 && (table_positions < 0 || last < table_positions);
-    c.require(in_range, "position_offsets",
-              table_positions < 0 ? std::string("offsets >= 0")
-                                  : "offsets with offset + " + std::to_string(q.size(1)) + " <= " +
-                                        std::to_string(table_positions) + " (the rows of 'cos')",
-              "offset " + std::to_string(first) + " for batch " + std::to_string(b));
+    if (!in_range)
+      c.fail("position_offsets",
+             table_positions < 0 ? std::string("offsets >= 0")
+                                 : "offsets with offset + " + std::to_string(q.size(1)) + " <= " +
+                                       std::to_string(table_positions) + " (the rows of 'cos')",
+             "offset " + std::to_string(first) + " for batch " + std::to_string(b));
   }
 }
 
