@@ -362,7 +362,14 @@ std::string run_bench(const std::vector<std::string>& suites, const std::vector<
   {
     tb::ProgressLine line(progress);
     tb::run_cases(registry, options, result,
-                  [&](std::size_t i, std::size_t n, const std::string& name) { line.update(i, n, name); });
+                  [&](std::size_t i, std::size_t n, const std::string& name) {
+                    // Ctrl-C only sets Python's flag while C++ runs; the next case sees it here.
+                    if (PyErr_CheckSignals() != 0) {
+                      PyErr_Clear();
+                      tb::request_interrupt();
+                    }
+                    line.update(i, n, name);
+                  });
   }
   tb::clear_interrupt();
   return tb::to_json(result).dump(2);

@@ -254,10 +254,11 @@ def main(argv=None):
                             not args.quiet)
     except ValueError as e:
         p.error(str(e))
-    print(_C.report(text, "terminal"), end="")
+    # The measurements first: nothing after this can lose them.
     if args.json:
         with open(args.json, "w") as f:
             f.write(text + "\n")
+    print(_C.report(text, "terminal"), end="")
     for path, fmt in ((args.csv, "csv"), (args.md, "markdown")):
         if path:
             with open(path, "w") as f:
