@@ -326,9 +326,16 @@ void launch_forward(const ForwardArgs& a, NormVariant variant, cudaStream_t stre
   if constexpr (!std::is_void_v<R>) {
     aligned = aligned && rows_vectorizable(a.residual, a.residual_stride, sizeof(R));
   }
-  // The staged scale/shift tables must fit in a block's shared memory: every 16-bit row up
-  // to 32768 elements for RMSNorm, up to 28 K elements for LayerNorm (longer ones take two
-  // passes).
+  // Choice per row (H100, ptxas for sm_90a: every register configuration <= 64 registers,
+  // no spills, so 4 blocks of 256 threads per SM unless shared memory says fewer):
+  //   16-bit N <= 1024 (fp32 N <= 512): 32 threads per row, 8 rows per block.
+  //   16-bit N 2048 / 4096 / 8192: 64 / 128 / 256 threads per row, 4 vectors each; staged
+  //     tables 4 B per column (RMSNorm) or 8 B (LayerNorm): LayerNorm N = 8192 takes 64 KB,
+  //     so 3 blocks per SM.
+  //   16-bit N 16384 / 32768: 512 / 1024 threads per row (one row per block): RMSNorm 2 / 1
+  //     blocks per SM (registers), LayerNorm N = 16384 1 block (128 KB of tables).
+  //   LayerNorm 16-bit N > 29008 (tables over the 227 KB per block), any N > 4096 vectors,
+  //   and unaligned rows: two passes.
   const std::size_t staged_bytes = staged_param_bytes<kKind>(a.cols);
   const std::size_t shared_limit = detail::current_device_info().shared_memory_per_block_optin;
   const bool staged_fits = staged_bytes + kMaxScratchBytes <= shared_limit;
