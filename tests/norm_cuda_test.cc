@@ -203,6 +203,138 @@ TEST(NormCuda, FusedAddRMSNormMatchesReference) {
   }
 }
 
+// Forward only, on rows longer than shapes() has (the backward's register kernels take
+// shorter rows): the register kernel at 512 and 1024 threads per row, whose staged weight and
+// bias tables need more than the default 48 KB of shared memory, against two passes and auto.
+// Weight and bias in fp32 or the activation dtype, residual of either for the fused add.
+std::vector<NormVariant> forward_variants(std::int64_t cols, DType dt, bool layer) {
+  const std::int64_t vec = 16 / static_cast<std::int64_t>(dtype_size(dt));
+  // The register kernel stages 4 bytes per column for RMSNorm, 8 for LayerNorm; stay well
+  // under any Hopper block's shared-memory limit (227 KB) when forcing it.
+  const bool registers_apply = cols / vec <= 4096 && cols * (layer ? 8 : 4) <= 160 * 1024;
+  if (registers_apply) return {NormVariant::kRegisters, NormVariant::kTwoPass, NormVariant::kAuto};
+  return {NormVariant::kTwoPass, NormVariant::kAuto};
+}
+
+void check_long_row_forward(int which) {  // 0 RMSNorm, 1 LayerNorm, 2 fused add + RMSNorm
+  TS_REQUIRE_GPU();
+  const bool layer = which == 1;
+  for (DType dt : kDtypes) {
+    for (DType pdt : {dt, DType::kFloat32}) {
+      for (const Shape& s : std::vector<Shape>{{3, 16384, 8}, {2, 32768, 0}, {3, 12288, 0}}) {
+        for (NormVariant variant : forward_variants(s.cols, dt, layer)) {
+          SCOPED_TRACE(shape_name(dt, s, pdt, variant) + " op " + std::to_string(which));
+          const double tol = test::tolerance(dt);
+          auto x = HostTensor::random(dt, {s.rows, s.cols}, -2, 2, s.pad);
+          auto r = HostTensor::random(pdt, {s.rows, s.cols}, -2, 2);
+          auto w = HostTensor::random(pdt, {s.cols}, 0.5, 1.5);
+          auto b = HostTensor::random(pdt, {s.cols}, -0.5, 0.5);
+          DeviceTensor d_x(x), d_r(r), d_w(w), d_b(b);
+          DeviceTensor d_y(HostTensor(dt, {s.rows, s.cols}, s.pad), false);
+          DeviceTensor d_mean(HostTensor(DType::kFloat32, {s.rows}), false);
+          DeviceTensor d_rstd(HostTensor(DType::kFloat32, {s.rows}), false);
+          HostTensor in = x;
+          if (which == 2) {
+            in = HostTensor(pdt, {s.rows, s.cols});
+            for (std::int64_t i = 0; i < in.numel(); ++i) in.set(i, x.at(i) + r.at(i));
+          }
+          auto in64 = as_f64(in), w64 = as_f64(w), b64 = as_f64(b);
+          HostTensor y64(DType::kFloat64, {s.rows, s.cols}), mean64(DType::kFloat64, {s.rows}),
+              rstd64(DType::kFloat64, {s.rows});
+          RMSNormOptions opt;
+          opt.weight_offset = 0.25;
+          if (which == 0) {
+            rmsnorm_forward(in64.view(), w64.view(), y64.view(), rstd64.view(), opt);
+            ops::norm::rmsnorm_forward_cuda(d_x.view(), d_w.view(), d_y.view(), d_rstd.view(),
+                                            opt, nullptr, variant);
+          } else if (which == 1) {
+            layernorm_forward(in64.view(), w64.view(), b64.view(), y64.view(), mean64.view(),
+                              rstd64.view());
+            ops::norm::layernorm_forward_cuda(d_x.view(), d_w.view(), d_b.view(), d_y.view(),
+                                              d_mean.view(), d_rstd.view(), {}, nullptr, variant);
+          } else {
+            rmsnorm_forward(in64.view(), w64.view(), y64.view(), rstd64.view(), opt);
+            ops::norm::fused_add_rmsnorm_forward_cuda(d_x.view(), d_r.view(), d_w.view(),
+                                                      d_rstd.view(), opt, nullptr, variant);
+          }
+          const auto& out = which == 2 ? d_x : d_y;
+          EXPECT_TRUE(test::matches_reference(out.to_host().values(), y64.values(), tol)) << "y";
+          EXPECT_TRUE(test::matches_reference(d_rstd.to_host().values(), rstd64.values(), 1e-5))
+              << "rstd";
+          if (layer) {
+            EXPECT_LE(test::max_abs_err(d_mean.to_host().values(), mean64.values()), 1e-5)
+                << "mean";
+          }
+          if (which == 2) {
+            EXPECT_TRUE(test::matches_reference(d_r.to_host().values(), in.values(), 1e-6))
+                << "residual";
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(NormCuda, RMSNormLongRowsForward) { check_long_row_forward(0); }
+TEST(NormCuda, LayerNormLongRowsForward) { check_long_row_forward(1); }
+TEST(NormCuda, FusedAddRMSNormLongRowsForward) { check_long_row_forward(2); }
+
+// Rows with |mean| >> std (64 +- 1): the variance must not come from E[x^2] - E[x]^2, which
+// cancels to a few bits here; every variant keeps rstd at fp32 accuracy.
+TEST(NormCuda, LayerNormVarianceWhenMeanDominates) {
+  TS_REQUIRE_GPU();
+  for (DType dt : kDtypes) {
+    for (const Shape& s : std::vector<Shape>{{33, 1024, 0}, {9, 4096, 8}, {7, 5123, 3},
+                                             {4, 8192, 0}, {3, 65536, 0}}) {
+      for (NormVariant variant : forward_variants(s.cols, dt, true)) {
+        if (s.cols % (16 / static_cast<std::int64_t>(dtype_size(dt))) != 0 &&
+            variant == NormVariant::kRegisters) {
+          continue;
+        }
+        SCOPED_TRACE(shape_name(dt, s, dt, variant));
+        auto x = HostTensor::random(dt, {s.rows, s.cols}, 63, 65, s.pad);
+        auto w = HostTensor::random(dt, {s.cols}, 0.5, 1.5);
+        auto b = HostTensor::random(dt, {s.cols}, -0.5, 0.5);
+        DeviceTensor d_x(x), d_w(w), d_b(b);
+        DeviceTensor d_y(HostTensor(dt, {s.rows, s.cols}, s.pad), false);
+        DeviceTensor d_mean(HostTensor(DType::kFloat32, {s.rows}), false);
+        DeviceTensor d_rstd(HostTensor(DType::kFloat32, {s.rows}), false);
+        auto x64 = as_f64(x), w64 = as_f64(w), b64 = as_f64(b);
+        HostTensor y64(DType::kFloat64, {s.rows, s.cols}), mean64(DType::kFloat64, {s.rows}),
+            rstd64(DType::kFloat64, {s.rows});
+        layernorm_forward(x64.view(), w64.view(), b64.view(), y64.view(), mean64.view(),
+                          rstd64.view());
+        ops::norm::layernorm_forward_cuda(d_x.view(), d_w.view(), d_b.view(), d_y.view(),
+                                          d_mean.view(), d_rstd.view(), {}, nullptr, variant);
+        EXPECT_TRUE(test::matches_reference(d_y.to_host().values(), y64.values(),
+                                            test::tolerance(dt)))
+            << "y";
+        EXPECT_TRUE(test::matches_reference(d_rstd.to_host().values(), rstd64.values(), 1e-5))
+            << "rstd";
+        EXPECT_TRUE(test::matches_reference(d_mean.to_host().values(), mean64.values(), 1e-6))
+            << "mean";
+      }
+    }
+  }
+}
+
+// Forcing the register kernel on a row whose staged LayerNorm weight and bias (8 bytes per
+// column) exceed a block's shared memory is an error, not a fault; auto takes two passes.
+TEST(NormCuda, LayerNormRegisterVariantRejectsRowsBeyondSharedMemory) {
+  TS_REQUIRE_GPU();
+  const std::int64_t cols = 32768;
+  auto x = HostTensor::random(DType::kBFloat16, {2, cols});
+  auto w = HostTensor::random(DType::kBFloat16, {cols});
+  DeviceTensor d_x(x), d_w(w), d_b(w);
+  DeviceTensor d_y(HostTensor(DType::kBFloat16, {2, cols}), false);
+  DeviceTensor d_mean(HostTensor(DType::kFloat32, {2}), false);
+  DeviceTensor d_rstd(HostTensor(DType::kFloat32, {2}), false);
+  TS_EXPECT_ERROR(ops::norm::layernorm_forward_cuda(d_x.view(), d_w.view(), d_b.view(),
+                                                    d_y.view(), d_mean.view(), d_rstd.view(), {},
+                                                    nullptr, NormVariant::kRegisters),
+                  "register variant", "shared memory", "32768");
+}
+
 TEST(NormCuda, PublicEntryPointsDispatchToCuda) {
   TS_REQUIRE_GPU();
   auto x = HostTensor::random(DType::kBFloat16, {8, 256});

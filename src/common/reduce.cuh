@@ -32,13 +32,12 @@ __device__ __forceinline__ void row_sum(float (&v)[kCount], float* scratch) {
       for (int c = 0; c < kCount; ++c) row_scratch[warp * kCount + c] = v[c];
     }
     __syncthreads();
+    // Every warp sums the partials with shuffles: kCount shared loads per thread, where a
+    // serial sum issued all kWarps * kCount of them at once (96 registers at 1024 threads).
+    // The butterfly gives every lane the same bits (each step adds the same pair).
 #pragma unroll
-    for (int c = 0; c < kCount; ++c) {
-      float s = 0.f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) s += row_scratch[w * kCount + c];
-      v[c] = s;
-    }
+    for (int c = 0; c < kCount; ++c) v[c] = row_scratch[(lane % kWarps) * kCount + c];
+    warp_segment_sum<kWarps, kCount>(v);
   }
 }
 

@@ -11,8 +11,13 @@ using detail::row_sum;
 using detail::store_floats;
 using detail::to_float;
 using detail::from_float;
+using detail::Vec;
 
 constexpr int kForwardBlock = 256;
+// The register kernel's static reduction scratch at most (1024 threads, 3 sums), and the
+// shared memory a kernel gets without raising its limit.
+constexpr std::size_t kMaxScratchBytes = 1024 / 32 * 3 * sizeof(float);
+constexpr std::size_t kDefaultSharedBytes = 48 * 1024;
 
 struct ForwardArgs {
   const void* x;
@@ -38,109 +43,230 @@ __device__ __forceinline__ float load_shift(const ForwardArgs& a, std::int64_t c
   return a.bias ? load_param<T>(a.bias, a.bias_f32, col) : 0.f;
 }
 
-// x (+ residual, rounded to the residual's dtype and written back) for V elements at col.
+// What a row's input is kept as between its reduction and its output: x, or with the fused
+// add the sum x + residual rounded to the residual's dtype.
+template <class T, class R>
+using Held = std::conditional_t<std::is_void_v<R>, T, R>;
+
+// x (+ residual, rounded to the residual's dtype and written back) for V elements at col, in
+// its storage type: bf16 rows then take half the registers of floats.
 template <class T, class R, int V>
-__device__ __forceinline__ void load_input(const ForwardArgs& a, std::int64_t row,
-                                           std::int64_t col, float (&v)[V]) {
-  load_floats<T, V>(static_cast<const T*>(a.x) + row * a.x_stride + col, v);
-  if constexpr (!std::is_void_v<R>) {
+__device__ __forceinline__ Vec<Held<T, R>, V> load_input_raw(const ForwardArgs& a,
+                                                             std::int64_t row, std::int64_t col) {
+  const T* x_ptr = static_cast<const T*>(a.x) + row * a.x_stride + col;
+  if constexpr (std::is_void_v<R>) {
+    return detail::load_raw<T, V>(x_ptr);
+  } else {
     R* r_ptr = static_cast<R*>(a.residual) + row * a.residual_stride + col;
-    float r[V];
+    float v[V], r[V];
+    load_floats<T, V>(x_ptr, v);
     load_floats<R, V>(r_ptr, r);
+    Vec<R, V> sum;
 #pragma unroll
-    for (int j = 0; j < V; ++j) v[j] = to_float(from_float<R>(v[j] + r[j]));
-    store_floats<R, V>(r_ptr, v);
+    for (int j = 0; j < V; ++j) sum.v[j] = from_float<R>(v[j] + r[j]);
+    detail::store_raw(r_ptr, sum);
+    return sum;
   }
 }
 
-// Whole row in registers: kThreads threads per row, kVecs vectors of V elements each.
+template <class T, class R, int V>
+__device__ __forceinline__ void load_input(const ForwardArgs& a, std::int64_t row,
+                                           std::int64_t col, float (&v)[V]) {
+  detail::to_floats(load_input_raw<T, R, V>(a, row, col), v);
+}
+
+// LayerNorm variance sums are shifted by the row's first input, which keeps
+// E[(x-p)^2] - E[x-p]^2 exact enough when |mean| >> std. With a residual, callers must read it
+// before any thread of the row rewrites it.
+template <class T, class R>
+__device__ __forceinline__ float load_pivot(const ForwardArgs& a, std::int64_t row) {
+  const float x = to_float(static_cast<const T*>(a.x)[row * a.x_stride]);
+  if constexpr (std::is_void_v<R>) {
+    return x;
+  } else {
+    return to_float(
+        from_float<R>(x + to_float(static_cast<const R*>(a.residual)[row * a.residual_stride])));
+  }
+}
+
+// Row sums: RMSNorm x^2; LayerNorm x (for the saved mean), x - pivot and (x - pivot)^2 (for
+// the variance and the centring).
+template <Kind kKind>
+constexpr int kSums = kKind == Kind::kLayer ? 3 : 1;
+
+template <Kind kKind, int V>
+__device__ __forceinline__ void accumulate(const float (&v)[V], float pivot,
+                                           float (&sums)[kSums<kKind>]) {
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    if constexpr (kKind == Kind::kLayer) {
+      const float d = v[j] - pivot;
+      sums[0] += v[j];
+      sums[1] += d;
+      sums[2] += d * d;
+    } else {
+      sums[0] += v[j] * v[j];
+    }
+  }
+}
+
+struct RowStats {
+  float mean;          // saved: from the plain sum, since pivot + shift cancels near mean 0
+  float shifted_mean;  // mean - pivot: y centres x - pivot by it, exact when |mean| >> std
+  float rstd;
+};
+
+template <Kind kKind>
+__device__ __forceinline__ RowStats row_stats(const float (&sums)[kSums<kKind>], std::int64_t n,
+                                              float eps) {
+  const float inv_n = 1.f / static_cast<float>(n);
+  if constexpr (kKind == Kind::kLayer) {
+    const float shifted_mean = sums[1] * inv_n;
+    const float raw_var = sums[2] * inv_n - shifted_mean * shifted_mean;
+    // Clamp the rounding-negative variance without fmaxf, which would turn NaN into 0.
+    const float var = raw_var < 0.f ? 0.f : raw_var;
+    return {sums[0] * inv_n, shifted_mean, rsqrtf(var + eps)};
+  } else {
+    return {0.f, 0.f, rsqrtf(sums[0] * inv_n + eps)};
+  }
+}
+
+template <Kind kKind>
+__device__ __forceinline__ float normalize(float v, float pivot, const RowStats& st, float scale,
+                                           float shift) {
+  if constexpr (kKind == Kind::kLayer) {
+    return ((v - pivot) - st.shifted_mean) * st.rstd * scale + shift;
+  } else {
+    return v * st.rstd * scale;
+  }
+}
+
+// Per-column scale (weight, + offset for RMSNorm) and LayerNorm shift (bias), staged once per
+// block in shared memory as floats. They are read again for every row instead of being held
+// in registers (up to 64 floats per thread, which capped occupancy at 2 blocks per SM), and
+// the per-row shared loads cannot be hoisted into registers across the row's reduction
+// barrier. Layout: column vector u of V elements is stored as V / 4 chunks of 4 floats, chunk
+// c at (c * vecs + u) * 4, so the 16-byte shared loads of a warp are consecutive (no bank
+// conflicts).
+template <int V>
+struct StagedParams {
+  static constexpr int kChunks = V / 4;
+  float* base;
+  std::int64_t vecs;
+
+  __device__ __forceinline__ float* at(int table, std::int64_t col) const {
+    const std::int64_t u = col / V;
+    const int j = static_cast<int>(col % V);
+    return base + ((table * kChunks + j / 4) * vecs + u) * 4 + j % 4;
+  }
+  __device__ __forceinline__ void load(int table, std::int64_t col, float (&out)[V]) const {
+    const std::int64_t u = col / V;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const float4 q = reinterpret_cast<const float4*>(base)[(table * kChunks + c) * vecs + u];
+      out[c * 4 + 0] = q.x;
+      out[c * 4 + 1] = q.y;
+      out[c * 4 + 2] = q.z;
+      out[c * 4 + 3] = q.w;
+    }
+  }
+};
+
+template <Kind kKind>
+constexpr int kParamTables = kKind == Kind::kLayer ? 2 : 1;
+
+// Dynamic shared memory of the register kernel for rows of `cols` elements.
+template <Kind kKind>
+std::size_t staged_param_bytes(std::int64_t cols) {
+  return static_cast<std::size_t>(cols) * sizeof(float) * kParamTables<kKind>;
+}
+
+// Fills the staged tables; the loads are batched so each thread has several in flight.
+template <class T, Kind kKind, int kBlock, int V>
+__device__ __forceinline__ void stage_params(const ForwardArgs& a, const StagedParams<V>& p) {
+  constexpr int kBatch = 8;
+  for (std::int64_t base = threadIdx.x; base < a.cols; base += kBlock * kBatch) {
+    float scale[kBatch], shift[kBatch];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const std::int64_t col = base + k * kBlock;
+      scale[k] = col < a.cols ? load_scale<T, kKind>(a, col) : 0.f;
+      if constexpr (kKind == Kind::kLayer) shift[k] = col < a.cols ? load_shift<T>(a, col) : 0.f;
+    }
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const std::int64_t col = base + k * kBlock;
+      if (col >= a.cols) break;
+      *p.at(0, col) = scale[k];
+      if constexpr (kKind == Kind::kLayer) *p.at(1, col) = shift[k];
+    }
+  }
+}
+
+// Whole row in registers (as stored: 16 bytes per vector for 16-bit inputs): kThreads threads
+// per row, kVecs vectors of V elements each; aligned rows of a multiple of V elements. Scale
+// and shift come from shared memory (StagedParams); LayerNorm takes its three sums (x,
+// x - pivot, (x - pivot)^2) in one reduction, so every row has a single barrier round trip.
 template <class T, class R, Kind kKind, int kThreads, int kVecs>
-__global__ void __launch_bounds__(kThreads > kForwardBlock ? kThreads : kForwardBlock)
+__global__ void __launch_bounds__(kThreads > kForwardBlock ? kThreads : kForwardBlock,
+                                  1024 / (kThreads > kForwardBlock ? kThreads : kForwardBlock))
     forward_registers_kernel(ForwardArgs a) {
+  // The pivot would race with the residual write-back of the row's first vector.
+  static_assert(kKind == Kind::kRms || std::is_void_v<R>);
+  using X = Held<T, R>;
   constexpr int V = detail::kVec16<T>;
   constexpr int kBlock = kThreads > kForwardBlock ? kThreads : kForwardBlock;
   constexpr int kRowsPerBlock = kBlock / kThreads;
-  __shared__ float scratch[kThreads > 32 ? kBlock / 32 : 1];
+  __shared__ float scratch[kThreads > 32 ? kBlock / 32 * kSums<kKind> : 1];
+  extern __shared__ float4 staged[];
   const int lane = threadIdx.x % kThreads;
   const int slot = threadIdx.x / kThreads;
   const std::int64_t n = a.cols;
-
-  float scale[kVecs][V];
-  float shift[kKind == Kind::kLayer ? kVecs : 1][V];
-#pragma unroll
-  for (int i = 0; i < kVecs; ++i) {
-    const std::int64_t col = (static_cast<std::int64_t>(i) * kThreads + lane) * V;
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-      const bool in = col + j < n;
-      scale[i][j] = in ? load_scale<T, kKind>(a, col + j) : 0.f;
-      if constexpr (kKind == Kind::kLayer) shift[i][j] = in ? load_shift<T>(a, col + j) : 0.f;
-    }
-  }
+  const StagedParams<V> params{reinterpret_cast<float*>(staged), n / V};
+  stage_params<T, kKind, kBlock, V>(a, params);
+  __syncthreads();
 
   // Every thread of a block runs the same number of iterations: the reductions need them all.
   for (std::int64_t base = static_cast<std::int64_t>(blockIdx.x) * kRowsPerBlock; base < a.rows;
        base += static_cast<std::int64_t>(gridDim.x) * kRowsPerBlock) {
     const std::int64_t row = base + slot;
     const bool valid = row < a.rows;
-    float v[kVecs][V];
+    float pivot = 0.f;
+    if constexpr (kKind == Kind::kLayer) pivot = valid ? load_pivot<T, R>(a, row) : 0.f;
+    Vec<X, V> held[kVecs];
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       const std::int64_t col = (static_cast<std::int64_t>(i) * kThreads + lane) * V;
-      if (valid && col < n) {
-        load_input<T, R, V>(a, row, col, v[i]);
-      } else {
-#pragma unroll
-        for (int j = 0; j < V; ++j) v[i][j] = 0.f;
-      }
+      if (valid && col < n) held[i] = load_input_raw<T, R, V>(a, row, col);
     }
-    float mean = 0.f;
-    float sums[1] = {0.f};
-    if constexpr (kKind == Kind::kLayer) {
+    float sums[kSums<kKind>] = {};
 #pragma unroll
-      for (int i = 0; i < kVecs; ++i)
-#pragma unroll
-        for (int j = 0; j < V; ++j) sums[0] += v[i][j];
-      row_sum<kThreads, 1>(sums, scratch);
-      mean = sums[0] / static_cast<float>(n);
-      sums[0] = 0.f;
-#pragma unroll
-      for (int i = 0; i < kVecs; ++i) {
-        const std::int64_t col = (static_cast<std::int64_t>(i) * kThreads + lane) * V;
-#pragma unroll
-        for (int j = 0; j < V; ++j) {
-          const float d = v[i][j] - mean;
-          sums[0] += col + j < n ? d * d : 0.f;
-        }
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < kVecs; ++i)
-#pragma unroll
-        for (int j = 0; j < V; ++j) sums[0] += v[i][j] * v[i][j];
+    for (int i = 0; i < kVecs; ++i) {
+      const std::int64_t col = (static_cast<std::int64_t>(i) * kThreads + lane) * V;
+      if (!valid || col >= n) continue;
+      float v[V];
+      detail::to_floats(held[i], v);
+      accumulate<kKind, V>(v, pivot, sums);
     }
-    row_sum<kThreads, 1>(sums, scratch);
-    const float rstd = rsqrtf(sums[0] / static_cast<float>(n) + a.eps);
+    row_sum<kThreads, kSums<kKind>>(sums, scratch);
+    const RowStats st = row_stats<kKind>(sums, n, a.eps);
     if (!valid) continue;
     T* y_row = static_cast<T*>(a.y) + row * a.y_stride;
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       const std::int64_t col = (static_cast<std::int64_t>(i) * kThreads + lane) * V;
       if (col >= n) continue;
-      float out[V];
+      float v[V], scale[V], shift[V] = {};
+      detail::to_floats(held[i], v);
+      params.load(0, col, scale);
+      if constexpr (kKind == Kind::kLayer) params.load(1, col, shift);
 #pragma unroll
-      for (int j = 0; j < V; ++j) {
-        if constexpr (kKind == Kind::kLayer) {
-          out[j] = (v[i][j] - mean) * rstd * scale[i][j] + shift[i][j];
-        } else {
-          out[j] = v[i][j] * rstd * scale[i][j];
-        }
-      }
-      store_floats<T, V>(y_row + col, out);
+      for (int j = 0; j < V; ++j) v[j] = normalize<kKind>(v[j], pivot, st, scale[j], shift[j]);
+      store_floats<T, V>(y_row + col, v);
     }
     if (lane == 0) {
-      if (a.rstd) a.rstd[row] = rstd;
-      if (a.mean) a.mean[row] = mean;
+      if (a.rstd) a.rstd[row] = st.rstd;
+      if (a.mean) a.mean[row] = st.mean;
     }
   }
 }
@@ -149,43 +275,24 @@ __global__ void __launch_bounds__(kThreads > kForwardBlock ? kThreads : kForward
 // from L2) and writes. V is the vector width when rows are aligned, else 1.
 template <class T, class R, Kind kKind, int V>
 __global__ void __launch_bounds__(kTwoPassThreads) forward_two_pass_kernel(ForwardArgs a) {
-  __shared__ float scratch[kTwoPassThreads / 32 * 3];
+  __shared__ float scratch[kTwoPassThreads / 32 * kSums<kKind>];
   const std::int64_t n = a.cols;
   constexpr std::int64_t kStep = static_cast<std::int64_t>(kTwoPassThreads) * V;
   for (std::int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
-    // LayerNorm sums are shifted by the row's first input, which keeps E[x^2] - E[x]^2 exact
-    // enough when |mean| >> std. Read before pass 1 rewrites the residual.
     float pivot = 0.f;
     if constexpr (kKind == Kind::kLayer) {
-      pivot = to_float(static_cast<const T*>(a.x)[row * a.x_stride]);
-      if constexpr (!std::is_void_v<R>) {
-        pivot = to_float(from_float<R>(
-            pivot + to_float(static_cast<const R*>(a.residual)[row * a.residual_stride])));
-      }
-      __syncthreads();
+      pivot = load_pivot<T, R>(a, row);
+      __syncthreads();  // before pass 1 rewrites the residual
     }
-    // sums: x (for the mean), x - pivot and (x - pivot)^2 (for the variance). The mean is not
-    // pivot + mean(x - pivot): that sum cancels when the mean is near 0.
-    float sums[3] = {0.f, 0.f, 0.f};
+    float sums[kSums<kKind>] = {};
     for (std::int64_t col = threadIdx.x * V; col < n; col += kStep) {
       float v[V];
       load_input<T, R, V>(a, row, col, v);
-#pragma unroll
-      for (int j = 0; j < V; ++j) {
-        const float d = v[j] - pivot;
-        sums[0] += v[j];
-        sums[1] += d;
-        sums[2] += d * d;
-      }
+      accumulate<kKind, V>(v, pivot, sums);
     }
-    row_sum<kTwoPassThreads, 3>(sums, scratch);  // its barriers also publish the residual
-    const float inv_n = 1.f / static_cast<float>(n);
-    const float mean_shifted = kKind == Kind::kLayer ? sums[1] * inv_n : 0.f;
-    // Clamp the rounding-negative variance without fmaxf, which would turn NaN into 0.
-    const float raw_var = sums[2] * inv_n - mean_shifted * mean_shifted;
-    const float var = raw_var < 0.f ? 0.f : raw_var;
-    const float mean = kKind == Kind::kLayer ? sums[0] * inv_n : 0.f;
-    const float rstd = rsqrtf(var + a.eps);
+    // The reduction's barriers also publish the residual to pass 2.
+    row_sum<kTwoPassThreads, kSums<kKind>>(sums, scratch);
+    const RowStats st = row_stats<kKind>(sums, n, a.eps);
     T* y_row = static_cast<T*>(a.y) + row * a.y_stride;
     for (std::int64_t col = threadIdx.x * V; col < n; col += kStep) {
       float v[V];
@@ -196,15 +303,14 @@ __global__ void __launch_bounds__(kTwoPassThreads) forward_two_pass_kernel(Forwa
       }
 #pragma unroll
       for (int j = 0; j < V; ++j) {
-        const float s = load_scale<T, kKind>(a, col + j);
-        v[j] = kKind == Kind::kLayer ? (v[j] - mean) * rstd * s + load_shift<T>(a, col + j)
-                                     : v[j] * rstd * s;
+        const float shift = kKind == Kind::kLayer ? load_shift<T>(a, col + j) : 0.f;
+        v[j] = normalize<kKind>(v[j], pivot, st, load_scale<T, kKind>(a, col + j), shift);
       }
       store_floats<T, V>(y_row + col, v);
     }
     if (threadIdx.x == 0) {
-      if (a.rstd) a.rstd[row] = rstd;
-      if (a.mean) a.mean[row] = mean;
+      if (a.rstd) a.rstd[row] = st.rstd;
+      if (a.mean) a.mean[row] = st.mean;
     }
   }
 }
@@ -220,15 +326,46 @@ void launch_forward(const ForwardArgs& a, NormVariant variant, cudaStream_t stre
   if constexpr (!std::is_void_v<R>) {
     aligned = aligned && rows_vectorizable(a.residual, a.residual_stride, sizeof(R));
   }
-  if (use_registers(variant, aligned, vecs, kMaxRegisterVecs<kForwardVecsPerThread>)) {
+  // Choice per row (H100, ptxas for sm_90a: every register configuration <= 64 registers,
+  // no spills, so 4 blocks of 256 threads per SM unless shared memory says fewer):
+  //   16-bit N <= 1024 (fp32 N <= 512): 32 threads per row, 8 rows per block.
+  //   16-bit N 2048 / 4096 / 8192: 64 / 128 / 256 threads per row, 4 vectors each; staged
+  //     tables 4 B per column (RMSNorm) or 8 B (LayerNorm): LayerNorm N = 8192 takes 64 KB,
+  //     so 3 blocks per SM.
+  //   16-bit N 16384 / 32768: 512 / 1024 threads per row (one row per block): RMSNorm 2 / 1
+  //     blocks per SM (registers), LayerNorm N = 16384 1 block (128 KB of tables).
+  //   LayerNorm 16-bit N > 29008 (tables over the 227 KB per block), any N > 4096 vectors,
+  //   and unaligned rows: two passes.
+  const std::size_t staged_bytes = staged_param_bytes<kKind>(a.cols);
+  const std::size_t shared_limit = detail::current_device_info().shared_memory_per_block_optin;
+  const bool staged_fits = staged_bytes + kMaxScratchBytes <= shared_limit;
+  if (variant == NormVariant::kRegisters && !staged_fits) {
+    throw Error(std::string("trainscale norm: the register variant stages the row's parameters "
+                            "in shared memory, which has no room for ") +
+                std::to_string(a.cols) + " columns");
+  }
+  if (use_registers(variant, aligned && staged_fits, vecs,
+                    kMaxRegisterVecs<kForwardVecsPerThread>)) {
     with_register_config<kForwardVecsPerThread>(vecs, [&](auto threads, auto per_thread) {
       constexpr int kThreads = decltype(threads)::value;
       constexpr int kBlock = kThreads > kForwardBlock ? kThreads : kForwardBlock;
       constexpr int kRowsPerBlock = kBlock / kThreads;
+      const auto kernel =
+          forward_registers_kernel<T, R, kKind, kThreads, decltype(per_thread)::value>;
+      const int smem = static_cast<int>(staged_bytes);
+      if (staged_bytes + kMaxScratchBytes > kDefaultSharedBytes) {
+        detail::check_cuda(
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), op,
+            "raising the shared-memory limit");
+      }
+      // One resident wave: each block stages the parameters once, then loops over rows.
+      int per_sm = 0;
+      detail::check_cuda(
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlock, staged_bytes),
+          op, "occupancy query");
       const std::int64_t grid =
-          blocks_for((a.rows + kRowsPerBlock - 1) / kRowsPerBlock, 2048 / kBlock);
-      forward_registers_kernel<T, R, kKind, kThreads, decltype(per_thread)::value>
-          <<<static_cast<unsigned>(grid), kBlock, 0, stream>>>(a);
+          blocks_for((a.rows + kRowsPerBlock - 1) / kRowsPerBlock, std::max(per_sm, 1));
+      kernel<<<static_cast<unsigned>(grid), kBlock, staged_bytes, stream>>>(a);
     });
   } else if (aligned) {
     forward_two_pass_kernel<T, R, kKind, V>
