@@ -67,7 +67,9 @@ __device__ __forceinline__ void add_residual_gradient(const BackwardArgs& a, std
 // Register kernel configuration for rows of `vecs` 16-byte vectors: kThreads threads per row
 // (a power of two, at most 512 so that two blocks share an SM and one block's loads overlap the
 // other's reductions), 2 vectors per thread, and rows longer than one block covers split over a
-// thread-block cluster of kCluster blocks (each owns a contiguous chunk of the columns).
+// thread-block cluster of kCluster blocks (each owns a contiguous chunk of the columns). The
+// longest rows take 4 vectors per thread: their shared memory (128-192 KB) allows one block
+// per SM anyway, so they may use 128 registers.
 // fn(threads, vecs per thread, cluster), each a std::integral_constant<int, ...>.
 template <class Fn>
 void with_backward_config(std::int64_t vecs, Fn&& fn) {
@@ -83,11 +85,12 @@ void with_backward_config(std::int64_t vecs, Fn&& fn) {
   if (vecs <= 1024) return fn(Wide{}, Two{}, One{});
   if (vecs <= 2048) return fn(Wide{}, Two{}, integral_constant<int, 2>{});
   if (vecs <= 4096) return fn(Wide{}, Two{}, integral_constant<int, 4>{});
-  return fn(Wide{}, Two{}, integral_constant<int, 8>{});
+  if (vecs <= 8192) return fn(Wide{}, Two{}, integral_constant<int, 8>{});
+  return fn(Wide{}, integral_constant<int, 4>{}, integral_constant<int, 8>{});
 }
 // Longest row (16-byte vectors) of the register kernel: 8 blocks (the portable cluster size) of
-// 512 threads x 2 vectors; bf16 N <= 65536.
-constexpr std::int64_t kMaxBackwardRegisterVecs = 8 * 512 * 2;
+// 512 threads x 4 vectors; bf16 N <= 131072.
+constexpr std::int64_t kMaxBackwardRegisterVecs = 8 * 512 * 4;
 // Upper bound of resident blocks per SM of every backward kernel (2048 threads / 512): the
 // grid, hence the workspace, never has more than sm_count * this many partial rows.
 constexpr int kMaxBlocksPerSm = 2048 / kBackwardBlock;
@@ -193,7 +196,7 @@ __device__ __forceinline__ void cluster_row_sum(float (&v)[kSums],
 // Partial row g of the workspace belongs to row group g (a block, or a cluster whose blocks
 // each write their chunk of columns).
 template <class T, class X, Kind kKind, int kThreads, int kVecs, int kCluster>
-__global__ void __launch_bounds__(kBackwardBlock, kBackwardBlocksPerSm)
+__global__ void __launch_bounds__(kBackwardBlock, kVecs > 2 ? 1 : kBackwardBlocksPerSm)
     backward_registers_kernel(BackwardArgs a) {
   constexpr int V = detail::kVec16<T>;
   static_assert(V % 4 == 0, "shared-memory arrays are accessed in float quads");
