@@ -54,17 +54,30 @@ std::string shape_name(DType dt, const Shape& s, DType wdt, NormVariant v) {
 }
 
 std::vector<Shape> shapes() {
-  return {{5, 1, 0},    {9, 7, 1},     {33, 127, 0},  {17, 1000, 8}, {64, 4096, 0},
-          {7, 5123, 3}, {5, 8192, 16}, {3, 65536, 0}, {2, 262144, 0},
-          // More rows than the two-pass grid: blocks take several rows each.
+  return {{5, 1, 0},    {9, 7, 1},     {33, 127, 0},  {12, 512, 0},   {17, 1000, 8},
+          {64, 4096, 0}, {7, 5123, 3}, {5, 8192, 16}, {6, 16384, 8},  {4, 32768, 0},
+          {3, 65536, 0}, {2, 131072, 0}, {2, 262144, 0},
+          // More rows than any grid: blocks and clusters take several rows each.
           {560, 65536, 0}};
 }
 
-std::vector<NormVariant> variants_for(const Shape& s, DType dt) {
+// Register kernels take aligned rows of at most 4096 (forward) / 16384 (backward: a cluster of
+// 8 blocks) 16-byte vectors.
+std::int64_t row_vectors(const Shape& s, DType dt) {
   const std::int64_t vec = 16 / static_cast<std::int64_t>(dtype_size(dt));
-  const bool registers_apply = s.cols % vec == 0 && s.pad % vec == 0 && s.cols / vec <= 4096;
-  if (registers_apply) return {NormVariant::kRegisters, NormVariant::kTwoPass};
+  return s.cols % vec == 0 && s.pad % vec == 0 ? s.cols / vec : -1;
+}
+
+std::vector<NormVariant> variants_for(const Shape& s, DType dt) {
+  const std::int64_t vecs = row_vectors(s, dt);
+  if (vecs > 0 && vecs <= 16384) return {NormVariant::kRegisters, NormVariant::kTwoPass};
   return {NormVariant::kAuto};
+}
+
+// The forward's variant for a backward variant: the forward's register kernel is shorter.
+NormVariant forward_variant(const Shape& s, DType dt, NormVariant backward) {
+  return backward == NormVariant::kRegisters && row_vectors(s, dt) > 4096 ? NormVariant::kAuto
+                                                                          : backward;
 }
 
 // Large shapes exercise the long-row paths; their fp64 reference is slow, so they run for
@@ -117,7 +130,8 @@ void check_norm(bool layer) {
             layernorm_backward(dy64.view(), x64.view(), w64.view(), mean64.view(), rstd64.view(),
                                dx64.view(), dw64.view(), db64.view(), {});
             ops::norm::layernorm_forward_cuda(d_x.view(), d_w.view(), d_b.view(), d_y.view(),
-                                              d_mean.view(), d_rstd.view(), {}, nullptr, variant);
+                                              d_mean.view(), d_rstd.view(), {}, nullptr,
+                                              forward_variant(s, dt, variant));
             ops::norm::layernorm_backward_cuda(d_dy.view(), d_x.view(), d_w.view(), d_mean.view(),
                                                d_rstd.view(), d_dx.view(), d_dw.view(),
                                                d_db.view(), d_ws.view(), {}, nullptr, variant);
@@ -128,7 +142,7 @@ void check_norm(bool layer) {
             rmsnorm_backward(dy64.view(), x64.view(), w64.view(), rstd64.view(), dx64.view(),
                              dw64.view(), {}, opt);
             ops::norm::rmsnorm_forward_cuda(d_x.view(), d_w.view(), d_y.view(), d_rstd.view(),
-                                            opt, nullptr, variant);
+                                            opt, nullptr, forward_variant(s, dt, variant));
             ops::norm::rmsnorm_backward_cuda(d_dy.view(), d_x.view(), d_w.view(), d_rstd.view(),
                                              d_dx.view(), d_dw.view(), d_ws.view(), opt, nullptr,
                                              variant);
@@ -177,7 +191,8 @@ TEST(NormCuda, FusedAddRMSNormMatchesReference) {
           DeviceTensor d_dw(HostTensor(dt, {s.cols}), false);
           DeviceTensor d_ws(byte_buffer(workspace_bytes(s.rows, s.cols, dt)), false);
           ops::norm::fused_add_rmsnorm_forward_cuda(d_x.view(), d_r.view(), d_w.view(),
-                                                    d_rstd.view(), {}, nullptr, variant);
+                                                    d_rstd.view(), {}, nullptr,
+                                                    forward_variant(s, dt, variant));
           ops::norm::fused_add_rmsnorm_backward_cuda(d_dy.view(), d_dres.view(), d_r.view(),
                                                      d_w.view(), d_rstd.view(), d_dx.view(),
                                                      d_dw.view(), d_ws.view(), {}, nullptr,
@@ -357,7 +372,8 @@ TEST(NormCuda, PublicEntryPointsDispatchToCuda) {
 
 TEST(NormCuda, WeightGradientIsBitwiseReproducible) {
   TS_REQUIRE_GPU();
-  for (std::int64_t cols : {4096, 5123, 65536}) {
+  // Register kernel (one block per row group, and a cluster per row), two-pass kernel.
+  for (std::int64_t cols : {4096, 16384, 5123, 65536}) {
     const std::int64_t rows = 1500;
     auto x = HostTensor::random(DType::kBFloat16, {rows, cols});
     auto dy = HostTensor::random(DType::kBFloat16, {rows, cols});
@@ -367,6 +383,7 @@ TEST(NormCuda, WeightGradientIsBitwiseReproducible) {
     DeviceTensor d_rstd(HostTensor(DType::kFloat32, {rows}), false);
     DeviceTensor d_dx(HostTensor(DType::kBFloat16, {rows, cols}), false);
     DeviceTensor d_ws(byte_buffer(workspace_bytes(rows, cols, DType::kBFloat16)), false);
+    DeviceTensor d_mean(HostTensor(DType::kFloat32, {rows}), false);
     rmsnorm_forward(d_x.view(), d_w.view(), d_y.view(), d_rstd.view());
     std::vector<HostTensor> results;
     for (int run = 0; run < 3; ++run) {
@@ -375,8 +392,22 @@ TEST(NormCuda, WeightGradientIsBitwiseReproducible) {
                        d_dw.view(), d_ws.view());
       results.push_back(d_dw.to_host());
     }
+    layernorm_forward(d_x.view(), d_w.view(), {}, d_y.view(), d_mean.view(), d_rstd.view());
+    for (int run = 0; run < 3; ++run) {
+      DeviceTensor d_dw(HostTensor(DType::kFloat32, {cols}), false);
+      DeviceTensor d_db(HostTensor(DType::kFloat32, {cols}), false);
+      layernorm_backward(d_dy.view(), d_x.view(), d_w.view(), d_mean.view(), d_rstd.view(),
+                         d_dx.view(), d_dw.view(), d_db.view(), d_ws.view());
+      results.push_back(d_dw.to_host());
+      results.push_back(d_db.to_host());
+    }
     for (int run = 1; run < 3; ++run) {
       EXPECT_EQ(std::memcmp(results[0].data(), results[run].data(), cols * 4), 0) << cols;
+      for (int k = 0; k < 2; ++k) {  // LayerNorm dw, db
+        const HostTensor& first = results[3 + k];
+        const HostTensor& again = results[3 + 2 * run + k];
+        EXPECT_EQ(std::memcmp(first.data(), again.data(), cols * 4), 0) << cols << " layernorm " << k;
+      }
     }
   }
 }
@@ -395,6 +426,13 @@ TEST(NormCuda, NaNPropagatesToItsRowOnly) {
     EXPECT_TRUE(std::isfinite(rstd.at(0)) && std::isfinite(rstd.at(2)));
     EXPECT_TRUE(std::isnan(y.at(1 * cols + 100)));
     EXPECT_TRUE(std::isfinite(y.at(2 * cols + 100)));
+    // Backward: dx of that row only (dw sums every row, so it is NaN as a whole).
+    DeviceTensor d_dy(HostTensor::random(DType::kBFloat16, {4, cols}));
+    DeviceTensor d_dx(HostTensor(DType::kBFloat16, {4, cols}), false);
+    rmsnorm_backward(d_dy.view(), d_x.view(), {}, d_rstd.view(), d_dx.view(), {}, {});
+    const auto dx = d_dx.to_host();
+    EXPECT_TRUE(std::isnan(dx.at(1 * cols + 100)));
+    EXPECT_TRUE(std::isfinite(dx.at(0 * cols + 100)) && std::isfinite(dx.at(2 * cols + 100)));
   }
 }
 

@@ -1,6 +1,12 @@
 // Backward kernels. dx is fused with the row statistics; the weight (and bias) gradients are
 // summed per block into fixed partial rows of the workspace, then reduced over blocks in a
 // fixed order, so they are bitwise identical from run to run.
+#include <cooperative_groups.h>
+
+#include <map>
+#include <mutex>
+#include <utility>
+
 #include "core/check.h"
 #include "ops/norm/norm_common.cuh"
 
@@ -12,7 +18,10 @@ using detail::load_param;
 using detail::row_sum;
 using detail::store_floats;
 
+// Register kernel blocks: 512 threads (one or several rows), two per SM (64 registers), so one
+// block's loads overlap the other's reductions.
 constexpr int kBackwardBlock = 512;
+constexpr int kBackwardBlocksPerSm = 2;
 
 struct BackwardArgs {
   const void* dy;
@@ -55,114 +64,263 @@ __device__ __forceinline__ void add_residual_gradient(const BackwardArgs& a, std
   for (int j = 0; j < V; ++j) dx[j] += r[j];
 }
 
-template <class T, class X, Kind kKind, int kThreads, int kVecs>
-__global__ void __launch_bounds__(kThreads > kBackwardBlock ? kThreads : kBackwardBlock)
+// Register kernel configuration for rows of `vecs` 16-byte vectors: kThreads threads per row
+// (a power of two, at most 512 so that two blocks share an SM and one block's loads overlap the
+// other's reductions), 2 vectors per thread, and rows longer than one block covers split over a
+// thread-block cluster of kCluster blocks (each owns a contiguous chunk of the columns). The
+// longest rows take 4 vectors per thread: their shared memory (128-192 KB) allows one block
+// per SM anyway, so they may use 128 registers.
+// fn(threads, vecs per thread, cluster), each a std::integral_constant<int, ...>.
+template <class Fn>
+void with_backward_config(std::int64_t vecs, Fn&& fn) {
+  using std::integral_constant;
+  using Two = integral_constant<int, 2>;
+  using One = integral_constant<int, 1>;
+  if (vecs <= 32) return fn(integral_constant<int, 32>{}, One{}, One{});
+  if (vecs <= 64) return fn(integral_constant<int, 32>{}, Two{}, One{});
+  if (vecs <= 128) return fn(integral_constant<int, 64>{}, Two{}, One{});
+  if (vecs <= 256) return fn(integral_constant<int, 128>{}, Two{}, One{});
+  if (vecs <= 512) return fn(integral_constant<int, 256>{}, Two{}, One{});
+  using Wide = integral_constant<int, 512>;
+  if (vecs <= 1024) return fn(Wide{}, Two{}, One{});
+  if (vecs <= 2048) return fn(Wide{}, Two{}, integral_constant<int, 2>{});
+  if (vecs <= 4096) return fn(Wide{}, Two{}, integral_constant<int, 4>{});
+  if (vecs <= 8192) return fn(Wide{}, Two{}, integral_constant<int, 8>{});
+  return fn(Wide{}, integral_constant<int, 4>{}, integral_constant<int, 8>{});
+}
+// Longest row (16-byte vectors) of the register kernel: 8 blocks (the portable cluster size) of
+// 512 threads x 4 vectors; bf16 N <= 131072.
+constexpr std::int64_t kMaxBackwardRegisterVecs = 8 * 512 * 4;
+// Upper bound of resident blocks per SM of every backward kernel (2048 threads / 512): the
+// grid, hence the workspace, never has more than sm_count * this many partial rows.
+constexpr int kMaxBlocksPerSm = 2048 / kBackwardBlock;
+
+// Per-column fp32 arrays in shared memory (the scale, and the dw/db sums of each row slot).
+// Float quad q of vector i of thread `lane` sits at ((i * kQuads + q) * kThreads + lane) * 4,
+// so a warp's 16-byte accesses are contiguous (no bank conflicts).
+template <int kThreads, int V>
+__device__ __forceinline__ int quad_index(int i, int lane, int q) {
+  return ((i * (V / 4) + q) * kThreads + lane) * 4;
+}
+// The same position for chunk column c.
+template <int kThreads, int V>
+__device__ __forceinline__ int column_index(int c) {
+  const int vec = c / V;
+  return quad_index<kThreads, V>(vec / kThreads, vec % kThreads, (c % V) / 4) + c % 4;
+}
+
+// Volatile shared-memory accesses: neither the compiler nor ptxas may hoist them out of the row
+// loop or keep their values in registers across rows, which is the point — the weight and the
+// gradient sums live in shared memory so that the row data fits in few registers.
+__device__ __forceinline__ float4 load_shared_quad(const float* p) {
+  const auto addr = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  float4 v;
+  asm volatile("ld.volatile.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ void store_shared_quad(float* p, float4 v) {
+  const auto addr = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("st.volatile.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "f"(v.x),
+               "f"(v.y), "f"(v.z), "f"(v.w));
+}
+
+template <int kThreads, int V>
+__device__ __forceinline__ void load_shared_floats(const float* base, int i, int lane,
+                                                   float (&out)[V]) {
+#pragma unroll
+  for (int q = 0; q < V / 4; ++q) {
+    const float4 v = load_shared_quad(base + quad_index<kThreads, V>(i, lane, q));
+    out[4 * q] = v.x;
+    out[4 * q + 1] = v.y;
+    out[4 * q + 2] = v.z;
+    out[4 * q + 3] = v.w;
+  }
+}
+
+// acc[column] += v[j] for the V columns of vector i of this thread.
+template <int kThreads, int V>
+__device__ __forceinline__ void accumulate_shared(float* acc, int i, int lane,
+                                                  const float (&v)[V]) {
+#pragma unroll
+  for (int q = 0; q < V / 4; ++q) {
+    float* p = acc + quad_index<kThreads, V>(i, lane, q);
+    float4 sum = load_shared_quad(p);
+    sum.x += v[4 * q];
+    sum.y += v[4 * q + 1];
+    sum.z += v[4 * q + 2];
+    sum.w += v[4 * q + 3];
+    store_shared_quad(p, sum);
+  }
+}
+
+template <class T, Kind kKind, int kThreads, int kVecs>
+constexpr std::size_t register_smem_bytes() {
+  constexpr int kArrays = 1 + (kBackwardBlock / kThreads) * (kKind == Kind::kLayer ? 2 : 1);
+  return static_cast<std::size_t>(kArrays) * kThreads * kVecs * detail::kVec16<T> * sizeof(float);
+}
+
+// Sums across the blocks of a cluster that share a row: every block sends its totals to every
+// block, then each adds them in rank order, so all blocks hold bitwise the same totals. Two
+// buffers alternate by row: a block writes buffer p for row r only after every block passed the
+// barrier of row r - 1, hence finished reading buffer p (used by row r - 2).
+template <int kCluster, int kSums>
+__device__ __forceinline__ void cluster_row_sum(float (&v)[kSums],
+                                                float (&exchange)[2][kCluster][kSums],
+                                                int& parity) {
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  const unsigned rank = cluster.block_rank();
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int r = 0; r < kCluster; ++r) {
+      float* dst = cluster.map_shared_rank(&exchange[parity][rank][0], r);
+#pragma unroll
+      for (int c = 0; c < kSums; ++c) dst[c] = v[c];
+    }
+  }
+  cluster.sync();
+#pragma unroll
+  for (int c = 0; c < kSums; ++c) {
+    float s = 0.f;
+#pragma unroll
+    for (int r = 0; r < kCluster; ++r) s += exchange[parity][r][c];
+    v[c] = s;
+  }
+  parity ^= 1;
+}
+
+// dx with the row reductions and dw/db partial sums. The row's dy and x stay in registers as
+// raw 16-byte vectors; the scale and the per-slot dw/db sums live in shared memory (fp32).
+// Partial row g of the workspace belongs to row group g (a block, or a cluster whose blocks
+// each write their chunk of columns).
+template <class T, class X, Kind kKind, int kThreads, int kVecs, int kCluster>
+__global__ void __launch_bounds__(kBackwardBlock, kVecs > 2 ? 1 : kBackwardBlocksPerSm)
     backward_registers_kernel(BackwardArgs a) {
   constexpr int V = detail::kVec16<T>;
-  constexpr int kBlock = kThreads > kBackwardBlock ? kThreads : kBackwardBlock;
+  static_assert(V % 4 == 0, "shared-memory arrays are accessed in float quads");
+  static_assert(kThreads <= kBackwardBlock);
+  constexpr int kBlock = kBackwardBlock;
   constexpr int kRowsPerBlock = kBlock / kThreads;
+  static_assert(kCluster == 1 || kRowsPerBlock == 1, "a cluster shares one row");
   constexpr int kSums = kKind == Kind::kLayer ? 2 : 1;
-  constexpr int kRowElems = kThreads * kVecs * V;
+  constexpr int kChunk = kThreads * kVecs * V;  // columns of one block
+  extern __shared__ float4 smem_quads[];
+  float* const scale_s = reinterpret_cast<float*>(smem_quads);
+  float* const dw_s = scale_s + kChunk;                // [kRowsPerBlock][kChunk]
+  float* const db_s = dw_s + kRowsPerBlock * kChunk;  // LayerNorm only
   __shared__ float scratch[kThreads > 32 ? kBlock / 32 * kSums : 1];
-  __shared__ float combine[kRowsPerBlock > 1 ? kRowElems : 1];
+  __shared__ float exchange[2][kCluster][kSums];
+  int parity = 0;
   const int lane = threadIdx.x % kThreads;
   const int slot = threadIdx.x / kThreads;
+  const int rank = static_cast<int>(blockIdx.x % kCluster);
+  const std::int64_t group = blockIdx.x / kCluster;
+  const std::int64_t groups = gridDim.x / kCluster;
+  const std::int64_t first_col = static_cast<std::int64_t>(rank) * kChunk;
   const std::int64_t n = a.cols;
   const bool want_dw = a.partial != nullptr;
 
-  float scale[kVecs][V];
-  float dw[kVecs][V];
-  float db[kKind == Kind::kLayer ? kVecs : 1][V];
-#pragma unroll
-  for (int i = 0; i < kVecs; ++i) {
-    const std::int64_t col = (static_cast<std::int64_t>(i) * kThreads + lane) * V;
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-      scale[i][j] = col + j < n ? load_scale<T, kKind>(a, col + j) : 0.f;
-      dw[i][j] = 0.f;
-      if constexpr (kKind == Kind::kLayer) db[i][j] = 0.f;
+  for (int c = threadIdx.x; c < kChunk; c += kBlock) {
+    const std::int64_t col = first_col + c;
+    scale_s[column_index<kThreads, V>(c)] = col < n ? load_scale<T, kKind>(a, col) : 0.f;
+  }
+  if (want_dw) {
+    const int sums = kRowsPerBlock * kChunk * kSums;
+    for (int c = threadIdx.x * 4; c < sums; c += kBlock * 4) {
+      store_shared_quad(dw_s + c, make_float4(0.f, 0.f, 0.f, 0.f));
     }
   }
+  if constexpr (kCluster > 1) {
+    // Also makes sure every block of the cluster runs before its shared memory is written.
+    cooperative_groups::this_cluster().sync();
+  } else {
+    __syncthreads();
+  }
+  float* const dw_slot = dw_s + slot * kChunk;
+  float* const db_slot = db_s + slot * kChunk;
 
-  for (std::int64_t base = static_cast<std::int64_t>(blockIdx.x) * kRowsPerBlock; base < a.rows;
-       base += static_cast<std::int64_t>(gridDim.x) * kRowsPerBlock) {
+  for (std::int64_t base = group * kRowsPerBlock; base < a.rows; base += groups * kRowsPerBlock) {
     const std::int64_t row = base + slot;
     const bool valid = row < a.rows;
     const float rstd = valid ? a.rstd[row] : 0.f;
     const float mean = kKind == Kind::kLayer && valid ? a.mean[row] : 0.f;
-    float dy[kVecs][V], xhat[kVecs][V];
+    detail::Vec<T, V> dy_raw[kVecs];
+    detail::Vec<X, V> x_raw[kVecs];
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      const std::int64_t col = first_col + (i * kThreads + lane) * V;
+      if (valid && col < n) {
+        dy_raw[i] = detail::load_raw<T, V>(static_cast<const T*>(a.dy) + row * a.dy_stride + col);
+        x_raw[i] = detail::load_raw<X, V>(static_cast<const X*>(a.x) + row * a.x_stride + col);
+      } else {
+        dy_raw[i] = {};
+        x_raw[i] = {};
+      }
+    }
+    // Row data as floats: xhat and g = dy * scale (columns past the row: dy = 0, so g = 0).
+    auto unpack = [&](int i, float (&dy)[V], float (&xhat)[V], float (&g)[V]) {
+      float scale[V];
+      load_shared_floats<kThreads, V>(scale_s, i, lane, scale);
+      detail::to_floats(dy_raw[i], dy);
+      detail::to_floats(x_raw[i], xhat);
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        xhat[j] = (xhat[j] - mean) * rstd;
+        g[j] = dy[j] * scale[j];
+      }
+    };
     float sums[kSums] = {};
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
-      const std::int64_t col = (static_cast<std::int64_t>(i) * kThreads + lane) * V;
-      if (valid && col < n) {
-        load_floats<T, V>(static_cast<const T*>(a.dy) + row * a.dy_stride + col, dy[i]);
-        load_floats<X, V>(static_cast<const X*>(a.x) + row * a.x_stride + col, xhat[i]);
-      } else {
-#pragma unroll
-        for (int j = 0; j < V; ++j) dy[i][j] = xhat[i][j] = 0.f;
-      }
+      float dy[V], xhat[V], g[V];
+      unpack(i, dy, xhat, g);
 #pragma unroll
       for (int j = 0; j < V; ++j) {
-        xhat[i][j] = (xhat[i][j] - mean) * rstd;
-        const float g = dy[i][j] * scale[i][j];
-        sums[kSums - 1] += g * xhat[i][j];
-        if constexpr (kKind == Kind::kLayer) sums[0] += g;
+        sums[kSums - 1] += g[j] * xhat[j];
+        if constexpr (kKind == Kind::kLayer) sums[0] += g[j];
       }
     }
     row_sum<kThreads, kSums>(sums, scratch);
+    if constexpr (kCluster > 1) cluster_row_sum<kCluster, kSums>(sums, exchange, parity);
     const float inv_n = 1.f / static_cast<float>(n);
     const float mean_g = kKind == Kind::kLayer ? sums[0] * inv_n : 0.f;
     const float mean_gx = sums[kSums - 1] * inv_n;
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
-      const std::int64_t col = (static_cast<std::int64_t>(i) * kThreads + lane) * V;
+      const std::int64_t col = first_col + (i * kThreads + lane) * V;
       if (!valid || col >= n) continue;
-      float g[V], dx[V];
-#pragma unroll
-      for (int j = 0; j < V; ++j) g[j] = dy[i][j] * scale[i][j];
-      input_gradient<kKind, V>(g, xhat[i], rstd, mean_g, mean_gx, dx);
+      float dy[V], xhat[V], g[V], dx[V];
+      unpack(i, dy, xhat, g);
+      input_gradient<kKind, V>(g, xhat, rstd, mean_g, mean_gx, dx);
       add_residual_gradient<X, V>(a, row, col, dx);
       store_floats<T, V>(static_cast<T*>(a.dx) + row * a.dx_stride + col, dx);
       if (want_dw) {
+        float dy_xhat[V];
 #pragma unroll
-        for (int j = 0; j < V; ++j) {
-          dw[i][j] += dy[i][j] * xhat[i][j];
-          if constexpr (kKind == Kind::kLayer) db[i][j] += dy[i][j];
-        }
+        for (int j = 0; j < V; ++j) dy_xhat[j] = dy[j] * xhat[j];
+        accumulate_shared<kThreads, V>(dw_slot, i, lane, dy_xhat);
+        if constexpr (kKind == Kind::kLayer) accumulate_shared<kThreads, V>(db_slot, i, lane, dy);
       }
     }
   }
   if (!want_dw) return;
 
-  // Combine the block's row slots in slot order, then write the block's partial row.
-  auto write_partial = [&](float (&acc)[kVecs][V], float* out) {
-    if constexpr (kRowsPerBlock == 1) {
-#pragma unroll
-      for (int i = 0; i < kVecs; ++i) {
-        const std::int64_t col = (static_cast<std::int64_t>(i) * kThreads + lane) * V;
-        if (col < n) store_floats<float, V>(out + col, acc[i]);
-      }
-    } else {
-      for (int s = 0; s < kRowsPerBlock; ++s) {
-        __syncthreads();
-        if (slot == s) {
-#pragma unroll
-          for (int i = 0; i < kVecs; ++i) {
-            const int col = (i * kThreads + lane) * V;
-#pragma unroll
-            for (int j = 0; j < V; ++j) {
-              combine[col + j] = (s == 0 ? 0.f : combine[col + j]) + acc[i][j];
-            }
-          }
-        }
-      }
-      __syncthreads();
-      for (int col = threadIdx.x; col < n; col += kBlock) out[col] = combine[col];
+  // The block's row slots in slot order, then the group's partial row (this block's columns).
+  __syncthreads();
+  float* const dw_out = a.partial + group * n;
+  float* const db_out = a.partial + (groups + group) * n;
+  for (int c = threadIdx.x; c < kChunk && first_col + c < n; c += kBlock) {
+    const int at = column_index<kThreads, V>(c);
+    float dw = 0.f, db = 0.f;
+    for (int s = 0; s < kRowsPerBlock; ++s) {
+      dw += dw_s[s * kChunk + at];
+      if constexpr (kKind == Kind::kLayer) db += db_s[s * kChunk + at];
     }
-  };
-  write_partial(dw, a.partial + blockIdx.x * n);
-  if constexpr (kKind == Kind::kLayer) write_partial(db, a.partial + (gridDim.x + blockIdx.x) * n);
+    dw_out[first_col + c] = dw;
+    if constexpr (kKind == Kind::kLayer) db_out[first_col + c] = db;
+  }
 }
 
 // Any row length and alignment: pass 1 reduces, pass 2 re-reads and writes dx; each thread
@@ -264,14 +422,75 @@ void reduce_partials(const float* partial, std::int64_t blocks, std::int64_t col
   detail::check_launch(op);
 }
 
+// Partial rows: row groups of the register kernel (blocks, or clusters), or two-pass blocks.
 struct Plan {
   bool registers = false;
   bool vectorized = false;
-  std::int64_t blocks = 0;
+  std::int64_t groups = 0;
 };
 
-template <class T, class X>
-Plan plan_backward(const BackwardArgs& a, NormVariant variant) {
+// Calls fn(kernel, threads per block, cluster size, dynamic shared memory bytes, rows per group)
+// for the register kernel of this row length.
+template <class T, class X, Kind kKind, class Fn>
+void with_register_kernel(std::int64_t cols, Fn&& fn) {
+  constexpr int V = detail::kVec16<T>;
+  with_backward_config((cols + V - 1) / V, [&](auto threads, auto per_thread, auto cluster) {
+    constexpr int kThreads = decltype(threads)::value;
+    constexpr int kVecs = decltype(per_thread)::value;
+    fn(backward_registers_kernel<T, X, kKind, kThreads, kVecs, decltype(cluster)::value>,
+       kBackwardBlock, decltype(cluster)::value, register_smem_bytes<T, kKind, kThreads, kVecs>(),
+       kBackwardBlock / kThreads);
+  });
+}
+
+// Row groups resident at once on the current device (0: the configuration does not fit it).
+std::int64_t query_resident_groups(void (*kernel)(BackwardArgs), int block, int cluster,
+                                   std::size_t smem, const char* op) {
+  const auto& info = detail::current_device_info();
+  if (smem > info.shared_memory_per_block_optin) return 0;
+  detail::check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(smem)),
+                     op, "cudaFuncSetAttribute");
+  int count = 0;
+  if (cluster == 1) {
+    detail::check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&count, kernel, block, smem),
+                       op, "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+    return static_cast<std::int64_t>(info.sm_count) * std::min(count, kMaxBlocksPerSm);
+  }
+  cudaLaunchConfig_t config{};
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = static_cast<unsigned>(cluster);
+  attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
+  config.gridDim = dim3(static_cast<unsigned>(cluster));
+  config.blockDim = dim3(static_cast<unsigned>(block));
+  config.dynamicSmemBytes = smem;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  detail::check_cuda(cudaOccupancyMaxActiveClusters(&count, kernel, &config), op,
+                     "cudaOccupancyMaxActiveClusters");
+  return std::min<std::int64_t>(count, static_cast<std::int64_t>(info.sm_count) *
+                                           kMaxBlocksPerSm / cluster);
+}
+
+// query_resident_groups once per (device, kernel): the attribute and occupancy calls cost
+// microseconds of host time per launch otherwise.
+std::int64_t resident_groups(void (*kernel)(BackwardArgs), int block, int cluster,
+                             std::size_t smem, const char* op) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, void (*)(BackwardArgs)>, std::int64_t> cache;
+  int device = 0;
+  detail::check_cuda(cudaGetDevice(&device), op, "cudaGetDevice");
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(device, kernel);
+  if (const auto it = cache.find(key); it != cache.end()) return it->second;
+  const std::int64_t groups = query_resident_groups(kernel, block, cluster, smem, op);
+  cache.emplace(key, groups);
+  return groups;
+}
+
+template <class T, class X, Kind kKind>
+Plan plan_backward(const BackwardArgs& a, NormVariant variant, const char* op) {
   constexpr int V = detail::kVec16<T>;
   const std::int64_t vecs = (a.cols + V - 1) / V;
   const bool aligned = a.cols % V == 0 && rows_vectorizable(a.dy, a.dy_stride, sizeof(T)) &&
@@ -280,18 +499,23 @@ Plan plan_backward(const BackwardArgs& a, NormVariant variant) {
                        rows_vectorizable(a.d_residual, a.d_residual_stride, sizeof(X));
   Plan plan;
   plan.vectorized = aligned;
-  plan.registers =
-      use_registers(variant, aligned, vecs, kMaxRegisterVecs<kBackwardVecsPerThread>);
+  plan.registers = use_registers(variant, aligned, vecs, kMaxBackwardRegisterVecs);
   if (plan.registers) {
-    with_register_config<kBackwardVecsPerThread>(vecs, [&](auto threads, auto) {
-      constexpr int kThreads = decltype(threads)::value;
-      constexpr int kBlock = kThreads > kBackwardBlock ? kThreads : kBackwardBlock;
-      constexpr int kRowsPerBlock = kBlock / kThreads;
-      plan.blocks = blocks_for((a.rows + kRowsPerBlock - 1) / kRowsPerBlock, 2048 / kBlock);
+    with_register_kernel<T, X, kKind>(a.cols, [&](auto kernel, int block, int cluster,
+                                                  std::size_t smem, int rows_per_group) {
+      const std::int64_t resident = resident_groups(kernel, block, cluster, smem, op);
+      plan.groups = std::min(resident, (a.rows + rows_per_group - 1) / rows_per_group);
     });
-  } else {
-    plan.blocks = blocks_for(a.rows, 2048 / kTwoPassThreads);
+    if (plan.groups == 0) {
+      if (variant == NormVariant::kRegisters) {
+        throw Error(std::string("trainscale ") + op +
+                    ": the register variant does not fit this device for " +
+                    std::to_string(a.cols) + " columns");
+      }
+      plan.registers = false;
+    }
   }
+  if (!plan.registers) plan.groups = blocks_for(a.rows, kMaxBlocksPerSm);
   return plan;
 }
 
@@ -309,9 +533,9 @@ void launch_backward(BackwardArgs a, const TensorView& dw, const TensorView& db,
     }
     return;
   }
-  const Plan plan = plan_backward<T, X>(a, variant);
+  const Plan plan = plan_backward<T, X, kKind>(a, variant, op);
   if (dw.defined() || db.defined()) {
-    const std::size_t need = static_cast<std::size_t>(plan.blocks) * a.cols * sizeof(float) *
+    const std::size_t need = static_cast<std::size_t>(plan.groups) * a.cols * sizeof(float) *
                              (kKind == Kind::kLayer ? 2 : 1);
     const std::size_t have = workspace.defined() ? workspace.numel() * workspace.element_size() : 0;
     if (have < need) {
@@ -326,23 +550,34 @@ void launch_backward(BackwardArgs a, const TensorView& dw, const TensorView& db,
     a.partial = static_cast<float*>(workspace.data);
   }
   constexpr int V = detail::kVec16<T>;
-  const auto grid = static_cast<unsigned>(plan.blocks);
   if (plan.registers) {
-    with_register_config<kBackwardVecsPerThread>((a.cols + V - 1) / V, [&](auto threads, auto per_thread) {
-      constexpr int kThreads = decltype(threads)::value;
-      constexpr int kBlock = kThreads > kBackwardBlock ? kThreads : kBackwardBlock;
-      backward_registers_kernel<T, X, kKind, kThreads, decltype(per_thread)::value>
-          <<<grid, kBlock, 0, stream>>>(a);
+    with_register_kernel<T, X, kKind>(a.cols, [&](auto kernel, int block, int cluster,
+                                                  std::size_t smem, int) {
+      cudaLaunchConfig_t config{};
+      cudaLaunchAttribute attribute{};
+      attribute.id = cudaLaunchAttributeClusterDimension;
+      attribute.val.clusterDim.x = static_cast<unsigned>(cluster);
+      attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
+      config.gridDim = dim3(static_cast<unsigned>(plan.groups * cluster));
+      config.blockDim = dim3(static_cast<unsigned>(block));
+      config.dynamicSmemBytes = smem;
+      config.stream = stream;
+      config.attrs = &attribute;
+      config.numAttrs = cluster > 1 ? 1 : 0;
+      detail::check_cuda(cudaLaunchKernelEx(&config, kernel, a), op, "cudaLaunchKernelEx");
     });
-  } else if (plan.vectorized) {
-    backward_two_pass_kernel<T, X, kKind, V><<<grid, kTwoPassThreads, 0, stream>>>(a);
   } else {
-    backward_two_pass_kernel<T, X, kKind, 1><<<grid, kTwoPassThreads, 0, stream>>>(a);
+    const auto grid = static_cast<unsigned>(plan.groups);
+    if (plan.vectorized) {
+      backward_two_pass_kernel<T, X, kKind, V><<<grid, kTwoPassThreads, 0, stream>>>(a);
+    } else {
+      backward_two_pass_kernel<T, X, kKind, 1><<<grid, kTwoPassThreads, 0, stream>>>(a);
+    }
   }
   detail::check_launch(op);
-  if (dw.defined()) reduce_partials<T>(a.partial, plan.blocks, a.cols, dw, stream, op);
+  if (dw.defined()) reduce_partials<T>(a.partial, plan.groups, a.cols, dw, stream, op);
   if (db.defined()) {
-    reduce_partials<T>(a.partial + plan.blocks * a.cols, plan.blocks, a.cols, db, stream, op);
+    reduce_partials<T>(a.partial + plan.groups * a.cols, plan.groups, a.cols, db, stream, op);
   }
 }
 
@@ -369,20 +604,11 @@ BackwardArgs make_args(const char* op, const TensorView& dy, const TensorView& x
 
 }  // namespace
 
-std::size_t backward_workspace_bytes_cuda(std::int64_t rows, std::int64_t cols, DType dtype) {
-  // The largest block count any plan can pick (register or two-pass, any alignment), for the
-  // weight and the bias gradient.
-  const auto vec = static_cast<std::int64_t>(16 / dtype_size(dtype));
-  const std::int64_t vecs = (cols + vec - 1) / vec;
-  std::int64_t row_groups = rows;
-  with_register_config<kBackwardVecsPerThread>(vecs, [&](auto threads, auto) {
-    constexpr int kThreads = decltype(threads)::value;
-    constexpr int kRowsPerBlock = (kThreads > kBackwardBlock ? kThreads : kBackwardBlock) / kThreads;
-    row_groups = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
-  });
-  const std::int64_t blocks = std::max(blocks_for(row_groups, 2048 / kBackwardBlock),
-                                       blocks_for(rows, 2048 / kTwoPassThreads));
-  return static_cast<std::size_t>(std::max<std::int64_t>(blocks, 1)) * cols * sizeof(float) * 2;
+std::size_t backward_workspace_bytes_cuda(std::int64_t rows, std::int64_t cols, DType /*dtype*/) {
+  // The most partial rows any plan can pick (sm_count x kMaxBlocksPerSm, at most one per row),
+  // for the weight and the bias gradient.
+  const std::int64_t groups = blocks_for(rows, kMaxBlocksPerSm);
+  return static_cast<std::size_t>(std::max<std::int64_t>(groups, 1)) * cols * sizeof(float) * 2;
 }
 
 void rmsnorm_backward_cuda(const TensorView& dy, const TensorView& x, const TensorView& weight,

@@ -18,8 +18,7 @@ enum class Kind { kRms, kLayer };
 
 // Threads per row (a power of two, 32 ... 1024) and 16-byte vectors per thread for a row of
 // `vecs` vectors: enough vectors per thread to keep several loads in flight, enough threads to
-// cover the row, and few enough values per thread to stay in registers. The forward holds 4
-// vectors per thread; the backward 2 (it also carries dy and the weight-gradient sums).
+// cover the row, and few enough values per thread to stay in registers (the forward: 4).
 // fn(std::integral_constant<int, threads>, std::integral_constant<int, vecs per thread>).
 template <int kVecsPerThread, class Fn>
 void with_register_config(std::int64_t vecs, Fn&& fn) {
@@ -40,7 +39,6 @@ void with_register_config(std::int64_t vecs, Fn&& fn) {
 template <int kVecsPerThread>
 inline constexpr std::int64_t kMaxRegisterVecs = 1024 * kVecsPerThread;
 inline constexpr int kForwardVecsPerThread = 4;
-inline constexpr int kBackwardVecsPerThread = 2;
 inline constexpr int kTwoPassThreads = 512;
 
 // Rows of `elem_bytes` elements starting at p with `stride` elements between rows can be
