@@ -1,7 +1,9 @@
 // The correctness gate and the engine on test-only cases (CPU).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
 
 #include "bench/engine.h"
 #include "bench/gate.h"
@@ -170,20 +172,261 @@ TEST_F(EngineFixture, InterruptKeepsWhatWasMeasured) {
   EXPECT_EQ(result.skipped[0].reason, "not run: interrupted");
 }
 
-TEST(BenchGate, LargeRowWiseCasesAreSampled) {
-  const std::int64_t shape[] = {GateData::kFullCheckElements / 64 * 2, 64};
-  const Case c = doubling_case(shape, DType::kBFloat16, 1.0, false);
-  const GateData gate(c, 5);
-  EXPECT_TRUE(gate.sampled());
+// A full host set of a case's tensors with the gate's inputs, after `entry` ran on the gated
+// views; returns the gate's verdict.
+GateResult gate_on_cpu(const Case& c, const GateData& gate, const std::function<void(Views, cudaStream_t)>& entry) {
   std::vector<OwnedTensor> tensors;
   for (const TensorSpec& spec : c.tensors) tensors.emplace_back(spec.dtype, spec.shape, Device::cpu());
   gate.load_inputs(tensors);
-  const std::vector<TensorView> views = {tensors[0].view(), tensors[1].view()};
-  c.entry(views, nullptr);
-  const GateResult ok = gate.check(tensors);
+  entry(gate.gated_views(tensors), nullptr);
+  return gate.check(tensors);
+}
+
+TEST(BenchGate, LargeRowWiseCasesAreSampled) {
+  const GateLimits limits;
+  const std::int64_t shape[] = {limits.full_check_elements / 64 * 2, 64};
+  const Case c = doubling_case(shape, DType::kBFloat16, 1.0, false);
+  const GateData gate(c, 5);
+  EXPECT_EQ(gate.coverage(), RowCoverage::kSample);
+  const GateResult ok = gate_on_cpu(c, gate, c.entry);
   EXPECT_TRUE(ok.passed) << ok.message;
-  EXPECT_EQ(ok.rows_checked, GateData::kSampledRows);
+  EXPECT_EQ(ok.rows_checked, limits.sampled_rows);
   EXPECT_EQ(ok.rows_total, shape[0]);
+  EXPECT_EQ(ok.coverage, RowCoverage::kSample);
+}
+
+TEST(BenchGate, SampledGateCatchesAWrongImplementation) {
+  const GateLimits limits{.full_check_elements = 64, .sampled_rows = 5};
+  const std::int64_t shape[] = {40, 16};
+  const GateData gate(doubling_case(shape, DType::kFloat32, 1.0, false), 3, limits);
+  ASSERT_EQ(gate.coverage(), RowCoverage::kSample);
+  const Case wrong = doubling_case(shape, DType::kFloat32, 1.03, false);
+  const GateResult r = gate_on_cpu(wrong, gate, wrong.entry);
+  EXPECT_FALSE(r.passed);
+  EXPECT_NEAR(r.rel_l2, 0.03, 1e-6);
+  EXPECT_EQ(r.rows_checked, 5);
+  // Wrong in one row only: caught when the sample holds it, as every sampled row is compared.
+  const Case one_row = doubling_case(shape, DType::kFloat32, 1.0, false);
+  auto corrupt_row = [&](std::int64_t row) {
+    return [&, row](Views t, cudaStream_t s) {
+      one_row.entry(t, s);
+      static_cast<float*>(t[1].data)[row * shape[1]] += 1.0f;
+    };
+  };
+  int caught = 0;
+  for (std::int64_t row = 0; row < shape[0]; ++row) caught += !gate_on_cpu(one_row, gate, corrupt_row(row)).passed;
+  EXPECT_EQ(caught, 5);
+}
+
+// y = 2 x row-wise and colsum = the sum of x over rows: the rows are coupled through colsum
+// (like a weight gradient). `rows_from_case` makes an implementation that ignores the rows of
+// the views it is given and uses the case's instead (it would sum rows it was not given).
+Case column_sum_case(std::span<const std::int64_t> shape, double scale, bool rows_from_case = false) {
+  Case c = doubling_case(shape, DType::kFloat32, scale, false);
+  c.op = "colsum";
+  TensorSpec colsum{.name = "colsum", .dtype = DType::kFloat32, .shape = {shape[1]}, .role = Role::kOutput};
+  c.tensors.push_back(colsum);
+  c.rows_independent = false;
+  const std::int64_t case_rows = shape[0];
+  auto apply = [=](Views t, double factor, std::int64_t rows) {
+    const std::int64_t n = t[0].size(1);
+    for (std::int64_t j = 0; j < n; ++j) detail::store_from_double(t[2].dtype, t[2].data, j, 0.0);
+    for (std::int64_t i = 0; i < rows * n; ++i) {
+      const double x = detail::load_as_double(t[0].dtype, t[0].data, i);
+      detail::store_from_double(t[1].dtype, t[1].data, i, factor * 2.0 * x);
+      const double sum = detail::load_as_double(t[2].dtype, t[2].data, i % n) + factor * x;
+      detail::store_from_double(t[2].dtype, t[2].data, i % n, sum);
+    }
+  };
+  c.entry = [=](Views t, cudaStream_t) { apply(t, scale, rows_from_case ? case_rows : t[0].size(0)); };
+  c.reference = [=](Views t) { apply(t, 1.0, t[0].size(0)); };
+  return c;
+}
+
+TEST(BenchGate, CoupledRowsOfALargeCaseAreGatedOnAPrefixProblem) {
+  const GateLimits limits{.prefix_elements = 7 * 16};
+  const std::int64_t shape[] = {64, 16};
+  const Case c = column_sum_case(shape, 1.0);
+  const GateData gate(c, 9, limits);
+  ASSERT_EQ(gate.coverage(), RowCoverage::kPrefix);
+  const Case& prefix = gate.gated_case();
+  EXPECT_EQ(prefix.shape, (std::vector<std::int64_t>{7, 16}));
+  EXPECT_EQ(prefix.tensors[0].shape, (std::vector<std::int64_t>{7, 16}));
+  EXPECT_EQ(prefix.tensors[2].shape, (std::vector<std::int64_t>{16}));  // not row-wise: whole
+  const GateResult ok = gate_on_cpu(c, gate, c.entry);
+  EXPECT_TRUE(ok.passed) << ok.message;
+  EXPECT_EQ(ok.rel_l2, 0);
+  EXPECT_EQ(ok.rows_checked, 7);
+  EXPECT_EQ(ok.rows_total, 64);
+  EXPECT_EQ(ok.coverage, RowCoverage::kPrefix);
+
+  const Case wrong = column_sum_case(shape, 1.03);
+  const GateResult off = gate_on_cpu(wrong, gate, wrong.entry);
+  EXPECT_FALSE(off.passed);
+  EXPECT_NE(off.message.find("[prefix problem: the first 7 of 64 rows]"), std::string::npos) << off.message;
+
+  const Case all_rows = column_sum_case(shape, 1.0, /*rows_from_case=*/true);
+  const GateResult summed_all = gate_on_cpu(all_rows, gate, all_rows.entry);
+  EXPECT_FALSE(summed_all.passed);
+  EXPECT_NE(summed_all.message.find("output 'colsum'"), std::string::npos) << summed_all.message;
+
+  // Under the cap, or rows independent: no prefix.
+  EXPECT_EQ(GateData(c, 9, {.prefix_elements = 64 * 16}).coverage(), RowCoverage::kAll);
+  const Case independent = doubling_case(shape, DType::kFloat32, 1.0, false);
+  EXPECT_EQ(GateData(independent, 9, limits).coverage(), RowCoverage::kAll);
+}
+
+TEST(BenchGate, RowWiseTensorsWithOtherRowCountsAreCheckedWhole) {
+  const std::int64_t shape[] = {64, 16};
+  Case c = column_sum_case(shape, 1.0);
+  c.tensors[2].row_wise = true;  // dim 0 = 16, not the 64 rows: no prefix can be cut
+  EXPECT_EQ(GateData(c, 9, {.prefix_elements = 16}).coverage(), RowCoverage::kAll);
+}
+
+TEST(BenchFill, ValuesAreRepresentableInRangeAndIndependentOfWhoMakesThem) {
+  for (DType dtype : {DType::kFloat64, DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kFloat8E4M3,
+                      DType::kFloat8E5M2, DType::kInt32, DType::kInt64}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    const bool integral = !is_floating(dtype);
+    const RandomFill fill(77, integral ? -3.0 : -2.5, integral ? 9.0 : 6.0, dtype);
+    const std::int64_t shape[] = {37, 13};
+    OwnedTensor t(dtype, shape, Device::cpu());
+    fill_random(t.view(), fill);
+    std::vector<double> seen;
+    for (std::int64_t i = 0; i < t.view().numel(); ++i) {
+      const double v = detail::load_as_double(dtype, t.view().data, i);
+      ASSERT_EQ(v, random_value(fill, i)) << i;  // stored exactly: representable in the dtype
+      ASSERT_GE(v, fill.lo);
+      ASSERT_LE(v, fill.hi);
+      if (integral) {
+        ASSERT_EQ(v, std::floor(v));
+      }
+      seen.push_back(v);
+    }
+    std::sort(seen.begin(), seen.end());
+    EXPECT_GT(std::unique(seen.begin(), seen.end()) - seen.begin(), integral ? 12 : 14);
+
+    // Rows by index: the same values as the whole tensor's rows, in a wider dtype too.
+    const std::vector<std::int64_t> rows = {0, 5, 36};
+    const std::int64_t picked_shape[] = {3, 13};
+    OwnedTensor picked(DType::kFloat64, picked_shape, Device::cpu());
+    fill_random(picked.view(), fill, rows);
+    for (std::size_t r = 0; r < rows.size(); ++r) {
+      for (std::int64_t j = 0; j < 13; ++j) {
+        ASSERT_EQ(detail::load_as_double(DType::kFloat64, picked.view().data, static_cast<std::int64_t>(r) * 13 + j),
+                  detail::load_as_double(dtype, t.view().data, rows[r] * 13 + j));
+      }
+    }
+  }
+  // Another seed, other values.
+  EXPECT_NE(random_value(RandomFill(1, -1, 1, DType::kFloat32), 0), random_value(RandomFill(2, -1, 1, DType::kFloat32), 0));
+}
+
+TEST(BenchFill, Fp8ValuesSaturateLikeTheCast) {
+  const RandomFill fill(3, -1000.0, 1000.0, DType::kFloat8E4M3);
+  bool saw_max = false;
+  for (std::int64_t i = 0; i < 2000; ++i) {
+    const double v = random_value(fill, i);
+    ASSERT_LE(std::fabs(v), 448.0);
+    ASSERT_EQ(v, detail::e4m3_to_double(detail::double_to_e4m3(v)));
+    saw_max = saw_max || std::fabs(v) == 448.0;
+  }
+  EXPECT_TRUE(saw_max);
+}
+
+TEST_F(EngineFixture, PrefixGateRunsEveryImplementationOnThePrefixProblemAndTimesTheFullOne) {
+  options.gate.prefix_elements = 5 * 16;
+  for (const auto& [op, scale] : {std::pair<const char*, double>{"colsum", 1.0}, {"colsum_wrong", 1.03}}) {
+    registry.add_op({op, "test", "M x N", [op = std::string(op), scale = scale](std::span<const std::int64_t> s, DType) {
+                       Case c = column_sum_case(s, scale);
+                       c.op = op;
+                       return c;
+                     }});
+    registry.add_configs("smoke", op, {{40, 16}}, {DType::kFloat32});
+  }
+  // A baseline that plans for its case's rows, as cuDNN's graphs do: it must be made again for
+  // the prefix problem, and the timed one must see every row.
+  std::vector<std::int64_t> planned_rows, called_rows;
+  registry.add_baseline("colsum", "planned", [&](const Case& c) -> std::optional<Implementation> {
+    planned_rows.push_back(c.shape[0]);
+    Implementation impl;
+    impl.name = "planned";
+    impl.on_gpu = false;
+    impl.baseline = true;
+    impl.run = [&, rows = c.shape[0], entry = c.entry](Views t, cudaStream_t s) {
+      if (t[0].size(0) != rows) throw std::runtime_error("views of another shape than planned");
+      called_rows.push_back(rows);
+      entry(t, s);
+    };
+    return impl;
+  }, /*on_gpu=*/false);
+  run_cases(registry, options, result);
+  ASSERT_EQ(result.rows.size(), 3u);
+  for (const Row& r : result.rows) {
+    SCOPED_TRACE(r.key());
+    EXPECT_EQ(r.rows_coverage, RowCoverage::kPrefix);
+    EXPECT_EQ(r.rows_checked, 5);
+    EXPECT_EQ(r.rows_total, 40);
+  }
+  EXPECT_EQ(row("colsum").status, Status::kOk) << row("colsum").message;
+  EXPECT_EQ(result.rows[1].impl, "planned");
+  EXPECT_EQ(result.rows[1].status, Status::kOk) << result.rows[1].message;
+  EXPECT_EQ(planned_rows, (std::vector<std::int64_t>{40, 5}));
+  ASSERT_GE(called_rows.size(), 3u);  // the gated call, one untimed full call, then the samples
+  EXPECT_EQ(called_rows[0], 5);
+  for (std::size_t i = 1; i < called_rows.size(); ++i) EXPECT_EQ(called_rows[i], 40);
+  EXPECT_GT(row("colsum").ms.count, 0);
+  EXPECT_EQ(row("colsum_wrong").status, Status::kFailed);
+  EXPECT_EQ(row("colsum_wrong").ms.count, 0);
+}
+
+TEST_F(EngineFixture, SampledGateFailsAWrongImplementation) {
+  options.gate.full_check_elements = 16;
+  options.gate.sampled_rows = 3;
+  add("good", 1.0);
+  add("wrong", 1.03);
+  run_cases(registry, options, result);
+  EXPECT_EQ(row("good").status, Status::kOk) << row("good").message;
+  EXPECT_EQ(row("good").rows_coverage, RowCoverage::kSample);
+  EXPECT_EQ(row("good").rows_checked, 3);
+  EXPECT_EQ(row("wrong").status, Status::kFailed);
+  EXPECT_EQ(row("wrong").ms.count, 0);
+}
+
+// The real norm cases on the CPU with tiny caps: backward passes (dw couples the rows) take the
+// prefix path, forward passes the sampled one, and the ops accept the cut views.
+TEST(BenchEngine, NormCasesThroughThePrefixAndSampledGates) {
+  RunOptions options;
+  options.selection.suites = {"smoke"};
+  options.selection.ops = {"rmsnorm_fwd", "rmsnorm_bwd", "fused_add_rmsnorm_fwd", "fused_add_rmsnorm_bwd",
+                           "layernorm_fwd", "layernorm_bwd"};
+  options.timing.warmup_ms = 0;
+  options.timing.stop.min_time_ms = 0;
+  options.timing.stop.timeout_ms = 5;
+  options.gate = {.full_check_elements = 16 * 512, .sampled_rows = 8, .prefix_elements = 16 * 512};
+  RunResult result;
+  run_cases(Registry::global(), options, result);
+  ASSERT_EQ(result.rows.size(), 12u);  // 6 ops x (fp32, bf16), smoke shape 64 x 512
+  for (const Row& r : result.rows) {
+    SCOPED_TRACE(r.key());
+    EXPECT_EQ(r.status, Status::kOk) << r.message;
+    EXPECT_EQ(r.rows_total, 64);
+    const bool backward = r.op.ends_with("_bwd");
+    EXPECT_EQ(r.rows_coverage, backward ? RowCoverage::kPrefix : RowCoverage::kSample);
+    EXPECT_EQ(r.rows_checked, backward ? 16 : 8);
+  }
+}
+
+TEST(BenchRegistry, NormOpsAreInEveryRowSuite) {
+  const Registry& r = Registry::global();
+  for (const char* op : {"rmsnorm_fwd", "rmsnorm_bwd", "fused_add_rmsnorm_fwd", "fused_add_rmsnorm_bwd",
+                         "layernorm_fwd", "layernorm_bwd"}) {
+    for (const char* suite : {"smoke", "quack", "quack-m", "dsv3", "llama"}) {
+      const auto& configs = r.suite(suite);
+      EXPECT_TRUE(std::any_of(configs.begin(), configs.end(), [&](const Config& c) { return c.op == op; }))
+          << op << " not in " << suite;
+    }
+  }
 }
 
 TEST(BenchRegistry, ParseNames) {

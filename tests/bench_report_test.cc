@@ -56,6 +56,12 @@ RunResult sample_run() {
                           "2026-11-21T00:00:00Z", "measured"};
   run.rows = {timed_row("rmsnorm_fwd", "trainscale", false, 1.0), timed_row("rmsnorm_fwd", "cudnn", true, 2.0),
               timed_row("softmax_fwd", "trainscale", false, 1.0), timed_row("softmax_fwd", "cudnn", true, 8.0)};
+  run.rows[0].rows_checked = 512;
+  run.rows[0].rows_coverage = RowCoverage::kSample;
+  for (Row* coupled : {&run.rows[2], &run.rows[3]}) {  // a prefix gate, as for a backward's reduction over rows
+    coupled->rows_checked = 16;
+    coupled->rows_coverage = RowCoverage::kPrefix;
+  }
   Row failed = timed_row("layernorm_fwd", "trainscale", false, 0);
   failed.status = Status::kFailed;
   failed.message = "output 'y': NaN at 3, where the reference is finite";
@@ -76,6 +82,12 @@ TEST(BenchJson, RoundTripKeepsEveryField) {
   EXPECT_EQ(back.rows[4].status, Status::kFailed);
   EXPECT_FALSE(back.rows[4].pct_roofline.has_value());
   EXPECT_EQ(back.roofline->gemm_bf16_tflops, 782);
+  EXPECT_EQ(back.rows[0].rows_coverage, RowCoverage::kSample);
+  EXPECT_EQ(back.rows[2].rows_coverage, RowCoverage::kPrefix);
+  EXPECT_EQ(back.rows[4].rows_coverage, RowCoverage::kAll);
+  nlohmann::json older = j;  // written before the gate said which rows it checked
+  older["rows"][2]["gate"].erase("rows");
+  EXPECT_EQ(run_result_from_json(older).rows[2].rows_coverage, RowCoverage::kAll);
 }
 
 // docs/bench-json.md lists these keys; a change here is a schema change.
@@ -107,9 +119,12 @@ TEST(BenchJson, MatchesTheDocumentedSchema) {
   for (const char* key : {"count", "median", "mean", "std", "min", "max", "p5", "p95", "p99", "rel_noise"}) {
     EXPECT_TRUE(row.at("ms").contains(key)) << key;
   }
-  for (const char* key : {"rel_l2", "max_abs_err", "tolerance", "rows_checked", "rows_total"}) {
+  for (const char* key : {"rel_l2", "max_abs_err", "tolerance", "rows_checked", "rows_total", "rows"}) {
     EXPECT_TRUE(row.at("gate").contains(key)) << key;
   }
+  EXPECT_EQ(row.at("gate").at("rows"), "sample");
+  EXPECT_EQ(j.at("rows").at(2).at("gate").at("rows"), "prefix");
+  EXPECT_EQ(j.at("rows").at(4).at("gate").at("rows"), "all");
   for (const char* key : {"sm_mhz_min", "sm_mhz_max", "throttle_retakes", "throttled", "throttle_reasons"}) {
     EXPECT_TRUE(row.at("clocks").contains(key)) << key;
   }
@@ -167,6 +182,9 @@ TEST(BenchMarkdown, GeomeanSpeedupOverEachBaseline) {
   EXPECT_NE(md.find("| layernorm_fwd 1024x4096 bfloat16 | trainscale | FAILED |"), std::string::npos) << md;
   EXPECT_NE(md.find("does not fit in device memory"), std::string::npos);
   EXPECT_NE(md.find("`abc123`"), std::string::npos);
+  EXPECT_NE(md.find("- softmax_fwd 1024x4096 bfloat16: gated on the first 16 of 1024 rows (timed on all)\n"),
+            std::string::npos)
+      << md;
 }
 
 TEST(BenchTerminal, TableHasTheDocumentedColumns) {
@@ -180,6 +198,12 @@ TEST(BenchTerminal, TableHasTheDocumentedColumns) {
   EXPECT_NE(text.find("2.00x"), std::string::npos);
   EXPECT_NE(text.find("50.0%"), std::string::npos);
   EXPECT_NE(text.find("FAILED"), std::string::npos);
+  // Once per case, not per implementation; sampled rows need no note.
+  const std::string note = "  softmax_fwd 1024x4096 bfloat16: gated on the first 16 of 1024 rows (timed on all)\n";
+  EXPECT_NE(text.find("Gated on a prefix problem"), std::string::npos) << text;
+  EXPECT_NE(text.find(note), std::string::npos) << text;
+  EXPECT_EQ(text.find(note, text.find(note) + 1), std::string::npos) << text;
+  EXPECT_EQ(text.find("rmsnorm_fwd 1024x4096 bfloat16: gated"), std::string::npos) << text;
 }
 
 TEST(BenchCompare, VerdictsFollowTheNoise) {

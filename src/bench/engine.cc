@@ -161,8 +161,10 @@ struct Runner {
     return host_available_bytes();
   }
 
-  // Gate, then time. Every failure ends up in the row, never as an exception.
-  Row run(const Case& c, const Implementation& impl, const GateData& gate) {
+  // Gate, then time. `gate_impl` makes the gated call: `impl` itself, or the same
+  // implementation made for the gate's prefix problem. Every failure ends up in the row, never
+  // as an exception.
+  Row run(const Case& c, const Implementation& impl, const Implementation& gate_impl, const GateData& gate) {
     Row row = base_row(c, impl, options);
     const Device device = impl.on_gpu ? Device::cuda(options.device_index) : Device::cpu();
     std::vector<std::vector<OwnedTensor>> sets;
@@ -170,17 +172,26 @@ struct Runner {
       sets.push_back(allocate_set(c, device));
       gate.load_inputs(sets[0]);
       const std::int64_t free_after_alloc = impl.on_gpu ? free_device_memory() : 0;
-      const std::vector<TensorView> views = views_of(sets[0]);
-      (impl.gate_run ? impl.gate_run : impl.run)(views, stream());
+      const auto memory_kept = [&] {
+        return impl.on_gpu ? std::max<std::int64_t>(0, free_after_alloc - free_device_memory()) : 0;
+      };
+      (gate_impl.gate_run ? gate_impl.gate_run : gate_impl.run)(gate.gated_views(sets[0]), stream());
       synchronize();
-      const std::int64_t kept = impl.on_gpu ? std::max<std::int64_t>(0, free_after_alloc - free_device_memory()) : 0;
-      row.peak_memory_bytes = output_bytes(c) + impl.workspace_bytes + kept;
+      std::int64_t kept = memory_kept();
       const GateResult check = gate.check(sets[0]);
       row.rel_l2 = check.rel_l2;
       row.max_abs_err = check.max_abs;
       row.tolerance = check.tolerance;
       row.rows_checked = check.rows_checked;
       row.rows_total = check.rows_total;
+      row.rows_coverage = check.coverage;
+      if (check.passed && &gate_impl != &impl) {
+        // The gated call solved a smaller problem: the memory kept is the full problem's.
+        impl.run(views_of(sets[0]), stream());
+        synchronize();
+        kept = std::max(kept, memory_kept());
+      }
+      row.peak_memory_bytes = output_bytes(c) + impl.workspace_bytes + kept;
       if (!check.passed) {
         row.status = Status::kFailed;
         row.message = check.message;
@@ -295,19 +306,32 @@ void run_cases(const Registry& registry, const RunOptions& options, RunResult& r
     std::unique_ptr<GateData> gate;
     std::string reference_error;
     try {
-      gate = std::make_unique<GateData>(*c, case_seed(options.seed, c->name()));
+      gate = std::make_unique<GateData>(*c, case_seed(options.seed, c->name()), options.gate);
     } catch (const std::exception& e) {
       reference_error = std::string("reference failed: ") + e.what();
     }
+    // A prefix gate calls implementations made for the prefix problem (baselines plan per shape).
+    std::vector<Implementation> prefix_impls;
+    if (gate && gate->coverage() == RowCoverage::kPrefix) {
+      prefix_impls = implementations(registry, gate->gated_case(), options);
+    }
     for (const Implementation& impl : impls) {
-      if (!gate) {
+      const Implementation* gate_impl = &impl;
+      if (gate && gate->coverage() == RowCoverage::kPrefix) {
+        const auto it = std::find_if(prefix_impls.begin(), prefix_impls.end(),
+                                     [&](const Implementation& p) { return p.name == impl.name; });
+        gate_impl = it == prefix_impls.end() ? nullptr : &*it;
+      }
+      if (!gate || !gate_impl) {
         Row row = base_row(*c, impl, options);
-        row.status = Status::kFailed;
-        row.message = reference_error;
+        row.status = gate ? Status::kUnsupported : Status::kFailed;
+        row.message = gate ? "no " + impl.name + " implementation of the gate's prefix problem " +
+                                 gate->gated_case().shape_str()
+                           : reference_error;
         result.rows.push_back(std::move(row));
         continue;
       }
-      result.rows.push_back(runner.run(*c, impl, *gate));
+      result.rows.push_back(runner.run(*c, impl, *gate_impl, *gate));
       if (interrupt_requested()) break;
     }
     result.interrupted = result.interrupted || interrupt_requested();

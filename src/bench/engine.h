@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/gate.h"
 #include "bench/registry.h"
 #include "bench/result.h"
 #include "bench/timing.h"
@@ -31,6 +32,7 @@ struct RunOptions {
   int device_index = 0;
   TimingOptions timing;
   std::uint64_t seed = 1;
+  GateLimits gate;  // when the gate samples rows or takes a prefix problem
 };
 
 // The configs of the suite that pass the filters, in suite order.

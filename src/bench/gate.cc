@@ -36,10 +36,10 @@ std::string format_number(double v) {
   return os.str();
 }
 
-// The values of (the sampled rows of) a tensor on any device, as doubles.
-std::vector<double> checked_values(const TensorView& t, bool sampled, std::span<const std::int64_t> rows) {
+// The values of a tensor on any device, as doubles: the rows `rows` of it when given.
+std::vector<double> checked_values(const TensorView& t, std::span<const std::int64_t> rows) {
   std::vector<std::int64_t> shape(t.shape.begin(), t.shape.begin() + t.ndim);
-  if (sampled) {
+  if (!rows.empty()) {
     shape[0] = static_cast<std::int64_t>(rows.size());
     OwnedTensor picked(t.dtype, shape, Device::cpu());
     gather_rows(picked.view(), t, rows);
@@ -49,6 +49,12 @@ std::vector<double> checked_values(const TensorView& t, bool sampled, std::span<
   OwnedTensor host(t.dtype, shape, Device::cpu());
   copy_tensor(host.view(), t);
   return to_doubles(host.view());
+}
+
+std::int64_t numel_of(const std::vector<std::int64_t>& shape) {
+  std::int64_t n = 1;
+  for (auto d : shape) n *= d;
+  return n;
 }
 
 }  // namespace
@@ -100,82 +106,107 @@ ValueCheck check_values(const std::vector<double>& out, const std::vector<double
   return r;
 }
 
-GateData::GateData(const Case& c, std::uint64_t seed) : case_(c) {
+GateData::GateData(const Case& c, std::uint64_t seed, const GateLimits& limits) : case_(c) {
   for (std::size_t i = 0; i < c.tensors.size(); ++i) {
     const TensorSpec& spec = c.tensors[i];
-    if (has_input_data(spec.role)) {
-      host_.emplace_back(spec.dtype, spec.shape, Device::cpu());
-      fill_uniform(host_.back().view(), spec.lo, spec.hi, seed + 0x100 * (i + 1));
-    } else {
-      host_.emplace_back();
+    fills_.emplace_back(seed + 0x100 * (i + 1), spec.lo, spec.hi, spec.dtype);
+  }
+
+  // Rows: dim 0 of the row-wise tensors, when they agree on it.
+  bool have_rows = false, same_rows = true;
+  std::int64_t largest = 0, largest_row = 1;
+  for (const TensorSpec& spec : c.tensors) {
+    if (!spec.row_wise || spec.shape.empty()) continue;
+    if (!have_rows) rows_total_ = spec.shape[0];
+    have_rows = true;
+    same_rows = same_rows && spec.shape[0] == rows_total_;
+    largest = std::max(largest, numel_of(spec.shape));
+    if (spec.shape[0] > 0) largest_row = std::max(largest_row, numel_of(spec.shape) / spec.shape[0]);
+  }
+  rows_checked_ = rows_total_;
+  if (have_rows && same_rows) {
+    if (c.rows_independent && largest > limits.full_check_elements && rows_total_ > limits.sampled_rows) {
+      coverage_ = RowCoverage::kSample;
+      std::mt19937_64 rng(seed ^ 0x5A17u);
+      std::uniform_int_distribution<std::int64_t> pick(0, rows_total_ - 1);
+      std::set<std::int64_t> chosen;
+      while (static_cast<std::int64_t>(chosen.size()) < limits.sampled_rows) chosen.insert(pick(rng));
+      sampled_rows_.assign(chosen.begin(), chosen.end());
+      rows_checked_ = limits.sampled_rows;
+    } else if (!c.rows_independent && largest > limits.prefix_elements) {
+      const std::int64_t prefix = std::max<std::int64_t>(1, limits.prefix_elements / largest_row);
+      if (prefix < rows_total_) {
+        coverage_ = RowCoverage::kPrefix;
+        rows_checked_ = prefix;
+        prefix_case_ = c;
+        for (TensorSpec& spec : prefix_case_->tensors) {
+          if (spec.row_wise && !spec.shape.empty()) spec.shape[0] = prefix;
+        }
+        if (!c.shape.empty() && c.shape[0] == rows_total_) prefix_case_->shape[0] = prefix;
+      }
     }
   }
 
-  // Rows to check: all, or a sorted random sample when a row-wise tensor is large.
-  bool large = false;
-  for (const TensorSpec& spec : c.tensors) {
-    if (!spec.row_wise) continue;
-    rows_total_ = spec.shape.at(0);
-    std::int64_t numel = 1;
-    for (auto d : spec.shape) numel *= d;
-    large = large || numel > kFullCheckElements;
-  }
-  if (c.rows_independent && large && rows_total_ > kSampledRows) {
-    std::mt19937_64 rng(seed ^ 0x5A17u);
-    std::uniform_int_distribution<std::int64_t> pick(0, rows_total_ - 1);
-    std::set<std::int64_t> chosen;
-    while (static_cast<std::int64_t>(chosen.size()) < kSampledRows) chosen.insert(pick(rng));
-    rows_.assign(chosen.begin(), chosen.end());
-  }
-
-  // The reference on float64 copies of (the sampled rows of) the same inputs.
+  // The reference on float64 copies of the rows it checks, made on the host from their indices.
+  const Case& gated = gated_case();
   std::vector<OwnedTensor> ref_tensors;
   std::vector<TensorView> ref_views;
-  for (std::size_t i = 0; i < c.tensors.size(); ++i) {
-    const TensorSpec& spec = c.tensors[i];
-    const bool sample = !rows_.empty() && spec.row_wise;
+  for (std::size_t i = 0; i < gated.tensors.size(); ++i) {
+    const TensorSpec& spec = gated.tensors[i];
+    const bool sample = coverage_ == RowCoverage::kSample && spec.row_wise;
     std::vector<std::int64_t> shape = spec.shape;
-    if (sample) shape[0] = static_cast<std::int64_t>(rows_.size());
+    if (sample) shape[0] = static_cast<std::int64_t>(sampled_rows_.size());
     ref_tensors.emplace_back(reference_dtype(spec), shape, Device::cpu());
     const TensorView& dst = ref_tensors.back().view();
-    if (!has_input_data(spec.role)) {
-      poison(dst);
-    } else if (sample) {
-      OwnedTensor picked(spec.dtype, shape, Device::cpu());
-      gather_rows(picked.view(), host_[i].view(), rows_);
-      convert_tensor(dst, picked.view());
+    if (has_input_data(spec.role)) {
+      fill_random(dst, fills_[i], sample ? std::span<const std::int64_t>(sampled_rows_) : std::span<const std::int64_t>());
     } else {
-      convert_tensor(dst, host_[i].view());
+      poison(dst);
     }
     ref_views.push_back(dst);
   }
-  c.reference(ref_views);
-  reference_.resize(c.tensors.size());
-  for (std::size_t i = 0; i < c.tensors.size(); ++i) {
-    if (is_checked_output(c.tensors[i].role)) reference_[i] = to_doubles(ref_views[i]);
+  gated.reference(ref_views);
+  reference_.resize(gated.tensors.size());
+  for (std::size_t i = 0; i < gated.tensors.size(); ++i) {
+    if (is_checked_output(gated.tensors[i].role)) reference_[i] = to_doubles(ref_views[i]);
   }
 }
 
 void GateData::load_inputs(const std::vector<OwnedTensor>& tensors) const {
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     if (has_input_data(case_.tensors[i].role)) {
-      copy_tensor(tensors[i].view(), host_[i].view());
+      fill_random(tensors[i].view(), fills_[i]);
     } else {
       poison(tensors[i].view());
     }
   }
 }
 
+std::vector<TensorView> GateData::gated_views(const std::vector<OwnedTensor>& tensors) const {
+  const Case& gated = gated_case();
+  std::vector<TensorView> views;
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    TensorView v = tensors[i].view();
+    // Contiguous: the first rows of a tensor are a view of it with the same strides.
+    if (!gated.tensors[i].shape.empty()) v.shape[0] = gated.tensors[i].shape[0];
+    views.push_back(v);
+  }
+  return views;
+}
+
 GateResult GateData::check(const std::vector<OwnedTensor>& tensors) const {
   GateResult result;
   result.passed = true;
   result.rows_total = rows_total_;
-  result.rows_checked = rows_.empty() ? rows_total_ : static_cast<std::int64_t>(rows_.size());
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
+  result.rows_checked = rows_checked_;
+  result.coverage = coverage_;
+  const std::vector<TensorView> views = gated_views(tensors);
+  for (std::size_t i = 0; i < views.size(); ++i) {
     const TensorSpec& spec = case_.tensors[i];
     if (!is_checked_output(spec.role)) continue;
-    const bool sampled = !rows_.empty() && spec.row_wise;
-    const std::vector<double> out = checked_values(tensors[i].view(), sampled, rows_);
+    const bool sampled = coverage_ == RowCoverage::kSample && spec.row_wise;
+    const std::vector<double> out =
+        checked_values(views[i], sampled ? std::span<const std::int64_t>(sampled_rows_) : std::span<const std::int64_t>());
     const double tol = tolerance_of(spec);
     const ValueCheck v = check_values(out, reference_[i], tol);
     if (v.rel_l2 >= result.rel_l2) {
@@ -186,6 +217,10 @@ GateResult GateData::check(const std::vector<OwnedTensor>& tensors) const {
     if (!v.ok && result.passed) {
       result.passed = false;
       result.message = "output '" + spec.name + "': " + v.problem;
+      if (coverage_ == RowCoverage::kPrefix) {
+        result.message += " [prefix problem: the first " + std::to_string(rows_checked_) + " of " +
+                          std::to_string(rows_total_) + " rows]";
+      }
     }
   }
   return result;

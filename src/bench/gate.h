@@ -1,14 +1,18 @@
 // The correctness gate: every implementation, before it is timed, runs on fresh random inputs
 // with NaN-poisoned outputs, and each output is compared with the fp64 reference computed on
-// float64 copies of the same inputs (the whole tensor when small, a random sample of rows when
-// large and the case's rows are independent).
+// float64 copies of the same inputs. Inputs are made where they live (random_fill.h: the device
+// fills its tensors, the host makes only the rows the reference needs). Small cases are checked
+// whole; large ones on a random sample of rows when their rows are independent, else on a prefix
+// problem: the first rows only, the implementation called on views of those rows.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "bench/registry.h"
+#include "bench/result.h"
 #include "bench/tensors.h"
 
 namespace trainscale::bench {
@@ -34,28 +38,46 @@ struct GateResult {
   double max_abs = 0;        // worst over the outputs
   double tolerance = 0;      // of the output with the worst rel_l2
   std::int64_t rows_checked = 0, rows_total = 0;
+  RowCoverage coverage = RowCoverage::kAll;
+};
+
+// When the gate checks part of a case's rows. Row-wise tensors are those with
+// TensorSpec::row_wise; all of them must share dim 0 (the rows), else the case is checked whole.
+struct GateLimits {
+  // Rows independent: above this many elements in a row-wise tensor, check a random sample.
+  std::int64_t full_check_elements = std::int64_t{1} << 22;
+  std::int64_t sampled_rows = 512;
+  // Rows coupled (e.g. a weight gradient sums over rows): above this many elements in a
+  // row-wise tensor, check the prefix problem with as many rows as keep each row-wise tensor
+  // within it (at least one row). 2^26 elements: 512 MiB per float64 copy.
+  std::int64_t prefix_elements = std::int64_t{1} << 26;
 };
 
 // Inputs and the reference answer of one case, shared by all its implementations.
 class GateData {
  public:
-  // Above this many elements in a row-wise tensor, rows are sampled (when allowed).
-  static constexpr std::int64_t kFullCheckElements = std::int64_t{1} << 22;
-  static constexpr std::int64_t kSampledRows = 512;
+  GateData(const Case& c, std::uint64_t seed, const GateLimits& limits = {});
 
-  GateData(const Case& c, std::uint64_t seed);
-
-  // Fills `tensors` (one per TensorSpec, any device) from the host inputs and poisons outputs.
+  RowCoverage coverage() const { return coverage_; }
+  // The problem the gated call solves: the case, or its prefix problem (row-wise tensors cut to
+  // the first rows; config dim 0 too when it is the row count). Implementations that plan for
+  // a shape (baselines) are made for it to run the gated call.
+  const Case& gated_case() const { return prefix_case_ ? *prefix_case_ : case_; }
+  // Fills the inputs of `tensors` (one full set of the case, any device) where they live and
+  // poisons the outputs.
   void load_inputs(const std::vector<OwnedTensor>& tensors) const;
-  bool sampled() const { return !rows_.empty(); }
-  // Compares the outputs in `tensors` (after an implementation ran) with the reference.
+  // The views the gated call takes: `tensors`, row-wise ones cut to the prefix rows.
+  std::vector<TensorView> gated_views(const std::vector<OwnedTensor>& tensors) const;
+  // Compares the outputs in `tensors` (after the gated call) with the reference.
   GateResult check(const std::vector<OwnedTensor>& tensors) const;
 
  private:
   const Case& case_;
-  std::vector<OwnedTensor> host_;  // inputs in the case's dtypes (empty for pure outputs)
-  std::vector<std::int64_t> rows_;  // sampled rows; empty: every row
-  std::int64_t rows_total_ = 0;
+  std::optional<Case> prefix_case_;
+  std::vector<RandomFill> fills_;  // per tensor (used for inputs)
+  RowCoverage coverage_ = RowCoverage::kAll;
+  std::vector<std::int64_t> sampled_rows_;  // sorted; kSample only
+  std::int64_t rows_total_ = 0, rows_checked_ = 0;
   std::vector<std::vector<double>> reference_;  // per output tensor (empty for inputs)
 };
 

@@ -1,11 +1,15 @@
 #include "bench/gpu_kernels.h"
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "bench/cuda_util.h"
 #include "common/cuda_check.h"
+#include "common/dtype.cuh"
 
 namespace trainscale::bench {
 namespace {
@@ -41,18 +45,18 @@ __global__ void read_kernel(const int4* __restrict__ src, std::size_t n, int* si
   if (acc == 0x7fffffff) *sink = acc;  // practically never: keeps the loads alive
 }
 
-__device__ std::uint64_t splitmix64(std::uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
-__global__ void fill_random_bf16_kernel(__nv_bfloat16* dst, std::size_t count, std::uint64_t seed) {
-  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < count; i += stride) {
-    const double u = static_cast<double>(splitmix64(seed ^ i) >> 11) * 0x1.0p-53;  // [0, 1)
-    dst[i] = __float2bfloat16(static_cast<float>(2.0 * u - 1.0));
+template <class T>
+__global__ void fill_random_kernel(T* dst, std::int64_t count, RandomFill fill) {
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < count; i += stride) {
+    const double v = random_value(fill, i);  // representable in T: any conversion is exact
+    if constexpr (std::is_integral_v<T> || std::is_same_v<T, double>) {
+      dst[i] = static_cast<T>(v);
+    } else if constexpr (std::is_same_v<T, __nv_fp8_e4m3> || std::is_same_v<T, __nv_fp8_e5m2>) {
+      dst[i] = T(static_cast<float>(v));
+    } else {
+      dst[i] = detail::from_float<T>(static_cast<float>(v));
+    }
   }
 }
 
@@ -94,8 +98,21 @@ void launch_read(const void* src, std::size_t bytes, void* sink, cudaStream_t st
   cuda_check(cudaGetLastError(), "read kernel launch");
 }
 
-void launch_fill_random_bf16(void* dst, std::size_t count, std::uint64_t seed, cudaStream_t stream) {
-  fill_random_bf16_kernel<<<grid_for(count, 256), 256, 0, stream>>>(static_cast<__nv_bfloat16*>(dst), count, seed);
+void launch_fill_random(void* dst, std::int64_t count, const RandomFill& fill, cudaStream_t stream) {
+  if (count <= 0) return;
+  const auto launch = [&](auto* typed) {
+    fill_random_kernel<<<grid_for(static_cast<std::size_t>(count), kBlock), kBlock, 0, stream>>>(typed, count, fill);
+  };
+  switch (fill.dtype) {
+    case DType::kFloat64: launch(static_cast<double*>(dst)); break;
+    case DType::kFloat32: launch(static_cast<float*>(dst)); break;
+    case DType::kFloat16: launch(static_cast<__half*>(dst)); break;
+    case DType::kBFloat16: launch(static_cast<__nv_bfloat16*>(dst)); break;
+    case DType::kFloat8E4M3: launch(static_cast<__nv_fp8_e4m3*>(dst)); break;
+    case DType::kFloat8E5M2: launch(static_cast<__nv_fp8_e5m2*>(dst)); break;
+    case DType::kInt32: launch(static_cast<std::int32_t*>(dst)); break;
+    case DType::kInt64: launch(static_cast<std::int64_t*>(dst)); break;
+  }
   cuda_check(cudaGetLastError(), "random fill launch");
 }
 

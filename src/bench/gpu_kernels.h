@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "bench/random_fill.h"
+
 namespace trainscale::bench {
 
 // SM clock in MHz from clock64() cycles over globaltimer nanoseconds in a ~1 ms spin on one
@@ -18,8 +20,8 @@ void launch_copy(void* dst, const void* src, std::size_t bytes, cudaStream_t str
 // loads cannot be optimized away.
 void launch_read(const void* src, std::size_t bytes, void* sink, cudaStream_t stream);
 
-// Uniform random bf16 values in [-1, 1) from a counter-based hash (no zeros, no patterns).
-void launch_fill_random_bf16(void* dst, std::size_t count, std::uint64_t seed, cudaStream_t stream);
+// `count` elements of fill.dtype: element i = random_value(fill, i), as the host fill makes it.
+void launch_fill_random(void* dst, std::int64_t count, const RandomFill& fill, cudaStream_t stream);
 
 }  // namespace trainscale::bench
 #endif

@@ -45,8 +45,11 @@ struct TensorSpec {
   std::optional<DType> reference_dtype;
   // Gate tolerance (relative L2) for outputs; unset: DESIGN.md's for `dtype`, 0 for fp8.
   std::optional<double> tolerance;
-  // Dim 0 indexes the problem's rows: the gate may check a random subset of them when the
-  // case says its rows are independent (Case::rows_independent).
+  // Dim 0 indexes the problem's rows. The gate may check a random subset of them when the case
+  // says its rows are independent (Case::rows_independent), else the problem made of the first
+  // rows (row-wise tensors cut to them, the others whole), which must then be the same op on
+  // fewer rows. Either needs every row-wise tensor to have the rows as dim 0; a case whose
+  // row-wise tensors disagree on dim 0 (a transposed output) is checked whole.
   bool row_wise = false;
 };
 
@@ -92,7 +95,8 @@ struct Case {
   // The fp64 reference on CPU views whose dtypes follow TensorSpec::reference_dtype.
   std::function<void(Views tensors)> reference;
   // Row i of every row_wise output depends only on row i of the row_wise inputs (and on the
-  // other, whole, tensors): the gate may sample rows of large cases.
+  // other, whole, tensors): the gate may sample rows of large cases. Otherwise (a weight
+  // gradient sums over rows) it may gate large cases on a prefix problem (GateLimits).
   bool rows_independent = false;
 
   std::string shape_str() const;  // "32768x4096"

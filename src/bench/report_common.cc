@@ -46,6 +46,19 @@ std::vector<Pairing> pair_rows(const std::vector<Row>& rows) {
   return pairings;
 }
 
+std::vector<std::string> prefix_gate_notes(const std::vector<const Row*>& rows) {
+  std::vector<std::string> notes;
+  std::vector<std::string> cases;
+  for (const Row* r : rows) {
+    if (r->rows_coverage != RowCoverage::kPrefix) continue;
+    if (std::find(cases.begin(), cases.end(), r->case_name) != cases.end()) continue;
+    cases.push_back(r->case_name);
+    notes.push_back(r->case_name + ": gated on the first " + std::to_string(r->rows_checked) + " of " +
+                    std::to_string(r->rows_total) + " rows (timed on all)");
+  }
+  return notes;
+}
+
 std::string format_fixed(double v, int decimals) {
   char buf[64];
   std::snprintf(buf, sizeof buf, "%.*f", decimals, v);

@@ -158,7 +158,8 @@ json to_json(const Row& r) {
                     {"max_abs_err", r.max_abs_err},
                     {"tolerance", r.tolerance},
                     {"rows_checked", r.rows_checked},
-                    {"rows_total", r.rows_total}}},
+                    {"rows_total", r.rows_total},
+                    {"rows", coverage_name(r.rows_coverage)}}},
           {"peak_memory_bytes", r.peak_memory_bytes},
           {"clocks", {{"sm_mhz_min", r.sm_mhz_min},
                       {"sm_mhz_max", r.sm_mhz_max},
@@ -199,6 +200,7 @@ Row row_from_json(const json& j) {
   r.tolerance = number(gate, "tolerance");
   r.rows_checked = gate.value("rows_checked", std::int64_t{0});
   r.rows_total = gate.value("rows_total", std::int64_t{0});
+  r.rows_coverage = parse_coverage(gate.value("rows", "all")).value_or(RowCoverage::kAll);
   r.peak_memory_bytes = j.value("peak_memory_bytes", std::int64_t{0});
   const json clocks = j.value("clocks", json::object());
   r.sm_mhz_min = number(clocks, "sm_mhz_min");

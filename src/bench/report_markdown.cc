@@ -103,6 +103,13 @@ void write_problems(std::ostream& out, const std::vector<const Row*>& rows, cons
     out << "| " << r->case_name << " | " << r->impl << " | " << format_ms(r) << " | " << message << " |\n";
   }
   if (header) out << '\n';
+  const std::vector<std::string> prefix_notes = prefix_gate_notes(rows);
+  if (!prefix_notes.empty()) {
+    out << "## Gated on a prefix problem\n\nRows coupled and too large for a full fp64 reference: the gate ran the "
+           "first rows only (docs/benchmarking.md).\n\n";
+    for (const std::string& note : prefix_notes) out << "- " << note << '\n';
+    out << '\n';
+  }
   if (skipped.empty()) return;
   out << "## Skipped cases\n\n| Case | Reason |\n|---|---|\n";
   for (const SkippedCase& s : skipped) out << "| " << s.case_name << " | " << s.reason << " |\n";

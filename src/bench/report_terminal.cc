@@ -45,6 +45,12 @@ void write_terminal_table(std::ostream& out, const RunResult& result) {
   }
   write_aligned(out, lines);
 
+  std::vector<const Row*> rows;
+  for (const Row& r : result.rows) rows.push_back(&r);
+  const std::vector<std::string> prefix_notes = prefix_gate_notes(rows);
+  if (!prefix_notes.empty()) out << "\nGated on a prefix problem (rows coupled, too large for a full fp64 reference):\n";
+  for (const std::string& note : prefix_notes) out << "  " << note << '\n';
+
   bool header = false;
   for (const Row& r : result.rows) {
     if (r.status == Status::kOk) continue;

@@ -29,6 +29,10 @@ std::string metric_unit(const Row& row);     // "GB/s" or "TFLOP/s"
 std::string format_fixed(double v, int decimals);
 std::string format_bytes(double bytes);  // "1.5 GiB"
 
+// One line per case whose gate solved a prefix problem (its rows are coupled, so no sample):
+// "<case>: gated on the first M' of M rows (timed on all)".
+std::vector<std::string> prefix_gate_notes(const std::vector<const Row*>& rows);
+
 // A plain-text table: first line the header (underlined), first column left-aligned, the
 // others right-aligned, " | " between columns.
 using Cells = std::vector<std::string>;

@@ -12,6 +12,11 @@ constexpr std::pair<Status, const char*> kStatusNames[] = {
     {Status::kSkipped, "skipped"},
     {Status::kInterrupted, "interrupted"},
 };
+constexpr std::pair<RowCoverage, const char*> kCoverageNames[] = {
+    {RowCoverage::kAll, "all"},
+    {RowCoverage::kSample, "sample"},
+    {RowCoverage::kPrefix, "prefix"},
+};
 }  // namespace
 
 const char* status_name(Status status) {
@@ -24,6 +29,20 @@ const char* status_name(Status status) {
 std::optional<Status> parse_status(const std::string& name) {
   for (const auto& [s, n] : kStatusNames) {
     if (name == n) return s;
+  }
+  return std::nullopt;
+}
+
+const char* coverage_name(RowCoverage coverage) {
+  for (const auto& [c, name] : kCoverageNames) {
+    if (c == coverage) return name;
+  }
+  return "unknown";
+}
+
+std::optional<RowCoverage> parse_coverage(const std::string& name) {
+  for (const auto& [c, n] : kCoverageNames) {
+    if (name == n) return c;
   }
   return std::nullopt;
 }

@@ -20,6 +20,15 @@ enum class Status { kOk, kFailed, kUnsupported, kSkipped, kInterrupted };
 const char* status_name(Status status);          // "ok", "failed", ...
 std::optional<Status> parse_status(const std::string& name);
 
+// Which rows of a case the gate compared with the reference.
+enum class RowCoverage {
+  kAll,
+  kSample,  // a random sample of rows (rows independent), among all rows computed
+  kPrefix,  // rows coupled: the gated call solved the problem made of the first rows only
+};
+const char* coverage_name(RowCoverage coverage);  // "all", "sample", "prefix"
+std::optional<RowCoverage> parse_coverage(const std::string& name);
+
 struct Row {
   std::string case_name;  // "rmsnorm_fwd 32768x4096 bfloat16"
   std::string op, family, shape, dtype;
@@ -46,6 +55,7 @@ struct Row {
   // Gate
   double rel_l2 = 0, max_abs_err = 0, tolerance = 0;
   std::int64_t rows_checked = 0, rows_total = 0;
+  RowCoverage rows_coverage = RowCoverage::kAll;
 
   // Outputs + workspace + device memory the implementation kept after its first call.
   std::int64_t peak_memory_bytes = 0;

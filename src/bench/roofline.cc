@@ -107,8 +107,8 @@ Roofline measure(const Environment& env, const TimingOptions& timing) {
   const std::int64_t n = kGemmN;
   const std::size_t bytes = static_cast<std::size_t>(n * n * 2);
   DeviceBuffer a(bytes), b(bytes), d(bytes);
-  launch_fill_random_bf16(a.data, n * n, 1, gpu.stream());
-  launch_fill_random_bf16(b.data, n * n, 2, gpu.stream());
+  launch_fill_random(a.data, n * n, RandomFill(1, -1.0, 1.0, DType::kBFloat16), gpu.stream());
+  launch_fill_random(b.data, n * n, RandomFill(2, -1.0, 1.0, DType::kBFloat16), gpu.stream());
   CublasLtGemm gemm(n, n, n);
   gemm.run(a.data, b.data, d.data, gpu.stream());
   gpu.synchronize();

@@ -2,10 +2,10 @@
 
 #include <cstdlib>
 #include <cstring>
-#include <random>
 #include <utility>
 
 #include "bench/cuda_util.h"
+#include "bench/gpu_kernels.h"
 #include "core/host_dtype.h"
 #include "core/parallel.h"
 #include "trainscale/error.h"
@@ -77,21 +77,23 @@ void OwnedTensor::release() {
   view_ = TensorView{};
 }
 
-void fill_uniform(const TensorView& t, double lo, double hi, std::uint64_t seed) {
-  constexpr std::int64_t kGrain = 1 << 16;
-  const bool integral = !is_floating(t.dtype);
-  detail::parallel_chunks(t.numel(), kGrain, [&](std::int64_t chunk, std::int64_t b, std::int64_t e) {
-    std::mt19937_64 rng(seed ^ (0x9E3779B97F4A7C15ull * static_cast<std::uint64_t>(chunk + 1)));
-    if (integral) {
-      std::uniform_int_distribution<std::int64_t> dist(static_cast<std::int64_t>(lo),
-                                                       static_cast<std::int64_t>(hi));
-      for (std::int64_t i = b; i < e; ++i) {
-        detail::store_from_double(t.dtype, t.data, i, static_cast<double>(dist(rng)));
-      }
-    } else {
-      // Float draws: storing them in bf16/fp32 is one exact rounding on the fast path.
-      std::uniform_real_distribution<float> dist(static_cast<float>(lo), static_cast<float>(hi));
-      for (std::int64_t i = b; i < e; ++i) detail::store_from_double(t.dtype, t.data, i, dist(rng));
+void fill_random(const TensorView& t, const RandomFill& fill, std::span<const std::int64_t> rows) {
+  if (t.is_cuda()) {
+    if (t.dtype != fill.dtype || !rows.empty()) {
+      throw Error("trainscale-bench: a device fill writes whole tensors of the fill's dtype");
+    }
+#if TRAINSCALE_HAVE_CUDA
+    // Legacy stream, then a device sync: the engine's non-blocking stream is not ordered after it.
+    launch_fill_random(t.data, t.numel(), fill, nullptr);
+    cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize (random fill)");
+#endif
+    return;
+  }
+  const std::int64_t row = rows.empty() || t.size(0) == 0 ? 0 : t.numel() / t.size(0);
+  detail::parallel_for(t.numel(), 1 << 16, [&](std::int64_t b, std::int64_t e) {
+    for (std::int64_t i = b; i < e; ++i) {
+      const std::int64_t index = rows.empty() ? i : rows[i / row] * row + i % row;
+      detail::store_from_double(t.dtype, t.data, i, random_value(fill, index));
     }
   });
 }
@@ -120,14 +122,6 @@ void copy_tensor(const TensorView& dst, const TensorView& src) {
     return;
   }
   std::memcpy(dst.data, src.data, bytes);
-}
-
-void convert_tensor(const TensorView& dst, const TensorView& src) {
-  detail::parallel_for(src.numel(), 1 << 16, [&](std::int64_t b, std::int64_t e) {
-    for (std::int64_t i = b; i < e; ++i) {
-      detail::store_from_double(dst.dtype, dst.data, i, detail::load_as_double(src.dtype, src.data, i));
-    }
-  });
 }
 
 void gather_rows(const TensorView& dst, const TensorView& src, std::span<const std::int64_t> rows) {

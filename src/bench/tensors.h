@@ -1,11 +1,12 @@
-// Owning, contiguous tensors on the host or a CUDA device, and the host-side data movement the
-// engine needs: seeded random fill, NaN poisoning, dtype conversion and row gathering.
+// Owning, contiguous tensors on the host or a CUDA device, and the data movement the engine
+// needs: counter-based random fill (where the tensor lives), NaN poisoning, row gathering.
 #pragma once
 
 #include <cstdint>
 #include <span>
 #include <vector>
 
+#include "bench/random_fill.h"
 #include "trainscale/tensor.h"
 
 namespace trainscale::bench {
@@ -31,15 +32,16 @@ class OwnedTensor {
 
 std::int64_t tensor_bytes(DType dtype, std::span<const std::int64_t> shape);
 
-// Uniform in [lo, hi] (integers: uniform over [lo, hi]), rounded to the dtype. The values
-// depend only on the seed, not on the thread count. Host views only.
-void fill_uniform(const TensorView& t, double lo, double hi, std::uint64_t seed);
+// Writes the values `fill` describes (random_value) into t, converted to t's dtype (exact when
+// it is fill.dtype or wider): element i of t gets value i; with `rows`, row r of t (everything
+// under dim 0) gets row rows[r] of the tensor `fill` describes, so the host makes only the rows
+// it checks. CUDA views are filled on the device (t.dtype == fill.dtype, no `rows`), bit for
+// bit as on the host.
+void fill_random(const TensorView& t, const RandomFill& fill, std::span<const std::int64_t> rows = {});
 // Every byte 0xFF: NaN in every float dtype (so unwritten outputs fail the gate).
 void poison(const TensorView& t);
 // Byte copy between two views of one dtype and size, on any devices.
 void copy_tensor(const TensorView& dst, const TensorView& src);
-// Elementwise dtype conversion on the host, through double.
-void convert_tensor(const TensorView& dst, const TensorView& src);
 // dst row r <- src row rows[r], where a row is everything under dim 0. dst on the host, src
 // on the host or a CUDA device (so sampled checks copy only the rows they need).
 void gather_rows(const TensorView& dst, const TensorView& src, std::span<const std::int64_t> rows);

@@ -1,5 +1,5 @@
-// Norm family: RMSNorm forward / backward, fused residual-add + RMSNorm, LayerNorm forward /
-// backward. M rows of N; weight and bias in the activation dtype.
+// Norm family: RMSNorm forward / backward, fused residual-add + RMSNorm forward / backward,
+// LayerNorm forward / backward. M rows of N; weight and bias in the activation dtype.
 #include "bench/baselines/cudnn_norm.h"
 #include "bench/cases/case_util.h"
 #include "bench/gate.h"
@@ -66,6 +66,23 @@ Case fused_add_rmsnorm_case(std::span<const std::int64_t> shape, DType dtype) {
   return c;
 }
 
+// The gradient reaches the residual stream twice: through the norm (dy) and straight from the
+// next layer (d_residual); dx carries their sum back to both inputs of the add.
+Case fused_add_rmsnorm_backward_case(std::span<const std::int64_t> shape, DType dtype) {
+  Case c = begin_case("fused_add_rmsnorm_bwd", "norm", shape, dtype, 2, "MxN");
+  const std::int64_t m = c.shape[0], n = c.shape[1];
+  c.tensors = {input("dy", dtype, {m, n}),       input("d_residual", dtype, {m, n}), input("residual", dtype, {m, n}),
+               input("weight", dtype, {n}, false), saved_rstd(m),                     output("dx", dtype, {m, n}),
+               output("dw", dtype, {n}, false),  workspace_for(m, n, dtype)};
+  c.bytes = traffic(c.tensors);
+  c.flops = 9.0 * elements(c);  // rmsnorm_bwd's 8 and the add
+  c.entry = [](Views t, cudaStream_t s) {
+    fused_add_rmsnorm_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], {}, s);
+  };
+  c.reference = [](Views t) { fused_add_rmsnorm_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], TensorView{}); };
+  return c;
+}
+
 Case layernorm_forward_case(std::span<const std::int64_t> shape, DType dtype) {
   Case c = begin_case("layernorm_fwd", "norm", shape, dtype, 2, "MxN");
   const std::int64_t m = c.shape[0], n = c.shape[1];
@@ -98,24 +115,22 @@ const Registrar kRegister([](Registry& r) {
   r.add_op({"rmsnorm_fwd", "norm", "M x N", rmsnorm_forward_case});
   r.add_op({"rmsnorm_bwd", "norm", "M x N", rmsnorm_backward_case});
   r.add_op({"fused_add_rmsnorm_fwd", "norm", "M x N", fused_add_rmsnorm_case});
+  r.add_op({"fused_add_rmsnorm_bwd", "norm", "M x N", fused_add_rmsnorm_backward_case});
   r.add_op({"layernorm_fwd", "norm", "M x N", layernorm_forward_case});
   r.add_op({"layernorm_bwd", "norm", "M x N", layernorm_backward_case});
   const auto bf16 = std::vector<DType>{DType::kBFloat16};
-  for (const char* op : {"rmsnorm_fwd", "rmsnorm_bwd", "fused_add_rmsnorm_fwd", "layernorm_fwd", "layernorm_bwd"}) {
+  for (const char* op : {"rmsnorm_fwd", "rmsnorm_bwd", "fused_add_rmsnorm_fwd", "fused_add_rmsnorm_bwd", "layernorm_fwd",
+                         "layernorm_bwd"}) {
     r.add_configs("smoke", op, {{64, 512}}, {DType::kFloat32, DType::kBFloat16});
-    r.add_configs("dsv3", op, dsv3_row_shapes(), bf16);
-  }
-  for (const char* op : {"rmsnorm_fwd", "rmsnorm_bwd", "layernorm_fwd", "layernorm_bwd"}) {
     r.add_configs("quack", op, quack_shapes(), bf16);
-  }
-  for (const char* op : {"rmsnorm_fwd", "rmsnorm_bwd", "fused_add_rmsnorm_fwd"}) {
     r.add_configs("quack-m", op, quack_m_shapes(), bf16);
+    r.add_configs("dsv3", op, dsv3_row_shapes(), bf16);
     r.add_configs("llama", op, {{kLlamaTokens, kLlamaHidden}}, bf16);
   }
   for (const char* op : {"rmsnorm_fwd", "layernorm_fwd"}) r.add_configs("sweep", op, sweep_row_shapes(), bf16);
 
   // cuDNN baselines (same tensors and eps as our entry points; the cases use weight offset 0).
-  // cuDNN has no fused residual-add + RMSNorm, so fused_add_rmsnorm_fwd has no baseline.
+  // cuDNN has no fused residual-add + RMSNorm, so fused_add_rmsnorm_fwd / _bwd have no baseline.
   if (cudnn_norm_built()) {
     const double rms_eps = RMSNormOptions{}.eps, rms_offset = RMSNormOptions{}.weight_offset;
     const double ln_eps = LayerNormOptions{}.eps;

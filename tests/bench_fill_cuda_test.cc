@@ -1,0 +1,127 @@
+// The bench engine on a GPU: device-filled inputs are bit-identical to the host fill (which the
+// reference uses), and the sampled and prefix gates pass our kernels and cuDNN's and fail wrong
+// ones.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <vector>
+
+#include "bench/engine.h"
+#include "bench/tensors.h"
+#include "trainscale/norm.h"
+#include "util/gpu_util.h"
+
+namespace trainscale::bench {
+namespace {
+
+constexpr DType kAllDtypes[] = {DType::kFloat64, DType::kFloat32,    DType::kFloat16, DType::kBFloat16,
+                                DType::kFloat8E4M3, DType::kFloat8E5M2, DType::kInt32,   DType::kInt64};
+
+TEST(BenchFillCuda, DeviceFillIsBitIdenticalToTheHostFill) {
+  TS_REQUIRE_GPU();
+  // Odd sizes (tails) and one larger than the fill's grid (grid-stride loop); ranges that round
+  // and, for fp8, saturate.
+  for (DType dtype : kAllDtypes) {
+    for (std::int64_t count : {std::int64_t{1}, std::int64_t{7}, std::int64_t{1023}, std::int64_t{3'000'017}}) {
+      for (const auto& [lo, hi] : {std::pair{-1.0, 1.0}, std::pair{-1000.0, 1000.0}, std::pair{0.5, 2.0}}) {
+        SCOPED_TRACE(std::string(dtype_name(dtype)) + " count " + std::to_string(count) + " range " +
+                     std::to_string(lo) + ".." + std::to_string(hi));
+        const RandomFill fill(count * 31 + 7, lo, hi, dtype);
+        const std::int64_t shape[] = {count};
+        OwnedTensor host(dtype, shape, Device::cpu()), device(dtype, shape, Device::cuda()),
+            back(dtype, shape, Device::cpu());
+        fill_random(host.view(), fill);
+        fill_random(device.view(), fill);
+        copy_tensor(back.view(), device.view());
+        const auto* a = static_cast<const unsigned char*>(host.view().data);
+        const auto* b = static_cast<const unsigned char*>(back.view().data);
+        const std::size_t size = dtype_size(dtype);
+        std::int64_t first_mismatch = -1;
+        for (std::int64_t i = 0; i < count && first_mismatch < 0; ++i) {
+          if (std::memcmp(a + i * size, b + i * size, size) != 0) first_mismatch = i;
+        }
+        EXPECT_EQ(first_mismatch, -1) << "value " << random_value(fill, first_mismatch);
+      }
+    }
+  }
+}
+
+RunOptions quick_gpu_run(const std::vector<std::string>& ops) {
+  RunOptions options;
+  options.use_gpu = true;
+  options.selection.suites = {"smoke"};
+  options.selection.ops = ops;
+  options.timing.warmup_ms = 0;
+  options.timing.stop.min_time_ms = 0;
+  options.timing.stop.timeout_ms = 5;
+  // Smoke shapes are 64 x 512 (norms): backward passes gate on the first 16 rows, forward
+  // passes on 8 sampled rows.
+  options.gate = {.full_check_elements = 16 * 512, .sampled_rows = 8, .prefix_elements = 16 * 512};
+  return options;
+}
+
+TEST(BenchGateCuda, NormKernelsAndBaselinesPassThePrefixAndSampledGates) {
+  TS_REQUIRE_GPU();
+  const RunOptions options = quick_gpu_run({"rmsnorm_fwd", "rmsnorm_bwd", "fused_add_rmsnorm_fwd",
+                                            "fused_add_rmsnorm_bwd", "layernorm_fwd", "layernorm_bwd"});
+  RunResult result;
+  run_cases(Registry::global(), options, result);
+  ASSERT_FALSE(result.rows.empty());
+  int ours = 0;
+  for (const Row& r : result.rows) {
+    SCOPED_TRACE(r.key());
+    if (r.status == Status::kUnsupported) continue;  // e.g. cuDNN not loadable here
+    EXPECT_EQ(r.status, Status::kOk) << r.message;
+    EXPECT_EQ(r.rows_total, 64);
+    const bool backward = r.op.ends_with("_bwd");
+    EXPECT_EQ(r.rows_coverage, backward ? RowCoverage::kPrefix : RowCoverage::kSample);
+    EXPECT_EQ(r.rows_checked, backward ? 16 : 8);
+    EXPECT_GT(r.ms.count, 0);
+    ours += r.impl == kOursGpu;
+  }
+  EXPECT_EQ(ours, 12);  // 6 ops x (fp32, bf16)
+}
+
+// A case of `op` whose entry runs our kernel with a weight offset the reference does not have.
+void add_wrong(Registry& registry, const std::string& op) {
+  const CaseFactory make = registry.find_op(op)->make;
+  const std::string wrong = op + "_wrong";
+  registry.add_op({wrong, "norm", "M x N", [=](std::span<const std::int64_t> shape, DType dtype) {
+                     Case c = make(shape, dtype);
+                     c.op = wrong;
+                     RMSNormOptions off;
+                     off.weight_offset = 0.05;
+                     if (op == "rmsnorm_fwd") {
+                       c.entry = [=](Views t, cudaStream_t s) { rmsnorm_forward(t[0], t[1], t[2], t[3], off, s); };
+                     } else {
+                       c.entry = [=](Views t, cudaStream_t s) {
+                         rmsnorm_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], off, s);
+                       };
+                     }
+                     return c;
+                   }});
+  registry.add_configs("smoke", wrong, {{64, 512}}, {DType::kBFloat16});
+}
+
+TEST(BenchGateCuda, WrongKernelsFailThePrefixAndSampledGates) {
+  TS_REQUIRE_GPU();
+  Registry registry = Registry::global();
+  add_wrong(registry, "rmsnorm_fwd");
+  add_wrong(registry, "rmsnorm_bwd");
+  const RunOptions options = quick_gpu_run({"rmsnorm_fwd_wrong", "rmsnorm_bwd_wrong"});
+  RunResult result;
+  run_cases(registry, options, result);
+  ASSERT_EQ(result.rows.size(), 2u);
+  for (const Row& r : result.rows) {
+    SCOPED_TRACE(r.key());
+    EXPECT_EQ(r.status, Status::kFailed);
+    EXPECT_EQ(r.ms.count, 0);
+  }
+  EXPECT_EQ(result.rows[0].rows_coverage, RowCoverage::kSample);
+  EXPECT_EQ(result.rows[1].rows_coverage, RowCoverage::kPrefix);
+  EXPECT_NE(result.rows[1].message.find("prefix problem: the first 16 of 64 rows"), std::string::npos)
+      << result.rows[1].message;
+}
+
+}  // namespace
+}  // namespace trainscale::bench
