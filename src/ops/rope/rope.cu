@@ -242,9 +242,9 @@ template <class T, RopeStyle kStyle, int N, bool kVec, bool kSharedAngles>
 __global__ void __launch_bounds__(kBlock, kMinBlocksPerSm) rope_kernel(const RopeArgs a) {
   static_assert(!kVec || N * static_cast<int>(sizeof(T)) == 16);
   static_assert(kStyle == RopeStyle::kNeox || N % 2 == 0);
-  static_assert(kAngleRowAlign % N == 0);
   constexpr bool kNeox = kStyle == RopeStyle::kNeox;
   constexpr int NP = kNeox ? N : N / 2;  // pairs per chunk
+  static_assert(kAngleRowAlign % NP == 0);
   extern __shared__ __align__(32) float angle_table[];  // cos [table_tokens][angle_row], then sin
   float* const cos_table = angle_table;
   float* const sin_table = angle_table + a.table_tokens * a.angle_row;
