@@ -381,7 +381,7 @@ TEST(RopeCuda, TablesAndPositionOffsets) {
 
 TEST(RopeCuda, GroupedQueryHeadsAndAbsentK) {
   TS_REQUIRE_GPU();
-  // (Hq, Hk): Llama-3 GQA, no k, one head each, groups of 4 heads straddling q and k.
+  // (Hq, Hk): Llama-3 GQA, no k, one head each, a thread's pair of heads straddling q and k.
   const std::int64_t heads[][2] = {{32, 8}, {8, 0}, {1, 0}, {1, 1}, {3, 1}, {6, 3}, {2, 5}};
   for (DType dt : {DType::kBFloat16, DType::kFloat32})
     for (RopeStyle style : kStyles)
@@ -397,6 +397,45 @@ TEST(RopeCuda, GroupedQueryHeadsAndAbsentK) {
         c.in_place = true;
         run_case(c);
       }
+}
+
+TEST(RopeCuda, LargeRotaryDimsAndShortSequences) {
+  TS_REQUIRE_GPU();
+  // R = 2048: the largest shared angle tables (16-24 KB per block); R = 8192: tables over the
+  // shared memory budget, angles computed per thread.
+  for (DType dt : {DType::kBFloat16, DType::kFloat32})
+    for (RopeStyle style : kStyles)
+      for (std::int64_t r : {std::int64_t{2048}, std::int64_t{8192}})
+        for (RopeVariant variant : {RopeVariant::kAuto, RopeVariant::kScalar}) {
+          Case c;
+          c.dtype = dt;
+          c.style = style;
+          c.variant = variant;
+          c.B = 2;
+          c.S = 3;
+          c.Hq = 2;
+          c.Hk = 1;
+          c.D = 8192;
+          c.R = r;
+          c.tables = r == 2048 ? Tables::kTheta : Tables::kFloat32;
+          run_case(c);
+          c.backward = true;
+          c.tables = r == 2048 ? Tables::kSameDtype : Tables::kTheta;
+          run_case(c);
+        }
+  // Sequences of one and two tokens: a block's tile spans many sequences (and batch indices).
+  for (std::int64_t s : {std::int64_t{1}, std::int64_t{2}})
+    for (RopeStyle style : kStyles) {
+      Case c;
+      c.style = style;
+      c.B = 300;
+      c.S = s;
+      c.Hq = 1;
+      c.Hk = 1;
+      c.D = 16;
+      c.max_offset = 5000;
+      run_case(c);
+    }
 }
 
 TEST(RopeCuda, MisalignedViewsTakeTheScalarPath) {

@@ -1,11 +1,11 @@
 // RoPE forward / backward: q and k rotated in one launch.
 //
 // Work item = (token, group of kHeadsPerThread heads, chunk of the head dim). Heads run over q's
-// Hq heads, then k's Hk heads, so one launch covers both tensors. A thread computes the cos / sin
-// of its chunk's pairs once per item (from the tables or from theta) and applies them to every
-// head of its group; it loads all of the group's vectors before it stores any. Each thread owns
-// whole rotation pairs (for NeoX: the chunk's vector in the first half of the rotary dims and the
-// matching vector R/2 further on), so an output may be its input's exact view (in place).
+// Hq heads, then k's Hk heads, so one launch covers both tensors. Items are numbered token-major
+// and a block takes kBlock consecutive items (a tile; one tile per block). Each thread owns whole
+// rotation pairs (for NeoX: the chunk's vector in the first half of the rotary dims and the
+// matching vector R/2 further on) and loads all of its heads' vectors before it stores any, so
+// an output may be its input's exact view (in place).
 //
 // Chunks, of N elements (16 bytes on the vector path, 1 or 2 elements on the scalar path):
 //   NeoX: chunks [0, R / 2N) rotate pairs (i, i + R/2) for i in [cN, cN + N); the following
@@ -15,17 +15,22 @@
 // In place, chunks of tail dims only are skipped (those dims stay untouched); a GPT-J chunk that
 // straddles R writes its tail elements back with their own bits.
 //
+// Angles: a tile spans a few tokens, and every (token, pair) angle of them is computed once per
+// tile into shared memory (while the tile's loads are in flight), then read by every head of q
+// and k. That keeps the trigonometry and its registers out of the per-head path. Rotary dims so
+// large that the tile's table would not fit (thousands of dims) compute angles per thread.
+//
 // Angles from theta: inv_freq_i = theta^(-2i/R) and angle / pi = position * inv_freq_i / pi are
 // formed in double and reduced modulo 2 exactly; only the reduced value (in [-1, 1]) is rounded
 // to float, for sincospif.
 // A float angle would be off by up to half an ulp of the angle (2^-11 rad at position 8192), and a
 // float inv_freq by ~1e-7 relative, which at 8192 rad is ~1e-3 rad: far beyond float32's 1e-5.
-// The double work is a handful of instructions per pair, shared by the kHeadsPerThread heads.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <string>
 
 #include "common/cuda_check.h"
@@ -41,7 +46,17 @@ using detail::to_float;
 using detail::Vec;
 
 constexpr int kBlock = 256;
-constexpr int kHeadsPerThread = 4;
+// Two heads x (two NeoX halves) x 16 bytes in flight per thread: few enough registers for 4+
+// blocks per SM (4 heads needed 103 registers, 2 blocks per SM, 2455 GB/s on the H100).
+constexpr int kHeadsPerThread = 2;
+// Keeps every instantiation at <= 64 registers (none spills; NeoX bf16 needs exactly 64).
+constexpr int kMinBlocksPerSm = 4;
+// A tile's angle table (cos and sin, fp32, per token of the tile and pair) is staged in shared
+// memory up to this size: rotary dims up to ~4000. The default dynamic shared memory limit.
+constexpr std::int64_t kMaxAngleTableBytes = 48 * 1024;
+// Table rows are padded to a multiple of this many pairs, so a chunk's pairs (at most 8, at a
+// multiple of their count) are read as aligned vectors.
+constexpr int kAngleRowAlign = 8;
 
 // One of q / k: the input and the output written from it. Strides in elements, dims b, s, h.
 struct HeadTensor {
@@ -59,10 +74,14 @@ struct RopeArgs {
   std::int64_t seq = 0;
   std::int64_t head_dim = 0;
   std::int64_t rotary_dim = 0;
-  std::int64_t chunks = 0;      // per head
-  std::int64_t rot_chunks = 0;  // NeoX: chunks that rotate; the rest copy the tail
-  std::int64_t head_groups = 0;
-  std::int64_t items = 0;  // tokens * head_groups * chunks
+  std::int64_t tokens = 0;
+  int chunks = 0;      // per head
+  int rot_chunks = 0;  // NeoX: chunks that rotate; the rest copy the tail
+  int items_per_token = 0;  // head groups (of kHeadsPerThread) * chunks
+  std::int64_t items = 0;   // tokens * items_per_token
+  // Shared angle table: rows of angle_row pairs (>= R/2) for up to table_tokens tokens.
+  int angle_row = 0;
+  int table_tokens = 0;
   // Tables [P, R/2] (cos == nullptr: angles from theta).
   const void* cos = nullptr;
   const void* sin = nullptr;
@@ -163,40 +182,98 @@ __device__ __forceinline__ T rotate_second(T x0, T x1, float c, float s) {
   return from_float<T>(fmaf(f0, s, f1 * c));
 }
 
-// N: elements per chunk access; kVec: 16-byte accesses (N * sizeof(T) == 16).
-template <class T, RopeStyle kStyle, int N, bool kVec>
-__global__ void __launch_bounds__(kBlock) rope_kernel(const RopeArgs a) {
+// Batch and sequence index of a token.
+struct TokenIndex {
+  std::int64_t b, s;
+};
+
+// Token `first` + `offset` (offset >= 0) given first's index. No 64-bit division: its
+// subroutine, called where the tile's loads are in flight, raised the kernel's register count.
+__device__ __forceinline__ TokenIndex token_after(const RopeArgs& a, TokenIndex first,
+                                                  int offset) {
+  TokenIndex t{first.b, first.s + offset};
+  if (t.s >= a.seq) {
+    // offset < seq: first.s < seq, so one batch further; else seq <= offset < 2^31 and
+    // t.s < seq + offset < 2^32.
+    const std::int64_t carry =
+        offset < a.seq ? 1
+                       : static_cast<std::uint32_t>(t.s) / static_cast<std::uint32_t>(a.seq);
+    t.b += carry;
+    t.s -= carry * a.seq;
+  }
+  return t;
+}
+
+__device__ __forceinline__ std::int64_t position_of(const RopeArgs& a, TokenIndex t) {
+  if (a.offsets == nullptr) return t.s;
+  return t.s + (a.offsets_i64
+                    ? __ldg(static_cast<const long long*>(a.offsets) + t.b * a.offsets_stride)
+                    : __ldg(static_cast<const int*>(a.offsets) + t.b * a.offsets_stride));
+}
+
+// cos and signed sin of every pair of `tokens` tokens from `first` into [token][angle_row]
+// tables (pairs past R/2, the row padding, hold 0).
+template <class T>
+__device__ __forceinline__ void fill_angle_table(const RopeArgs& a, TokenIndex first, int tokens,
+                                                 float* cos_table, float* sin_table) {
+  const int half = static_cast<int>(a.rotary_dim / 2);
+  const int entries = tokens * a.angle_row;
+  for (int e = threadIdx.x; e < entries; e += kBlock) {
+    const int token = e / a.angle_row;
+    const int pair = e - token * a.angle_row;
+    float c[1] = {0.f}, sn[1] = {0.f};
+    if (pair < half) rotation<T, 1>(a, position_of(a, token_after(a, first, token)), pair, c, sn);
+    cos_table[e] = c[0];
+    sin_table[e] = sn[0];
+  }
+}
+
+// NP consecutive floats of shared memory at p (p aligned to NP floats).
+template <int NP>
+__device__ __forceinline__ void load_shared(const float* p, float (&out)[NP]) {
+  const Vec<float, NP> v = *reinterpret_cast<const Vec<float, NP>*>(p);
+#pragma unroll
+  for (int j = 0; j < NP; ++j) out[j] = v.v[j];
+}
+
+// N: elements per chunk access; kVec: 16-byte accesses (N * sizeof(T) == 16); kSharedAngles:
+// angles from the tile's shared table (else computed per thread).
+template <class T, RopeStyle kStyle, int N, bool kVec, bool kSharedAngles>
+__global__ void __launch_bounds__(kBlock, kMinBlocksPerSm) rope_kernel(const RopeArgs a) {
   static_assert(!kVec || N * static_cast<int>(sizeof(T)) == 16);
   static_assert(kStyle == RopeStyle::kNeox || N % 2 == 0);
   constexpr bool kNeox = kStyle == RopeStyle::kNeox;
   constexpr int NP = kNeox ? N : N / 2;  // pairs per chunk
+  static_assert(kAngleRowAlign % NP == 0);
+  extern __shared__ __align__(32) float angle_table[];  // cos [table_tokens][angle_row], then sin
+  float* const cos_table = angle_table;
+  float* const sin_table = angle_table + a.table_tokens * a.angle_row;
   const std::int64_t half = a.rotary_dim / 2;
-  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * kBlock;
-  for (std::int64_t item = static_cast<std::int64_t>(blockIdx.x) * kBlock + threadIdx.x;
-       item < a.items; item += stride) {
-    const std::int64_t chunk = item % a.chunks;
-    const std::int64_t rest = item / a.chunks;
-    const std::int64_t group = rest % a.head_groups;
-    const std::int64_t token = rest / a.head_groups;
-    const std::int64_t b = token / a.seq;
-    const std::int64_t s = token - b * a.seq;
-
-    std::int64_t position = s;
-    if (a.offsets != nullptr) {
-      position += a.offsets_i64
-                      ? __ldg(static_cast<const long long*>(a.offsets) + b * a.offsets_stride)
-                      : __ldg(static_cast<const int*>(a.offsets) + b * a.offsets_stride);
-    }
+  const std::int64_t tiles = (a.items + kBlock - 1) / kBlock;
+  for (std::int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    // The tile's first token, and this thread's item as (token offset, head group, chunk).
+    const std::int64_t first_item = tile * kBlock;
+    const std::int64_t first_token_id = first_item / a.items_per_token;
+    const TokenIndex first_token{first_token_id / a.seq, first_token_id % a.seq};
+    const int first_local = static_cast<int>(first_item - first_token_id * a.items_per_token);
+    const int tile_items = static_cast<int>(std::min<std::int64_t>(kBlock, a.items - first_item));
+    const bool active = static_cast<int>(threadIdx.x) < tile_items;
+    const int local = first_local + static_cast<int>(threadIdx.x);
+    const int token = local / a.items_per_token;
+    const int within = local - token * a.items_per_token;
+    const int group = within / a.chunks;
+    const int chunk = within - group * a.chunks;
+    const TokenIndex t = token_after(a, first_token, token);
 
     // e0: first element of the chunk in the head; NeoX's partner range starts at e0 + half.
     bool rotated;
     std::int64_t e0, pair0;
     if constexpr (kNeox) {
       rotated = chunk < a.rot_chunks;
-      e0 = rotated ? chunk * N : a.rotary_dim + (chunk - a.rot_chunks) * N;
+      e0 = rotated ? chunk * N : a.rotary_dim + static_cast<std::int64_t>(chunk - a.rot_chunks) * N;
       pair0 = chunk * N;
     } else {
-      e0 = chunk * N;
+      e0 = static_cast<std::int64_t>(chunk) * N;
       rotated = e0 < a.rotary_dim;
       pair0 = e0 / 2;
     }
@@ -208,19 +285,19 @@ __global__ void __launch_bounds__(kBlock) rope_kernel(const RopeArgs a) {
 #pragma unroll
     for (int j = 0; j < kHeadsPerThread; ++j) {
       out[j] = nullptr;
-      const std::int64_t h = group * kHeadsPerThread + j;
-      if (h >= a.heads) continue;
+      const std::int64_t h = static_cast<std::int64_t>(group) * kHeadsPerThread + j;
+      if (!active || h >= a.heads) continue;
       // Field by field, so the kernel parameters are never addressed dynamically.
       const bool is_k = h >= a.q_heads;
       if (!rotated && (is_k ? a.k.in_place : a.q.in_place)) continue;  // tail untouched in place
       const std::int64_t hh = is_k ? h - a.q_heads : h;
       const std::int64_t in_offset =
-          b * (is_k ? a.k.in_stride[0] : a.q.in_stride[0]) +
-          s * (is_k ? a.k.in_stride[1] : a.q.in_stride[1]) +
+          t.b * (is_k ? a.k.in_stride[0] : a.q.in_stride[0]) +
+          t.s * (is_k ? a.k.in_stride[1] : a.q.in_stride[1]) +
           hh * (is_k ? a.k.in_stride[2] : a.q.in_stride[2]) + e0;
       const std::int64_t out_offset =
-          b * (is_k ? a.k.out_stride[0] : a.q.out_stride[0]) +
-          s * (is_k ? a.k.out_stride[1] : a.q.out_stride[1]) +
+          t.b * (is_k ? a.k.out_stride[0] : a.q.out_stride[0]) +
+          t.s * (is_k ? a.k.out_stride[1] : a.q.out_stride[1]) +
           hh * (is_k ? a.k.out_stride[2] : a.q.out_stride[2]) + e0;
       const T* in = static_cast<const T*>(is_k ? a.k.in : a.q.in) + in_offset;
       out[j] = static_cast<T*>(is_k ? a.k.out : a.q.out) + out_offset;
@@ -230,41 +307,51 @@ __global__ void __launch_bounds__(kBlock) rope_kernel(const RopeArgs a) {
       }
     }
 
-    if (!rotated) {
+    // Every thread of the block fills the table, whatever its own item.
+    if constexpr (kSharedAngles) {
+      const int tile_tokens = (first_local + tile_items - 1) / a.items_per_token + 1;
+      fill_angle_table<T>(a, first_token, tile_tokens, cos_table, sin_table);
+      __syncthreads();
+    }
+
+    if (active && rotated) {
+      float c[NP], sn[NP];
+      if constexpr (kSharedAngles) {
+        const int row = token * a.angle_row + static_cast<int>(pair0);
+        load_shared<NP>(cos_table + row, c);
+        load_shared<NP>(sin_table + row, sn);
+      } else {
+        rotation<T, NP>(a, position_of(a, t), pair0, c, sn);
+      }
+      // Rotated in place, pair by pair over the heads: each cos / sin is needed only while its
+      // pair is rotated (GPT-J elements at or beyond R keep their bits).
+#pragma unroll
+      for (int p = 0; p < NP; ++p) {
+#pragma unroll
+        for (int j = 0; j < kHeadsPerThread; ++j) {
+          T& first = x0[j].v[kNeox ? p : 2 * p];
+          T& second = kNeox ? x1[j].v[p] : x0[j].v[2 * p + 1];
+          if (kNeox || e0 + 2 * p < a.rotary_dim) {
+            const T first_in = first, second_in = second;
+            first = rotate_first(first_in, second_in, c[p], sn[p]);
+            second = rotate_second(first_in, second_in, c[p], sn[p]);
+          }
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kHeadsPerThread; ++j) {
+        if (out[j] == nullptr) continue;
+        store_part<T, N, kVec>(out[j], x0[j], count);
+        if constexpr (kNeox) store_part<T, N, kVec>(out[j] + half, x1[j], count);
+      }
+    } else {
 #pragma unroll
       for (int j = 0; j < kHeadsPerThread; ++j) {
         if (out[j] != nullptr) store_part<T, N, kVec>(out[j], x0[j], count);
       }
-      continue;
     }
-
-    float c[NP], sn[NP];
-    rotation<T, NP>(a, position, pair0, c, sn);
-
-#pragma unroll
-    for (int j = 0; j < kHeadsPerThread; ++j) {
-      if (out[j] == nullptr) continue;
-      if constexpr (kNeox) {
-        Vec<T, N> y0, y1;
-#pragma unroll
-        for (int p = 0; p < N; ++p) {
-          y0.v[p] = rotate_first(x0[j].v[p], x1[j].v[p], c[p], sn[p]);
-          y1.v[p] = rotate_second(x0[j].v[p], x1[j].v[p], c[p], sn[p]);
-        }
-        store_part<T, N, kVec>(out[j], y0, count);
-        store_part<T, N, kVec>(out[j] + half, y1, count);
-      } else {
-        Vec<T, N> y = x0[j];  // elements at or beyond R keep their bits
-#pragma unroll
-        for (int p = 0; p < NP; ++p) {
-          if (e0 + 2 * p < a.rotary_dim) {
-            y.v[2 * p] = rotate_first(x0[j].v[2 * p], x0[j].v[2 * p + 1], c[p], sn[p]);
-            y.v[2 * p + 1] = rotate_second(x0[j].v[2 * p], x0[j].v[2 * p + 1], c[p], sn[p]);
-          }
-        }
-        store_part<T, N, kVec>(out[j], y, count);
-      }
-    }
+    // The next tile refills the table (one tile per block: no next tile).
+    if (kSharedAngles && tile + gridDim.x < tiles) __syncthreads();
   }
 }
 
@@ -297,18 +384,45 @@ template <class T, RopeStyle kStyle, int N, bool kVec>
 void launch(RopeArgs a, cudaStream_t stream, const char* op) {
   const std::int64_t d = a.head_dim, r = a.rotary_dim;
   const bool all_in_place = a.q.in_place && (a.k.in == nullptr || a.k.in_place);
+  std::int64_t chunks = 0;
   if constexpr (kStyle == RopeStyle::kNeox) {
-    a.rot_chunks = r / 2 / N;  // exact: N divides R/2 (N == 1 or checked by the caller)
-    a.chunks = a.rot_chunks + (all_in_place ? 0 : (d - r) / N);
+    a.rot_chunks = static_cast<int>(r / 2 / N);  // exact: N divides R/2 (N == 1 or checked)
+    chunks = a.rot_chunks + (all_in_place ? 0 : (d - r) / N);
   } else {
     a.rot_chunks = 0;
-    a.chunks = ((all_in_place ? r : d) + N - 1) / N;
+    chunks = ((all_in_place ? r : d) + N - 1) / N;
   }
-  a.items = a.items * a.head_groups * a.chunks;  // a.items holds the token count on entry
-  if (a.items == 0) return;
-  auto kernel = rope_kernel<T, kStyle, N, kVec>;
+  const std::int64_t head_groups = (a.heads + kHeadsPerThread - 1) / kHeadsPerThread;
+  const std::int64_t items_per_token = head_groups * chunks;
+  if (items_per_token == 0) return;
+  // Item indices inside a tile's tokens are ints.
+  if (items_per_token > std::numeric_limits<int>::max() - kBlock) {
+    detail::throw_op_error(op, "a token of " + std::to_string(a.heads) + " heads of " +
+                                   std::to_string(d) + " elements is more work items than the "
+                                   "CUDA kernel indexes (2^31)");
+  }
+  a.chunks = static_cast<int>(chunks);
+  a.items_per_token = static_cast<int>(items_per_token);
+  a.items = a.tokens * items_per_token;
+  // The shared angle table: rows of R/2 pairs (padded) for the tokens a tile of kBlock
+  // consecutive items can touch.
+  const std::int64_t table_tokens =
+      std::min<std::int64_t>(a.tokens, (kBlock - 1) / items_per_token + 2);
+  const std::int64_t angle_row = (r / 2 + kAngleRowAlign - 1) / kAngleRowAlign * kAngleRowAlign;
+  const std::int64_t table_bytes =
+      2 * table_tokens * angle_row * static_cast<std::int64_t>(sizeof(float));
+  const bool shared_angles = table_bytes <= kMaxAngleTableBytes;
+  if (shared_angles) {
+    a.table_tokens = static_cast<int>(table_tokens);
+    a.angle_row = static_cast<int>(angle_row);
+  }
   const std::int64_t grid = detail::grid_for_tiles(a.items, kBlock);
-  kernel<<<static_cast<unsigned>(grid), kBlock, 0, stream>>>(a);
+  if (shared_angles) {
+    rope_kernel<T, kStyle, N, kVec, true>
+        <<<static_cast<unsigned>(grid), kBlock, static_cast<std::size_t>(table_bytes), stream>>>(a);
+  } else {
+    rope_kernel<T, kStyle, N, kVec, false><<<static_cast<unsigned>(grid), kBlock, 0, stream>>>(a);
+  }
   detail::check_launch(op);
 }
 
@@ -327,8 +441,7 @@ void rope_cuda(Direction direction, const TensorView& x_q, const TensorView& x_k
   a.seq = x_q.size(1);
   a.head_dim = x_q.size(3);
   a.rotary_dim = rotary_dim;
-  a.head_groups = (a.heads + kHeadsPerThread - 1) / kHeadsPerThread;
-  a.items = x_q.size(0) * a.seq;  // tokens; launch() multiplies in groups and chunks
+  a.tokens = x_q.size(0) * a.seq;
   if (cos.defined()) {
     a.cos = cos.data;
     a.sin = sin.data;
@@ -351,7 +464,7 @@ void rope_cuda(Direction direction, const TensorView& x_q, const TensorView& x_k
     a.freq_ratio = std::exp2(-a.log2_freq_step);
   }
   a.sin_sign = direction == Direction::kForward ? 1.f : -1.f;
-  if (a.items == 0 || a.heads == 0 || a.head_dim == 0) return;
+  if (a.tokens == 0 || a.heads == 0 || a.head_dim == 0) return;
 
   detail::dispatch_activation_dtype(x_q.dtype, op, [&](auto tag) {
     using T = typename decltype(tag)::type;
