@@ -9,6 +9,8 @@
 #include "bench/gate.h"
 #include "bench/interrupt.h"
 #include "bench/registry.h"
+#include "bench/reporters.h"
+#include "core/check.h"
 #include "core/host_dtype.h"
 #include "trainscale/error.h"
 
@@ -130,6 +132,46 @@ TEST_F(EngineFixture, UnsupportedIsReportedNotFailed) {
   EXPECT_EQ(row("later").status, Status::kUnsupported);
   EXPECT_EQ(row("later").message, "no kernel for this dtype yet");
   EXPECT_FALSE(result.any_failed());
+}
+
+// An op that has only its CPU reference, on a device it has no kernel for (a GPU run): our row
+// is UNSUPPORTED with the entry point's reason, and the baseline is still gated and timed and
+// shown against it, without a speedup. The engine treats every device alike, so this runs on
+// the CPU with an entry point that throws what a CPU-only op throws for CUDA tensors.
+TEST_F(EngineFixture, BaselineIsTimedWhenOursHasNoKernelForTheDevice) {
+  registry.add_op({"reference_only", "test", "M x N", [](std::span<const std::int64_t> s, DType d) {
+                     Case c = doubling_case(s, d, 1.0, false);
+                     c.op = "reference_only";
+                     c.entry = [](Views, cudaStream_t) { detail::throw_no_cuda_kernel("reference_only"); };
+                     return c;
+                   }});
+  registry.add_configs("smoke", "reference_only", {{8, 16}}, {DType::kFloat32});
+  registry.add_baseline(
+      "reference_only", "vendor",
+      [](const Case& c) -> std::optional<Implementation> {
+        Implementation impl;
+        impl.run = doubling_case(c.shape, c.dtype, 1.0, false).entry;
+        return impl;
+      },
+      /*on_gpu=*/false);
+  run_cases(registry, options, result);
+  ASSERT_EQ(result.rows.size(), 2u);
+  const Row& ours = result.rows[0];
+  const Row& vendor = result.rows[1];
+  EXPECT_FALSE(ours.baseline);
+  EXPECT_EQ(ours.status, Status::kUnsupported);
+  EXPECT_NE(ours.message.find("has only its CPU reference so far"), std::string::npos) << ours.message;
+  EXPECT_EQ(ours.ms.count, 0);
+  EXPECT_TRUE(vendor.baseline);
+  EXPECT_EQ(vendor.impl, "vendor");
+  EXPECT_EQ(vendor.status, Status::kOk) << vendor.message;
+  EXPECT_GE(vendor.ms.count, 1);
+  EXPECT_FALSE(result.any_failed());
+  const std::vector<Pairing> pairs = pair_rows(result.rows);
+  ASSERT_EQ(pairs.size(), 1u);
+  EXPECT_EQ(format_ms(pairs[0].ours), "UNSUPPORTED");
+  EXPECT_EQ(pairs[0].base, &vendor);
+  EXPECT_EQ(pairs[0].speedup(), 0.0);
 }
 
 TEST_F(EngineFixture, FiltersSelectConfigs) {

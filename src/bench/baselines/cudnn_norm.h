@@ -9,6 +9,7 @@
 
 #include <optional>
 
+#include "bench/baselines/cudnn_baselines.h"
 #include "bench/registry.h"
 
 namespace trainscale::bench {
@@ -19,9 +20,6 @@ enum class CudnnNormOp {
   kLayerNormForward,   // x, weight, bias -> y, mean, rstd
   kLayerNormBackward,  // dy, x, weight, mean, rstd -> dx, dw, db
 };
-
-// Whether this build has the cuDNN baselines (the frontend headers were found).
-bool cudnn_norm_built();
 
 // The baseline for a norm case whose tensors are laid out as in cases/norm_cases.cc, with the
 // case's eps (and RMSNorm weight offset, which must be 0); nothing when this build has no cuDNN

@@ -1,6 +1,7 @@
 // Attention forward and backward. Config B x Hq x Hkv x S x D x causal (0 or 1); Sq = Sk = S.
 #include <cmath>
 
+#include "bench/baselines/cudnn_sdpa.h"
 #include "bench/cases/case_util.h"
 #include "trainscale/attention.h"
 
@@ -21,6 +22,12 @@ Dims dims_of(const Case& c) {
   return {x[0], x[1], x[2], x[3], x[4], x[5] == 1};
 }
 
+AttentionOptions options_of(const Dims& d) {
+  AttentionOptions options;
+  options.causal = d.causal;
+  return options;
+}
+
 // 2 GEMMs of 2*S*S*D per head (QK^T and PV), half of them masked away when causal.
 double forward_flops(const Dims& d) {
   return 4.0 * static_cast<double>(d.b * d.hq) * static_cast<double>(d.s) * static_cast<double>(d.s) *
@@ -38,8 +45,7 @@ TensorSpec saved_lse(const Dims& d) {
 Case attention_forward_case(std::span<const std::int64_t> shape, DType dtype) {
   Case c = begin_case("attention_fwd", "attention", shape, dtype, 6, kDoc);
   const Dims d = dims_of(c);
-  AttentionOptions options;
-  options.causal = d.causal;
+  const AttentionOptions options = options_of(d);
   c.tensors = {input("q", dtype, {d.b, d.s, d.hq, d.d}), input("k", dtype, {d.b, d.s, d.hkv, d.d}),
                input("v", dtype, {d.b, d.s, d.hkv, d.d}), output("out", dtype, {d.b, d.s, d.hq, d.d}),
                output("lse", DType::kFloat32, {d.b, d.hq, d.s})};
@@ -54,8 +60,7 @@ Case attention_forward_case(std::span<const std::int64_t> shape, DType dtype) {
 Case attention_backward_case(std::span<const std::int64_t> shape, DType dtype) {
   Case c = begin_case("attention_bwd", "attention", shape, dtype, 6, kDoc);
   const Dims d = dims_of(c);
-  AttentionOptions options;
-  options.causal = d.causal;
+  const AttentionOptions options = options_of(d);
   const Shape q_shape = {d.b, d.s, d.hq, d.d}, kv_shape = {d.b, d.s, d.hkv, d.d};
   c.tensors = {input("dout", dtype, q_shape), input("q", dtype, q_shape),    input("k", dtype, kv_shape),
                input("v", dtype, kv_shape),   input("out", dtype, q_shape),  saved_lse(d),
@@ -95,6 +100,16 @@ const Registrar kRegister([](Registry& r) {
     r.add_configs("smoke", op, {{1, 4, 2, 64, 32, 1}}, {DType::kFloat32, DType::kBFloat16});
     r.add_configs("attention", op, attention_suite(), bf16);
     r.add_configs("llama", op, {{1, kLlamaHeads, kLlamaKvHeads, kLlamaTokens, kLlamaHeadDim, 1}}, bf16);
+  }
+
+  // cuDNN SDPA (same tensors, causal flag and default scale as the cases; lse is its stats).
+  if (cudnn_baselines_built()) {
+    r.add_baseline("attention_fwd", "cudnn", [](const Case& c) {
+      return cudnn_sdpa_baseline(CudnnSdpaOp::kForward, c, options_of(dims_of(c)));
+    });
+    r.add_baseline("attention_bwd", "cudnn", [](const Case& c) {
+      return cudnn_sdpa_baseline(CudnnSdpaOp::kBackward, c, options_of(dims_of(c)));
+    });
   }
 });
 

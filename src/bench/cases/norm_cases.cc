@@ -131,7 +131,7 @@ const Registrar kRegister([](Registry& r) {
 
   // cuDNN baselines (same tensors and eps as our entry points; the cases use weight offset 0).
   // cuDNN has no fused residual-add + RMSNorm, so fused_add_rmsnorm_fwd / _bwd have no baseline.
-  if (cudnn_norm_built()) {
+  if (cudnn_baselines_built()) {
     const double rms_eps = RMSNormOptions{}.eps, rms_offset = RMSNormOptions{}.weight_offset;
     const double ln_eps = LayerNormOptions{}.eps;
     r.add_baseline("rmsnorm_fwd", "cudnn", [=](const Case& c) {
