@@ -1,6 +1,8 @@
 // FP8 quantize / dequantize kernels. The arithmetic is fixed by include/trainscale/fp8.h and
-// matched bit for bit: amax over |x| as float, r = amax / fmax and q = x / s as IEEE float32
-// divisions (__fdiv_rn; the library is built without fast math, so no flush to zero), and the
+// matched bit for bit: amax over |x| as float, r = amax / fmax as an IEEE float32 division
+// (__fdiv_rn; the library is built without fast math, so no flush to zero), q = x / s as the same
+// division's result, computed per element without dividing (fp8_quotient.h: RN(1/s) once per
+// group, then a multiply and two FMAs; groups whose scale is out of that range divide), and the
 // saturating round-to-nearest-even fp8 cast (cvt.rn.satfinite.{e4m3,e5m2}x2.f32).
 //
 // amax is taken as the unsigned maximum of the bit patterns of |x|: for non-negative floats the
@@ -34,6 +36,7 @@
 #include "common/vec.cuh"
 #include "ops/fp8/fp8_cuda.h"
 #include "ops/fp8/fp8_internal.h"
+#include "ops/fp8/fp8_quotient.h"
 
 namespace trainscale::ops::fp8 {
 namespace {
@@ -68,18 +71,35 @@ __device__ __forceinline__ float scale_from_amax(unsigned amax_bits, float fmax,
   return (mantissa & (mantissa - 1)) == 0 ? r : __uint_as_float(1u << (32 - __clz(mantissa)));
 }
 
+// A group's scale s with r = RN(1/s) where the division-free quotient is exact for s, else 0.
+struct GroupScale {
+  float s, r;
+};
+
+__device__ __forceinline__ GroupScale group_scale(float s) {
+  return {s, reciprocal_quotient_is_exact(s) ? nearest_reciprocal(s) : 0.0f};
+}
+
 template <bool kE4M3>
 __device__ __forceinline__ unsigned encode2(float a, float b) {
   // x.x lands in the low byte.
   return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, kE4M3 ? __NV_E4M3 : __NV_E5M2);
 }
 
-// Codes of 8 values sharing scale s, value k in byte k: one float32 division each, then the cast.
+// Codes of 8 values of one group, value k in byte k: the float32 quotient, then the cast.
 template <bool kE4M3>
-__device__ __forceinline__ uint2 quantize8(const float (&v)[8], float s) {
+__device__ __forceinline__ uint2 quantize8(const float (&v)[8], GroupScale g) {
+  float q[8];
+  if (g.r != 0.0f) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) q[k] = reciprocal_quotient(v[k], g.s, g.r);
+  } else {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) q[k] = __fdiv_rn(v[k], g.s);
+  }
   unsigned w[4];
 #pragma unroll
-  for (int k = 0; k < 4; ++k) w[k] = encode2<kE4M3>(__fdiv_rn(v[2 * k], s), __fdiv_rn(v[2 * k + 1], s));
+  for (int k = 0; k < 4; ++k) w[k] = encode2<kE4M3>(q[2 * k], q[2 * k + 1]);
   return make_uint2(w[0] | (w[1] << 16), w[2] | (w[3] << 16));
 }
 
@@ -195,7 +215,7 @@ __global__ void __launch_bounds__(kTileThreads) tile_kernel(TileArgs a) {
   constexpr float kMax = kFp8Max<kE4M3>;
 
   __shared__ unsigned col_amax[kColAmax ? kTileThreads / 32 : 1][128];
-  __shared__ float col_scale[kMode == TileMode::kTile && kTranspose ? 128 : 1];
+  __shared__ GroupScale col_scale[kMode == TileMode::kTile && kTranspose ? 128 : 1];
   // q_t's 128 x 128 codes: row jl (a column of x) holds 16 chunks of 8 codes (8 rows of x);
   // logical chunk L sits at physical chunk L ^ ((jl / 8) % 16), so that both the 8-byte writes
   // (16 lanes: 16 columns groups, one chunk each) and the 16-byte reads are conflict free.
@@ -288,7 +308,7 @@ __global__ void __launch_bounds__(kTileThreads) tile_kernel(TileArgs a) {
           if (j < a.cols && m != 0) atomicMax(reinterpret_cast<unsigned*>(a.scales_t) + j, m);
         } else {
           const float s = scale_from_amax(m, kMax, a.pow2);
-          col_scale[tid] = s;
+          col_scale[tid] = group_scale(s);
           // scales_t is the 1x128 grid of x^T: row j, tile bi.
           if (j < a.cols) a.scales_t[a.m_major ? bi * a.pitch_t + j : j * a.row_tiles + bi] = s;
         }
@@ -298,14 +318,15 @@ __global__ void __launch_bounds__(kTileThreads) tile_kernel(TileArgs a) {
 
     if constexpr (!kAmaxOnly) {
       // Row scales for q.
-      float rs[8];
+      GroupScale rs[8];
       if constexpr (kMode == TileMode::kTile) {
 #pragma unroll
         for (int r = 0; r < 8; ++r) {
-          rs[r] = scale_from_amax(ra[r], kMax, a.pow2);
+          const float s = scale_from_amax(ra[r], kMax, a.pow2);
+          rs[r] = group_scale(s);
           const std::int64_t row = r0 + r;
           if (cg == 0 && row < a.rows) {
-            a.scales[a.m_major ? bj * a.pitch + row : row * a.col_tiles + bj] = rs[r];
+            a.scales[a.m_major ? bj * a.pitch + row : row * a.col_tiles + bj] = s;
           }
         }
         if (a.m_major) {  // zero padding of the m-major layouts: rows M .. align4(M) - 1
@@ -318,19 +339,20 @@ __global__ void __launch_bounds__(kTileThreads) tile_kernel(TileArgs a) {
         }
       } else if constexpr (kMode == TileMode::kBlock) {
         const float s = scale_from_amax(whole, kMax, a.pow2);
+        const GroupScale g = group_scale(s);
 #pragma unroll
-        for (int r = 0; r < 8; ++r) rs[r] = s;
+        for (int r = 0; r < 8; ++r) rs[r] = g;
         if (tid == 0) {
           a.scales[bi * a.col_tiles + bj] = s;
           if (kTranspose) a.scales_t[bj * a.row_tiles + bi] = s;
         }
       } else if constexpr (kMode == TileMode::kGivenRow) {
 #pragma unroll
-        for (int r = 0; r < 8; ++r) rs[r] = r0 + r < a.rows ? a.scales[r0 + r] : 1.0f;
+        for (int r = 0; r < 8; ++r) rs[r] = group_scale(r0 + r < a.rows ? a.scales[r0 + r] : 1.0f);
       } else {  // kGivenTensor
-        const float s = a.scales[0];
+        const GroupScale g = group_scale(a.scales[0]);
 #pragma unroll
-        for (int r = 0; r < 8; ++r) rs[r] = s;
+        for (int r = 0; r < 8; ++r) rs[r] = g;
       }
 
       uint2 qc[8];
@@ -350,11 +372,11 @@ __global__ void __launch_bounds__(kTileThreads) tile_kernel(TileArgs a) {
         } else {
 #pragma unroll
           for (int c = 0; c < 8; ++c) {
-            float s;
+            GroupScale s;
             if constexpr (kMode == TileMode::kTile) {
               s = col_scale[cg * 8 + c];
             } else {  // kGivenRow
-              s = c0 + c < a.cols ? a.scales_t[c0 + c] : 1.0f;
+              s = group_scale(c0 + c < a.cols ? a.scales_t[c0 + c] : 1.0f);
             }
             float v[8];
 #pragma unroll
@@ -422,7 +444,8 @@ __global__ void __launch_bounds__(256) tile_rows_kernel(TileArgs a) {
         if (col < a.cols) {
           float v[8];
           to_floats8(raw[k], v);
-          store_codes8(a.q + row * a.q_stride + col, quantize8<kE4M3>(v, s), col, a.cols, a.q_vec);
+          store_codes8(a.q + row * a.q_stride + col, quantize8<kE4M3>(v, group_scale(s)), col,
+                       a.cols, a.q_vec);
         }
       }
       // m-major zero padding, rows M .. align4(M) - 1 of each tile column.
@@ -510,13 +533,14 @@ __global__ void __launch_bounds__(kThreads < 256 ? 256 : kThreads) row_kernel(Ro
     const float s = scale_from_amax(m, kFp8Max<kE4M3>, a.pow2);
     if (!valid) continue;
     if (lane == 0) a.scales[row] = s;
+    const GroupScale g = group_scale(s);
 #pragma unroll
     for (int k = 0; k < kChunks; ++k) {
       const std::int64_t col = (static_cast<std::int64_t>(k) * kThreads + lane) * 8;
       if (col >= a.cols) continue;
       float v[8];
       to_floats8(raw[k], v);
-      store_codes8(a.q + row * a.q_stride + col, quantize8<kE4M3>(v, s), col, a.cols, a.q_vec);
+      store_codes8(a.q + row * a.q_stride + col, quantize8<kE4M3>(v, g), col, a.cols, a.q_vec);
     }
   }
 }
