@@ -260,10 +260,12 @@ TEST(Fp8QuantizeCuda, EmptyRowsOrColumns) {
 
 // 130 x 300: a NaN in one group, an Inf in another, a row of float32 subnormal multiples of
 // 2^-149 that meet the fp8 saturation boundary (r rounds below amax / fmax), a row whose amax
-// makes r underflow (scale 1), a zero row, a row at exactly fmax, and input-dtype subnormals.
+// makes r underflow (scale 1), a zero row, a row at exactly fmax, input-dtype subnormals, and
+// rows around the limits of the division-free quotient (fp8_quotient.h).
 HostTensor special_input(DType dtype) {
   const std::int64_t M = 130, N = 300;
   HostTensor x = random_input(dtype, M, N, true);
+  std::uniform_real_distribution<double> unit(-1.0, 1.0);
   const double d = std::ldexp(1.0, -149);
   const double boundary[] = {600, 464, 480, 456, 440, 420, 432, 1, -600, 0,
                              70000, 61440, 60000, 55296, 53248};
@@ -277,6 +279,15 @@ HostTensor special_input(DType dtype) {
                                         : dtype == DType::kFloat16 ? -24
                                                                    : -133);
     x.set(44 * N + j, (j % 5 - 2) * sub);
+    // Elements from amax down to 2^-149 (signed zeros too), for amax where the scale sits just
+    // inside (2^-68: e4m3) or outside (2^-72; 2^-68 for e5m2) the division-free quotient's range
+    // (kMinReciprocalScale), and for a huge amax: tiny quotients under a large or small 1/s.
+    const int top[] = {-68, -72, 120};
+    for (int r = 0; r < 3; ++r) {
+      const int k = j == 0 ? top[r] : top[r] - static_cast<int>(j * (top[r] + 149) / N);
+      x.set((45 + r) * N + j, j % 37 == 5 ? (j % 2 ? 0.0 : -0.0)
+                                          : std::ldexp(j == 0 ? 1.0 : unit(test::rng()), k));
+    }
   }
   x.set(5 * N + 7, NAN);         // row 5, tile 0, block (0, 0)
   x.set(129 * N + 200, INFINITY);  // row 129, tile 1, block (1, 1)

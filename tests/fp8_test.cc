@@ -1,12 +1,17 @@
 #include <algorithm>
+#include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "core/host_dtype.h"
+#include "core/parallel.h"
+#include "ops/fp8/fp8_quotient.h"
 #include "trainscale/fp8.h"
 #include "util/gpu_util.h"
 #include "util/test_util.h"
@@ -59,6 +64,13 @@ float power_of_two_at_least(float r) {
   return s;
 }
 
+// The contract's dequant scale for a group's amax.
+float contract_scale(float amax, float fmax, bool power_of_two) {
+  const float r = amax / fmax;
+  if (r == 0.0f) return 1.0f;
+  return power_of_two && std::isfinite(r) ? power_of_two_at_least(r) : r;
+}
+
 std::pair<std::int64_t, std::int64_t> group_of(Fp8Granularity g, std::int64_t i, std::int64_t j) {
   switch (g) {
     case Fp8Granularity::kTensor: return {0, 0};
@@ -105,10 +117,7 @@ Expected naive_quantize(const std::vector<float>& x, std::int64_t M, std::int64_
         }
       }
       if (any_nan) amax = NAN;
-      const float r = amax / fp8_max(fp8);
-      const float s = r == 0.0f                              ? 1.0f
-                      : power_of_two && std::isfinite(r) ? power_of_two_at_least(r)
-                                                             : r;
+      const float s = contract_scale(amax, fp8_max(fp8), power_of_two);
       e.scales.push_back(s);
       for (std::int64_t i = r0; i < r1; ++i) {
         for (std::int64_t j = c0; j < c1; ++j) e.codes[i * N + j] = encode(fp8, x[i * N + j] / s);
@@ -621,6 +630,200 @@ TEST(Fp8Quantize, EmptyRowsOrColumns) {
   fp8_quantize(null_x, TensorView(nullptr, DType::kFloat8E4M3, {0, 5}),
                TensorView(&scale, DType::kFloat32, {1}), {}, {}, {Fp8Granularity::kTensor});
   EXPECT_EQ(scale, 1.0f);
+}
+
+// --- The kernels' division-free quotient (ops/fp8/fp8_quotient.h) against float32 division ---
+
+using ops::fp8::nearest_reciprocal;
+using ops::fp8::reciprocal_quotient;
+using ops::fp8::reciprocal_quotient_is_exact;
+
+// x / s as the kernels compute it: by the reciprocal where that is exact for s, else divided.
+float kernel_quotient(float x, float s) {
+  return reciprocal_quotient_is_exact(s) ? reciprocal_quotient(x, s, nearest_reciprocal(s)) : x / s;
+}
+
+std::uint32_t bits_of(float v) {
+  std::uint32_t b;
+  std::memcpy(&b, &v, sizeof b);
+  return b;
+}
+
+// Pairs x, s in [1, 2) (s = S * 2^-23) whose quotient lies within `reach` units of
+// 2^-(23 + k) of a midpoint m = M * 2^-k of the quotient's binade: k = 24 for quotients in [1, 2),
+// 25 for [1/2, 1). 2^k * x - S * M = t then has the 2-adic valuation of S, so S * M = -t modulo
+// 2^k fixes M modulo 2^(k - v) (v = that valuation, t = 2^v t', M odd) and x follows.
+template <class Fn>
+void for_each_near_midpoint_pair(std::uint32_t S, int reach, Fn&& fn) {
+  const int v = std::countr_zero(S);
+  const std::uint64_t odd = S >> v;
+  std::uint64_t inverse = odd;  // Newton's iteration for odd^-1 modulo 2^64
+  for (int i = 0; i < 6; ++i) inverse *= 2 - odd * inverse;
+  for (int k = 24; k <= 25; ++k) {
+    if (v >= k) continue;
+    const std::uint64_t modulus = std::uint64_t{1} << (k - v);
+    for (int t = -reach; t <= reach; ++t) {
+      if (t == 0 || std::countr_zero(static_cast<unsigned>(std::abs(t))) != v) continue;
+      const std::int64_t t_odd = t / (1 << v);
+      const std::uint64_t first = (static_cast<std::uint64_t>(-t_odd) * inverse) & (modulus - 1);
+      // Every such M in [2^24, 2^25): the midpoints of one binade.
+      const std::uint64_t lo = std::uint64_t{1} << 24;
+      const std::uint64_t skip = first < lo ? (lo - first + modulus - 1) / modulus * modulus : 0;
+      for (std::uint64_t M = first + skip; M < 2 * lo; M += modulus) {
+        const std::int64_t X = (static_cast<std::int64_t>(S * M) + t) >> k;
+        if (X >= (1 << 23) && X < (1 << 24)) fn(std::ldexp(static_cast<float>(X), -23));
+      }
+    }
+  }
+}
+
+// The proof of fp8_quotient.h for x, s in [1, 2). There y = RN(x r) is within 1.5 ulps of
+// Q = x / s, |rs - 1| <= 2^-24 (r = RN(1/s)) and |y s - x| < 2^-22, so d is exact or off by at most
+// 2^-47, and y - d r differs from Q by Q (rs - 1)^2 + (y - x r)(rs - 1) + r (d - (y s - x)),
+// below 5 * 2^-48. RN(y - d r) != RN(Q) needs a midpoint m within that of Q, i.e.
+// |2^k x - S m 2^k| = |t| < 10 in the units above. Every such pair, for every scale significand,
+// must give the division's bits (reach 12 for margin); a reciprocal one ulp off must not.
+TEST(Fp8Quotient, ExactNearEveryRoundingMidpointForEveryScaleSignificand) {
+  constexpr std::uint32_t kFirst = 1u << 23, kCount = 1u << 23;
+  constexpr int kReach = 12;
+  std::atomic<std::int64_t> total{0}, failures{0};
+  detail::parallel_for(kCount, 1 << 16, [&](std::int64_t lo, std::int64_t hi) {
+    std::int64_t n = 0, bad = 0;
+    for (std::int64_t i = lo; i < hi; ++i) {
+      const auto S = static_cast<std::uint32_t>(kFirst + i);
+      const float s = std::ldexp(static_cast<float>(S), -23), r = nearest_reciprocal(s);
+      for_each_near_midpoint_pair(S, kReach, [&](float x) {
+        ++n;
+        bad += bits_of(reciprocal_quotient(x, s, r)) != bits_of(x / s);
+      });
+    }
+    total += n;
+    failures += bad;
+  });
+  std::printf("[fp8] division-free quotient: %lld pairs near midpoints checked\n",
+              static_cast<long long>(total.load()));
+  EXPECT_GT(total.load(), std::int64_t{1} << 25);
+  EXPECT_EQ(failures.load(), 0);
+  // The same pairs catch a reciprocal one ulp off: the check has teeth.
+  std::int64_t caught = 0;
+  for (std::uint32_t S = kFirst; S < kFirst + (1u << 12); ++S) {
+    const float s = std::ldexp(static_cast<float>(S), -23);
+    const float r = std::nextafter(nearest_reciprocal(s), 2.0f);
+    for_each_near_midpoint_pair(S, kReach, [&](float x) {
+      caught += bits_of(reciprocal_quotient(x, s, r)) != bits_of(x / s);
+    });
+  }
+  EXPECT_GT(caught, 0);
+}
+
+// Checks x / s for one group (scale from amax) over `inputs`, the values with |x| <= amax (any
+// when amax is NaN): the float32 bits of the division wherever the kernels take the reciprocal
+// path and |x / s| >= 2^-19, the fp8 codes of both formats everywhere. Returns the failures.
+std::int64_t check_group(float amax, float fmax, bool pow2, const std::vector<float>& inputs,
+                         std::int64_t& bit_differences) {
+  const float s = contract_scale(amax, fmax, pow2);
+  std::int64_t failures = 0;
+  for (float x : inputs) {
+    if (!std::isnan(amax) && !(std::fabs(x) <= amax)) continue;
+    const float got = kernel_quotient(x, s), want = x / s;
+    if (bits_of(got) == bits_of(want) || (std::isnan(got) && std::isnan(want))) continue;
+    ++bit_differences;
+    const bool bits_required = reciprocal_quotient_is_exact(s) && std::fabs(want) >= 0x1p-19f;
+    bool same = !bits_required;
+    for (DType fp8 : kFp8Types) same = same && encode(fp8, got) == encode(fp8, want);
+    if (!same && failures++ < 5) {
+      ADD_FAILURE() << "amax " << std::hexfloat << amax << " s " << s << " x " << x << ": got "
+                    << got << ", division " << want;
+    }
+  }
+  return failures;
+}
+
+// Group amaxes: edges (zero, subnormals, the reciprocal path's limits, fmax multiples that give
+// power-of-two scales, integers that give multiples of 1/fmax, all-ones significands, the
+// largest finite values, Inf and NaN) and random ones spread over every exponent.
+std::vector<float> amax_cases() {
+  std::vector<float> a = {0.0f, 0x1p-149f, 3 * 0x1p-149f, 224 * 0x1p-149f, 225 * 0x1p-149f,
+                          0x1p-133f, 0x1p-126f, 0x1.fffffep-1f, 0x1p-24f, 0x1p-14f, 1.0f, 448.0f,
+                          57344.0f, 65504.0f, 0x1.fep127f, std::numeric_limits<float>::max(),
+                          std::numeric_limits<float>::infinity(), NAN};
+  for (float fmax : {448.0f, 57344.0f}) {
+    for (int e = -149; e <= 127; e += 3) a.push_back(std::ldexp(fmax, e));
+    for (int k = 1; k <= 16; ++k) a.push_back(static_cast<float>(k));
+    // Where s crosses the reciprocal path's lower limit, and s with an all-ones significand.
+    const float edge = fmax * ops::fp8::kMinReciprocalScale;
+    for (float v : {edge, std::nextafter(edge, 0.0f), std::nextafter(edge, 1.0f)}) a.push_back(v);
+    for (int e : {-100, -81, -80, -79, -20, 0, 20, 100}) {
+      a.push_back(fmax * std::ldexp(0x1.fffffep0f, e));
+    }
+  }
+  for (int e = -149; e <= 127; e += 7) a.push_back(std::ldexp(0x1.fffffep0f, e));
+  std::uniform_int_distribution<std::uint32_t> finite(1, 0x7f7fffffu);
+  for (int k = 0; k < 160; ++k) {
+    const std::uint32_t b = finite(test::rng());
+    float v;
+    std::memcpy(&v, &b, sizeof v);
+    a.push_back(v);
+  }
+  return a;
+}
+
+// Every bf16 and every fp16 bit pattern against every amax above, both formats, both scale kinds.
+TEST(Fp8Quotient, Fp8CodesMatchDivisionForEveryBf16AndFp16Input) {
+  std::vector<float> inputs;
+  for (std::uint32_t b = 0; b < 0x10000u; ++b) {
+    inputs.push_back(static_cast<float>(detail::bf16_to_double(static_cast<std::uint16_t>(b))));
+    inputs.push_back(static_cast<float>(detail::half_to_double(static_cast<std::uint16_t>(b))));
+  }
+  const std::vector<float> amaxes = amax_cases();
+  std::atomic<std::int64_t> failures{0}, differences{0};
+  const auto count = static_cast<std::int64_t>(amaxes.size());
+  detail::parallel_for(count, 4, [&](std::int64_t lo, std::int64_t hi) {
+    std::int64_t diff = 0;
+    for (std::int64_t i = lo; i < hi; ++i) {
+      for (float fmax : {448.0f, 57344.0f}) {
+        for (bool pow2 : {false, true}) {
+          failures += check_group(amaxes[i], fmax, pow2, inputs, diff);
+        }
+      }
+    }
+    differences += diff;
+  });
+  std::printf("[fp8] %zu amaxes x %zu bf16/fp16 inputs: %lld float32 quotients differ, all below "
+              "2^-19 with equal fp8 codes\n",
+              amaxes.size(), inputs.size(), static_cast<long long>(differences.load()));
+  EXPECT_EQ(failures.load(), 0);
+}
+
+// float32 inputs: random amaxes over every exponent, and random x below each (subnormals too).
+TEST(Fp8Quotient, Fp8CodesMatchDivisionForRandomFloat32Inputs) {
+  const std::vector<float> amaxes = amax_cases();
+  std::atomic<std::int64_t> failures{0}, differences{0};
+  const auto count = static_cast<std::int64_t>(amaxes.size());
+  detail::parallel_for(count, 4, [&](std::int64_t lo, std::int64_t hi) {
+    std::mt19937_64 gen(static_cast<std::uint64_t>(lo) * 7919 + 1);
+    std::int64_t diff = 0;
+    for (std::int64_t i = lo; i < hi; ++i) {
+      const float amax = amaxes[i];
+      const std::uint32_t top = std::isfinite(amax) ? bits_of(amax) : 0x7f7fffffu;
+      std::uniform_int_distribution<std::uint32_t> below(0, top);
+      std::vector<float> inputs;
+      for (int k = 0; k < 20000; ++k) {
+        const std::uint32_t b = below(gen) | (k % 2 ? 0x80000000u : 0u);
+        float x;
+        std::memcpy(&x, &b, sizeof x);
+        inputs.push_back(x);
+      }
+      for (float fmax : {448.0f, 57344.0f}) {
+        for (bool pow2 : {false, true}) failures += check_group(amax, fmax, pow2, inputs, diff);
+      }
+    }
+    differences += diff;
+  });
+  std::printf("[fp8] random float32 inputs: %lld float32 quotients differ, all below 2^-19 with "
+              "equal fp8 codes\n",
+              static_cast<long long>(differences.load()));
+  EXPECT_EQ(failures.load(), 0);
 }
 
 // --- Dequantize ---

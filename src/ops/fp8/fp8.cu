@@ -1,6 +1,8 @@
 // FP8 quantize / dequantize kernels. The arithmetic is fixed by include/trainscale/fp8.h and
-// matched bit for bit: amax over |x| as float, r = amax / fmax and q = x / s as IEEE float32
-// divisions (__fdiv_rn; the library is built without fast math, so no flush to zero), and the
+// matched bit for bit: amax over |x| as float, r = amax / fmax as an IEEE float32 division
+// (__fdiv_rn; the library is built without fast math, so no flush to zero), q = x / s as the same
+// division's result, computed per element without dividing (fp8_quotient.h: RN(1/s) once per
+// group, then a multiply and two FMAs; groups whose scale is out of that range divide), and the
 // saturating round-to-nearest-even fp8 cast (cvt.rn.satfinite.{e4m3,e5m2}x2.f32).
 //
 // amax is taken as the unsigned maximum of the bit patterns of |x|: for non-negative floats the
@@ -11,10 +13,12 @@
 // Kernels:
 //   tile_kernel  one 128x128 tile of x per 256-thread block (each thread an 8x8 sub-block, rows
 //                read as 16-byte vectors): 1x128 tiles with the transposed copy,
-//                128x128 blocks, and the quantize / amax passes of the per-tensor scale and of
-//                per-row scales with the transposed copy. The transposed copy goes through a
-//                swizzled 16 KB shared-memory tile of fp8 codes, written as 16-byte rows of q_t.
+//                128x128 blocks, the quantize pass of the per-tensor scale, and the amax and
+//                quantize passes of per-row scales with the transposed copy. The transposed copy
+//                goes through a swizzled 16 KB shared-memory tile of fp8 codes, written as 16-byte
+//                rows of q_t.
 //   tile_rows_kernel  1x128 scales without the transposed copy: a half warp per row, 4 tiles each.
+//   tensor_amax_kernel  the per-tensor amax pass: a streaming read of x.
 //   row_kernel   per-row scales without the transposed copy: the row in registers, one read.
 //   dequant_kernel  y = float(q) * s.
 // Global amax (per tensor; per row / column with the transposed copy; rows too long for the
@@ -31,9 +35,11 @@
 
 #include "common/cuda_check.h"
 #include "common/dtype.cuh"
+#include "common/elementwise.cuh"
 #include "common/vec.cuh"
 #include "ops/fp8/fp8_cuda.h"
 #include "ops/fp8/fp8_internal.h"
+#include "ops/fp8/fp8_quotient.h"
 
 namespace trainscale::ops::fp8 {
 namespace {
@@ -68,18 +74,59 @@ __device__ __forceinline__ float scale_from_amax(unsigned amax_bits, float fmax,
   return (mantissa & (mantissa - 1)) == 0 ? r : __uint_as_float(1u << (32 - __clz(mantissa)));
 }
 
+// A group's scale s with r = RN(1/s) where the division-free quotient is exact for s, else 0.
+struct GroupScale {
+  float s, r;
+};
+
+__device__ __forceinline__ GroupScale group_scale(float s) {
+  return {s, reciprocal_quotient_is_exact(s) ? nearest_reciprocal(s) : 0.0f};
+}
+
+// Scales of kGroups groups whose amax bits every lane of a 16-lane half warp holds: lane l
+// computes group l % kGroups and the others take it by shuffle, so a group costs one division and
+// one reciprocal per half warp, not per lane. `own` gets lane l's group's scale (to store it).
+template <int kGroups>
+__device__ __forceinline__ void half_warp_scales(const unsigned (&amax)[kGroups], float fmax,
+                                                 bool pow2, GroupScale (&g)[kGroups], float& own) {
+  const int lane = threadIdx.x & 15;
+  unsigned mine = amax[0];
+#pragma unroll
+  for (int k = 1; k < kGroups; ++k) mine = lane % kGroups == k ? amax[k] : mine;
+  own = scale_from_amax(mine, fmax, pow2);
+  const GroupScale computed = group_scale(own);
+  if constexpr (kGroups == 1) {
+    g[0] = computed;
+  } else {
+    const int half = threadIdx.x & 16;  // the half warp's first lane
+#pragma unroll
+    for (int k = 0; k < kGroups; ++k) {
+      g[k].s = __shfl_sync(kFullMask, computed.s, half | k);
+      g[k].r = __shfl_sync(kFullMask, computed.r, half | k);
+    }
+  }
+}
+
 template <bool kE4M3>
 __device__ __forceinline__ unsigned encode2(float a, float b) {
   // x.x lands in the low byte.
   return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, kE4M3 ? __NV_E4M3 : __NV_E5M2);
 }
 
-// Codes of 8 values sharing scale s, value k in byte k: one float32 division each, then the cast.
+// Codes of 8 values of one group, value k in byte k: the float32 quotient, then the cast.
 template <bool kE4M3>
-__device__ __forceinline__ uint2 quantize8(const float (&v)[8], float s) {
+__device__ __forceinline__ uint2 quantize8(const float (&v)[8], GroupScale g) {
+  float q[8];
+  if (g.r != 0.0f) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) q[k] = reciprocal_quotient(v[k], g.s, g.r);
+  } else {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) q[k] = __fdiv_rn(v[k], g.s);
+  }
   unsigned w[4];
 #pragma unroll
-  for (int k = 0; k < 4; ++k) w[k] = encode2<kE4M3>(__fdiv_rn(v[2 * k], s), __fdiv_rn(v[2 * k + 1], s));
+  for (int k = 0; k < 4; ++k) w[k] = encode2<kE4M3>(q[2 * k], q[2 * k + 1]);
   return make_uint2(w[0] | (w[1] << 16), w[2] | (w[3] << 16));
 }
 
@@ -146,7 +193,6 @@ enum class TileMode {
   kGivenRow,     // scales[row] for q, scales_t[col] for q_t: finalized by an earlier pass
   kGivenTensor,  // scales[0] for both
   kAmaxRow,      // amax bits of each row into scales (and of each column into scales_t)
-  kAmaxTensor,   // amax bits of the whole tensor into scales[0]
 };
 
 struct TileArgs {
@@ -185,17 +231,17 @@ __device__ __forceinline__ void transpose8x8(const uint2 (&in)[8], uint2 (&out)[
 
 template <class T, bool kE4M3, TileMode kMode, bool kTranspose>
 __global__ void __launch_bounds__(kTileThreads) tile_kernel(TileArgs a) {
-  constexpr bool kAmaxOnly = kMode == TileMode::kAmaxRow || kMode == TileMode::kAmaxTensor;
+  constexpr bool kAmaxOnly = kMode == TileMode::kAmaxRow;
   constexpr bool kRowAmax = kMode == TileMode::kTile || kMode == TileMode::kAmaxRow;
   constexpr bool kColAmax = kTranspose && kRowAmax;
-  constexpr bool kWholeAmax = kMode == TileMode::kBlock || kMode == TileMode::kAmaxTensor;
+  constexpr bool kWholeAmax = kMode == TileMode::kBlock;
   // q and q_t quantize each element with the same scale: q_t is the transpose of q's codes.
   constexpr bool kSameScale = kMode == TileMode::kBlock || kMode == TileMode::kGivenTensor;
   constexpr bool kStage = kTranspose && !kAmaxOnly;
   constexpr float kMax = kFp8Max<kE4M3>;
 
   __shared__ unsigned col_amax[kColAmax ? kTileThreads / 32 : 1][128];
-  __shared__ float col_scale[kMode == TileMode::kTile && kTranspose ? 128 : 1];
+  __shared__ GroupScale col_scale[kMode == TileMode::kTile && kTranspose ? 128 : 1];
   // q_t's 128 x 128 codes: row jl (a column of x) holds 16 chunks of 8 codes (8 rows of x);
   // logical chunk L sits at physical chunk L ^ ((jl / 8) % 16), so that both the 8-byte writes
   // (16 lanes: 16 columns groups, one chunk each) and the 16-byte reads are conflict free.
@@ -244,10 +290,6 @@ __global__ void __launch_bounds__(kTileThreads) tile_kernel(TileArgs a) {
 #pragma unroll
       for (int w = 0; w < kTileThreads / 32; ++w) whole = max(whole, warp_amax[w]);
     }
-    if constexpr (kMode == TileMode::kAmaxTensor) {
-      if (tid == 0 && whole != 0) atomicMax(reinterpret_cast<unsigned*>(a.scales), whole);
-    }
-
     if constexpr (kRowAmax) {
       // A tile row is held by the 16 lanes of one half warp.
 #pragma unroll
@@ -288,7 +330,7 @@ __global__ void __launch_bounds__(kTileThreads) tile_kernel(TileArgs a) {
           if (j < a.cols && m != 0) atomicMax(reinterpret_cast<unsigned*>(a.scales_t) + j, m);
         } else {
           const float s = scale_from_amax(m, kMax, a.pow2);
-          col_scale[tid] = s;
+          col_scale[tid] = group_scale(s);
           // scales_t is the 1x128 grid of x^T: row j, tile bi.
           if (j < a.cols) a.scales_t[a.m_major ? bi * a.pitch_t + j : j * a.row_tiles + bi] = s;
         }
@@ -298,15 +340,13 @@ __global__ void __launch_bounds__(kTileThreads) tile_kernel(TileArgs a) {
 
     if constexpr (!kAmaxOnly) {
       // Row scales for q.
-      float rs[8];
+      GroupScale rs[8];
       if constexpr (kMode == TileMode::kTile) {
-#pragma unroll
-        for (int r = 0; r < 8; ++r) {
-          rs[r] = scale_from_amax(ra[r], kMax, a.pow2);
-          const std::int64_t row = r0 + r;
-          if (cg == 0 && row < a.rows) {
-            a.scales[a.m_major ? bj * a.pitch + row : row * a.col_tiles + bj] = rs[r];
-          }
+        float own;
+        half_warp_scales(ra, kMax, a.pow2, rs, own);
+        const std::int64_t row = r0 + cg;
+        if (cg < 8 && row < a.rows) {
+          a.scales[a.m_major ? bj * a.pitch + row : row * a.col_tiles + bj] = own;
         }
         if (a.m_major) {  // zero padding of the m-major layouts: rows M .. align4(M) - 1
           if (bi == a.row_tiles - 1 && tid < a.pitch - a.rows) {
@@ -318,19 +358,20 @@ __global__ void __launch_bounds__(kTileThreads) tile_kernel(TileArgs a) {
         }
       } else if constexpr (kMode == TileMode::kBlock) {
         const float s = scale_from_amax(whole, kMax, a.pow2);
+        const GroupScale g = group_scale(s);
 #pragma unroll
-        for (int r = 0; r < 8; ++r) rs[r] = s;
+        for (int r = 0; r < 8; ++r) rs[r] = g;
         if (tid == 0) {
           a.scales[bi * a.col_tiles + bj] = s;
           if (kTranspose) a.scales_t[bj * a.row_tiles + bi] = s;
         }
       } else if constexpr (kMode == TileMode::kGivenRow) {
 #pragma unroll
-        for (int r = 0; r < 8; ++r) rs[r] = r0 + r < a.rows ? a.scales[r0 + r] : 1.0f;
+        for (int r = 0; r < 8; ++r) rs[r] = group_scale(r0 + r < a.rows ? a.scales[r0 + r] : 1.0f);
       } else {  // kGivenTensor
-        const float s = a.scales[0];
+        const GroupScale g = group_scale(a.scales[0]);
 #pragma unroll
-        for (int r = 0; r < 8; ++r) rs[r] = s;
+        for (int r = 0; r < 8; ++r) rs[r] = g;
       }
 
       uint2 qc[8];
@@ -350,11 +391,11 @@ __global__ void __launch_bounds__(kTileThreads) tile_kernel(TileArgs a) {
         } else {
 #pragma unroll
           for (int c = 0; c < 8; ++c) {
-            float s;
+            GroupScale s;
             if constexpr (kMode == TileMode::kTile) {
               s = col_scale[cg * 8 + c];
             } else {  // kGivenRow
-              s = c0 + c < a.cols ? a.scales_t[c0 + c] : 1.0f;
+              s = group_scale(c0 + c < a.cols ? a.scales_t[c0 + c] : 1.0f);
             }
             float v[8];
 #pragma unroll
@@ -412,18 +453,21 @@ __global__ void __launch_bounds__(256) tile_rows_kernel(TileArgs a) {
           m[k] = max(m[k], __shfl_xor_sync(kFullMask, m[k], offset));
         }
       }
+      GroupScale g[kTiles];
+      float own;
+      half_warp_scales(m, kFp8Max<kE4M3>, a.pow2, g, own);
+      if (valid && lane < kTiles && t0 + lane < a.col_tiles) {
+        const std::int64_t t = t0 + lane;
+        a.scales[a.m_major ? t * a.pitch + row : row * a.col_tiles + t] = own;
+      }
 #pragma unroll
       for (int k = 0; k < kTiles; ++k) {
-        const std::int64_t t = t0 + k;
-        const std::int64_t col = t * 128 + lane * 8;
-        if (!valid || t >= a.col_tiles) continue;
-        const float s = scale_from_amax(m[k], kFp8Max<kE4M3>, a.pow2);
-        if (lane == 0) a.scales[a.m_major ? t * a.pitch + row : row * a.col_tiles + t] = s;
-        if (col < a.cols) {
-          float v[8];
-          to_floats8(raw[k], v);
-          store_codes8(a.q + row * a.q_stride + col, quantize8<kE4M3>(v, s), col, a.cols, a.q_vec);
-        }
+        const std::int64_t col = (t0 + k) * 128 + lane * 8;
+        if (!valid || t0 + k >= a.col_tiles || col >= a.cols) continue;
+        float v[8];
+        to_floats8(raw[k], v);
+        store_codes8(a.q + row * a.q_stride + col, quantize8<kE4M3>(v, g[k]), col, a.cols,
+                     a.q_vec);
       }
       // m-major zero padding, rows M .. align4(M) - 1 of each tile column.
       if (a.m_major && rb == last_group && threadIdx.x < a.pitch - a.rows) {
@@ -510,13 +554,14 @@ __global__ void __launch_bounds__(kThreads < 256 ? 256 : kThreads) row_kernel(Ro
     const float s = scale_from_amax(m, kFp8Max<kE4M3>, a.pow2);
     if (!valid) continue;
     if (lane == 0) a.scales[row] = s;
+    const GroupScale g = group_scale(s);
 #pragma unroll
     for (int k = 0; k < kChunks; ++k) {
       const std::int64_t col = (static_cast<std::int64_t>(k) * kThreads + lane) * 8;
       if (col >= a.cols) continue;
       float v[8];
       to_floats8(raw[k], v);
-      store_codes8(a.q + row * a.q_stride + col, quantize8<kE4M3>(v, s), col, a.cols, a.q_vec);
+      store_codes8(a.q + row * a.q_stride + col, quantize8<kE4M3>(v, g), col, a.cols, a.q_vec);
     }
   }
 }
@@ -550,6 +595,77 @@ void launch_rows(const RowArgs& a, cudaStream_t stream) {
     go(integral_constant<int, 512>{}, integral_constant<int, 4>{});
   } else {
     go(integral_constant<int, 1024>{}, integral_constant<int, 4>{});
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per-tensor amax: a plain streaming read (the elementwise walk: 16-byte units, kAmaxUnroll
+// loads in flight per thread, a grid as large as the work), a warp max, one atomicMax per block.
+
+constexpr int kAmaxThreads = 256;
+constexpr int kAmaxUnroll = 4;
+
+template <class T, int V>
+__global__ void __launch_bounds__(kAmaxThreads)
+    tensor_amax_kernel(const T* x, std::int64_t x_stride, const detail::UnitWalk w,
+                       unsigned* amax) {
+  unsigned m = 0;
+  for (detail::UnitPos p = detail::walk_start<kAmaxThreads, kAmaxUnroll>(w); p.i < w.rows;) {
+    detail::UnitPos at[kAmaxUnroll];
+    detail::tile_positions(w, p, at);
+    Vec<T, V> v[kAmaxUnroll];
+#pragma unroll
+    for (int k = 0; k < kAmaxUnroll; ++k) {
+      if (at[k].i < w.rows) v[k] = load_raw<T, V>(x + at[k].i * x_stride + at[k].j * V);
+    }
+#pragma unroll
+    for (int k = 0; k < kAmaxUnroll; ++k) {
+      if (at[k].i >= w.rows) continue;
+#pragma unroll
+      for (int e = 0; e < V; ++e) m = max(m, abs_bits(to_float(v[k].v[e])));
+    }
+    p = at[kAmaxUnroll - 1];
+    detail::advance(p, w.grid_step, w.units);
+  }
+  if constexpr (V > 1) {  // the last cols % V elements of every row
+    const std::int64_t count = w.rows * w.tail, first = w.units * V;
+    for (std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kAmaxThreads + threadIdx.x;
+         t < count; t += static_cast<std::int64_t>(gridDim.x) * kAmaxThreads) {
+      const std::int64_t i = t / w.tail;
+      m = max(m, abs_bits(to_float(x[i * x_stride + first + (t - i * w.tail)])));
+    }
+  }
+  __shared__ unsigned warp_amax[kAmaxThreads / 32];
+  m = __reduce_max_sync(kFullMask, m);
+  if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = m;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int k = 0; k < kAmaxThreads / 32; ++k) m = max(m, warp_amax[k]);
+    if (m != 0) atomicMax(amax, m);
+  }
+}
+
+template <class T>
+void launch_tensor_amax(const TileArgs& a, cudaStream_t stream, const char* op) {
+  const detail::ElementwisePlan plan = detail::plan_elementwise(
+      a.rows, a.cols, std::array{detail::StridedRows{const_cast<void*>(a.x), a.x_stride}},
+      sizeof(T));
+  // plan.rows == 1 when the rows are contiguous: then the stride is never applied.
+  const auto go = [&](auto vec) {
+    constexpr int V = decltype(vec)::value;
+    const std::int64_t units = plan.rows * (plan.cols / V);
+    const std::int64_t grid = detail::grid_for_tiles(units, kAmaxThreads * kAmaxUnroll);
+    const detail::UnitWalk w =
+        detail::make_walk(plan.rows, plan.cols, V, grid, kAmaxThreads, kAmaxUnroll);
+    tensor_amax_kernel<T, V><<<static_cast<unsigned>(grid), kAmaxThreads, 0, stream>>>(
+        static_cast<const T*>(a.x), a.x_stride, w, reinterpret_cast<unsigned*>(a.scales));
+    detail::check_launch(op);
+  };
+  if (plan.vectorized) {
+    go(std::integral_constant<int, detail::kVec16<T>>{});
+  } else {
+    go(std::integral_constant<int, 1>{});
   }
 }
 
@@ -681,7 +797,7 @@ void quantize(const TensorView& x, TensorView q, TensorView scales, TensorView q
       return;
     case Fp8Granularity::kTensor:
       zero(s, 1, stream, op);
-      launch_tiles<T, kE4M3, TileMode::kAmaxTensor, false>(a, stream, op);
+      launch_tensor_amax<T>(a, stream, op);
       finalize(s, 1, kMax, pow2, s_t, stream, op);
       launch_tiles<T, kE4M3, TileMode::kGivenTensor>(a, transpose, stream, op);
       return;
