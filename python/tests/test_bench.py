@@ -1,4 +1,5 @@
-"""python -m trainscale.bench on the CPU (smoke suite, short timing): the JSON of
+"""python -m trainscale.bench on the CPU (smoke suite, short timing; --device cpu, so the same on a
+GPU machine): the JSON of
 docs/bench-json.md with ours and the PyTorch baselines gated and timed, CSV / Markdown from the
 C++ reporters, the suites from the C++ registry, usage errors."""
 import json
@@ -7,9 +8,11 @@ import sys
 
 import pytest
 
+from conftest import cuda
 from trainscale import _C, bench
 
 FAST = ["--timeout-ms", "30", "--min-time-ms", "2", "--min-samples", "3", "--warmup-ms", "1", "--quiet"]
+CPU = FAST + ["--device", "cpu"]
 OPS = "rmsnorm_fwd,rmsnorm_bwd,fused_add_rmsnorm_fwd,layernorm_fwd,layernorm_bwd,gelu_fwd,gelu_bwd," \
       "gelu_tanh_bwd,silu_bwd,swiglu_fwd,swiglu_bwd,swiglu_packed_fwd,swiglu_packed_bwd,rope_fwd,rope_bwd," \
       "fp8_quant_row,fp8_quant_1x128"
@@ -27,7 +30,7 @@ def test_registry_through_binding():
 def test_smoke_json(tmp_path):
     out = tmp_path / "smoke.json"
     rc = bench.main(["--suite", "smoke", "--ops", OPS, "--impl", "cpu-ref,torch", "--json", str(out),
-                     "--csv", str(tmp_path / "s.csv"), "--md", str(tmp_path / "s.md")] + FAST)
+                     "--csv", str(tmp_path / "s.csv"), "--md", str(tmp_path / "s.md")] + CPU)
     doc = json.load(open(out))
     assert doc["schema"] == "trainscale-bench" and doc["schema_version"] == 1
     assert doc["meta"]["suite"] == "smoke" and doc["meta"]["env"]["device"] == "cpu"
@@ -50,14 +53,14 @@ def test_smoke_json(tmp_path):
 def test_gate_catches_wrong_baseline(tmp_path, monkeypatch):
     monkeypatch.setitem(bench._TORCH, "gelu_fwd", lambda t, _: t["x"] * 2)
     out = tmp_path / "bad.json"
-    rc = bench.main(["--ops", "gelu_fwd", "--dtype", "fp32", "--impl", "torch", "--json", str(out)] + FAST)
+    rc = bench.main(["--ops", "gelu_fwd", "--dtype", "fp32", "--impl", "torch", "--json", str(out)] + CPU)
     (row,) = json.load(open(out))["rows"]
     assert rc == 1 and row["status"] == "failed" and row["gate"]["rel_l2"] > row["gate"]["tolerance"]
 
 
 def test_torch_compile_row(tmp_path):
     out = tmp_path / "compile.json"
-    rc = bench.main(["--ops", "swiglu_fwd", "--dtype", "fp32", "--impl", "torch-compile", "--json", str(out)] + FAST)
+    rc = bench.main(["--ops", "swiglu_fwd", "--dtype", "fp32", "--impl", "torch-compile", "--json", str(out)] + CPU)
     (row,) = json.load(open(out))["rows"]
     if row["status"] == "failed" and ("Inductor" in row["message"] or "compiler" in row["message"]):
         pytest.skip(f"inductor cannot compile on this CPU: {row['message'][:200]}")
@@ -67,8 +70,26 @@ def test_torch_compile_row(tmp_path):
 def test_plot(tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "p.png"
-    bench.main(["--ops", "gelu_fwd", "--impl", "cpu-ref,torch", "--plot", str(png)] + FAST)
+    bench.main(["--ops", "gelu_fwd", "--impl", "cpu-ref,torch", "--plot", str(png)] + CPU)
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+@cuda
+def test_gpu_rows(tmp_path):
+    """On the GPU: ours and the PyTorch baselines (fp8 included: bit-exact) pass the gate and are
+    timed with CUDA events."""
+    out = tmp_path / "gpu.json"
+    ops = "rmsnorm_fwd,layernorm_bwd,swiglu_fwd,rope_fwd,fp8_quant_row,fp8_quant_1x128"
+    rc = bench.main(["--suite", "smoke", "--ops", ops, "--dtype", "bf16", "--impl", "trainscale,torch",
+                     "--json", str(out)] + FAST)
+    doc = json.load(open(out))
+    assert doc["meta"]["env"]["device"] == "cuda"
+    rows = doc["rows"]
+    failed = [(r["case"], r["impl"], r["message"]) for r in rows if r["status"] != "ok"]
+    assert rc == 0 and not failed, failed
+    assert {(r["op"], r["impl"]) for r in rows} == {(op, impl) for op in ops.split(",")
+                                                     for impl in ("trainscale", "torch")}
+    assert all(r["timer"] in ("cuda-events", "cuda-graph") for r in rows)
 
 
 def test_cli_usage_errors():

@@ -117,7 +117,9 @@ def fp8_quantize(x, dtype=torch.float8_e4m3fn, granularity="row", power_of_two_s
         groups = F.pad(xf, (0, tiles * 128 - n)).view(m, tiles, 128)
     amax = groups.abs().amax(-1)
     # NaN wins the max whatever the order (amax above drops none: torch propagates NaN).
-    scale = amax / fmax
+    # A tensor divisor: PyTorch's CUDA division by a Python scalar multiplies by its reciprocal,
+    # which is not the correctly rounded quotient the contract asks for.
+    scale = amax / torch.full((), fmax, dtype=amax.dtype, device=amax.device)
     if power_of_two_scales:
         mant, exp = torch.frexp(scale)
         pow2 = torch.ldexp(torch.ones_like(scale), exp)
