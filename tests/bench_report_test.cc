@@ -206,6 +206,27 @@ TEST(BenchTerminal, TableHasTheDocumentedColumns) {
   EXPECT_EQ(text.find("rmsnorm_fwd 1024x4096 bfloat16: gated"), std::string::npos) << text;
 }
 
+// A median is not known more finely than the timer: 0.06 ms kernels 0.3 us apart with tiny CIs
+// are the same under CUDA events (0.5 us resolution), different under a graph of 100 launches
+// or the host timer.
+TEST(BenchCompare, NoiseIsAtLeastTheTimerResolution) {
+  RunResult old_run, new_run;
+  for (const char* timer : {"cuda-events", "cuda-graph", "host"}) {
+    old_run.rows.push_back(timed_row(timer, "trainscale", false, 0.0600, 0.0005));
+    new_run.rows.push_back(timed_row(timer, "trainscale", false, 0.0603, 0.0005));
+    for (Row* r : {&old_run.rows.back(), &new_run.rows.back()}) {
+      r->timer = timer;
+      r->batch = std::string(timer) == "cuda-graph" ? 100 : 1;
+    }
+  }
+  const Comparison c = compare_runs(old_run, new_run, 0.05);
+  ASSERT_EQ(c.rows.size(), 3u);
+  EXPECT_EQ(c.rows[0].verdict, Verdict::kSame);
+  EXPECT_NEAR(c.rows[0].noise, 1e-3 / 0.06, 1e-9);
+  EXPECT_EQ(c.rows[1].verdict, Verdict::kSlower);
+  EXPECT_EQ(c.rows[2].verdict, Verdict::kSlower);
+}
+
 TEST(BenchCompare, VerdictsFollowTheNoise) {
   RunResult old_run, new_run;
   old_run.rows = {timed_row("same", "trainscale", false, 1.00, 0.01), timed_row("faster", "trainscale", false, 1.00),

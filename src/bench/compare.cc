@@ -37,6 +37,17 @@ std::string percent(double fraction, const char* prefix) {
 
 bool timed(const Row* r) { return r && r->status == Status::kOk && r->ms.median > 0; }
 
+// How well a row's median is known, in ms: its CI half-width, but never finer than the timer.
+// CUDA documents cudaEventElapsedTime's resolution as about 0.5 us; a stable kernel's samples
+// all round the same way, so that error does not average out over many samples.
+double uncertainty_ms(const Row& r) {
+  constexpr double kEventResolutionMs = 0.5e-3;
+  double resolution = 0;
+  if (r.timer == "cuda-events") resolution = kEventResolutionMs;
+  if (r.timer == "cuda-graph") resolution = kEventResolutionMs / std::max(r.batch, 1);
+  return std::max(r.ms.rel_noise * r.ms.median, resolution);
+}
+
 RowComparison compare_row(const Row* old_row, const Row* new_row, double threshold) {
   RowComparison c;
   c.key = (old_row ? old_row : new_row)->key();
@@ -59,7 +70,7 @@ RowComparison compare_row(const Row* old_row, const Row* new_row, double thresho
   }
   const double old_ms = old_row->ms.median, new_ms = new_row->ms.median;
   c.change = new_ms / old_ms - 1.0;
-  const double half_widths = old_row->ms.rel_noise * old_ms + new_row->ms.rel_noise * new_ms;
+  const double half_widths = uncertainty_ms(*old_row) + uncertainty_ms(*new_row);
   c.noise = half_widths / old_ms;
   if (std::fabs(new_ms - old_ms) <= half_widths) {
     c.verdict = Verdict::kSame;
