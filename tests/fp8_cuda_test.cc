@@ -131,10 +131,11 @@ struct Quantized {
   HostTensor q, scales, q_t, scales_t;
 };
 
-// Fresh (poisoned) outputs for x: aligned rows (16-byte multiples) or odd paddings.
+// Fresh (poisoned) outputs for x: aligned rows (16-byte multiples; for q optionally 8-byte ones
+// that are not 16-byte ones) or odd paddings.
 Quantized make_outputs(std::int64_t M, std::int64_t N, DType fp8, const Fp8QuantizeOptions& o,
-                       bool transpose, bool aligned) {
-  Quantized r{HostTensor(fp8, {M, N}, aligned ? pad_to(N, 16) : 5),
+                       bool transpose, bool aligned, bool q_rows_8_bytes = false) {
+  Quantized r{HostTensor(fp8, {M, N}, aligned ? pad_to(N, 16) + (q_rows_8_bytes ? 8 : 0) : 5),
               HostTensor(DType::kFloat32, scales_shape(o, M, N)), {}, {}};
   if (transpose) {
     r.q_t = HostTensor(fp8, {N, M}, aligned ? pad_to(M, 16) : 1);
@@ -145,13 +146,13 @@ Quantized make_outputs(std::int64_t M, std::int64_t N, DType fp8, const Fp8Quant
 
 // Quantizes x on the CPU and on the GPU (on `stream`) and compares every output.
 void check_quantize(const HostTensor& x, DType fp8, const Fp8QuantizeOptions& o, bool transpose,
-                    bool aligned, cudaStream_t stream = nullptr) {
+                    bool aligned, cudaStream_t stream = nullptr, bool q_rows_8_bytes = false) {
   const std::int64_t M = x.shape()[0], N = x.shape()[1];
   SCOPED_TRACE(describe(o, fp8, x.dtype(), M, N, transpose, aligned));
-  Quantized want = make_outputs(M, N, fp8, o, transpose, aligned);
+  Quantized want = make_outputs(M, N, fp8, o, transpose, aligned, q_rows_8_bytes);
   fp8_quantize(x.view(), want.q.view(), want.scales.view(), want.q_t.view(),
                want.scales_t.view(), o);
-  Quantized got = make_outputs(M, N, fp8, o, transpose, aligned);
+  Quantized got = make_outputs(M, N, fp8, o, transpose, aligned, q_rows_8_bytes);
   DeviceTensor d_x(x), d_q(got.q, false), d_s(got.scales, false);
   std::unique_ptr<DeviceTensor> d_qt, d_st;
   if (transpose) {
@@ -207,7 +208,7 @@ TEST(Fp8QuantizeCuda, MatchesReferenceForEveryDtypeLayoutAndTail) {
 }
 
 // Row lengths that pick every row-kernel configuration (16 ... 1024 threads per row), the
-// global-amax path beyond 32768 columns, and 1x128 rows with 1 ... 4 tiles per half warp.
+// global-amax path beyond 32768 columns, and 1x128 rows with 1 ... 4 tiles per lane group.
 TEST(Fp8QuantizeCuda, RowKernelConfigurationsAndLongRows) {
   TS_REQUIRE_GPU();
   const std::int64_t lengths[] = {8, 100, 128, 200, 257, 1000, 1024, 4000, 4096, 8192,
@@ -228,6 +229,20 @@ TEST(Fp8QuantizeCuda, RowKernelConfigurationsAndLongRows) {
   const HostTensor x = random_input(DType::kBFloat16, 3, 40000, true);
   check_quantize(x, DType::kFloat8E4M3, {Fp8Granularity::kRow, true, false}, true, true);
   check_quantize(x, DType::kFloat8E5M2, {Fp8Granularity::kTensor, true, false}, true, true);
+}
+
+// q rows 8- but not 16-byte aligned: the 16-byte code stores of the row and 1x128 kernels fall
+// back to 8-byte ones.
+TEST(Fp8QuantizeCuda, CodeRowsAlignedToEightBytesOnly) {
+  TS_REQUIRE_GPU();
+  for (DType input : {DType::kBFloat16, DType::kFloat32}) {
+    for (std::int64_t N : {16, 200, 1000, 8192}) {
+      const HostTensor x = random_input(input, 37, N, true);
+      for (Fp8Granularity g : {Fp8Granularity::kRow, Fp8Granularity::kTile1x128}) {
+        check_quantize(x, DType::kFloat8E4M3, {g, false, false}, false, true, nullptr, true);
+      }
+    }
+  }
 }
 
 // Several tiles down and across, grids of many blocks, M not a multiple of 128.

@@ -17,7 +17,8 @@
 //                quantize passes of per-row scales with the transposed copy. The transposed copy
 //                goes through a swizzled 16 KB shared-memory tile of fp8 codes, written as 16-byte
 //                rows of q_t.
-//   tile_rows_kernel  1x128 scales without the transposed copy: a half warp per row, 4 tiles each.
+//   tile_rows_kernel  1x128 scales without the transposed copy: 8 lanes per row, 4 tiles each,
+//                16 elements per lane and tile (16-byte code stores).
 //   tensor_amax_kernel  the per-tensor amax pass: a streaming read of x.
 //   row_kernel   per-row scales without the transposed copy: the row in registers, one read.
 //   dequant_kernel  y = float(q) * s.
@@ -83,13 +84,15 @@ __device__ __forceinline__ GroupScale group_scale(float s) {
   return {s, reciprocal_quotient_is_exact(s) ? nearest_reciprocal(s) : 0.0f};
 }
 
-// Scales of kGroups groups whose amax bits every lane of a 16-lane half warp holds: lane l
-// computes group l % kGroups and the others take it by shuffle, so a group costs one division and
-// one reciprocal per half warp, not per lane. `own` gets lane l's group's scale (to store it).
-template <int kGroups>
-__device__ __forceinline__ void half_warp_scales(const unsigned (&amax)[kGroups], float fmax,
-                                                 bool pow2, GroupScale (&g)[kGroups], float& own) {
-  const int lane = threadIdx.x & 15;
+// Scales of kGroups groups whose amax bits every lane of a kLanes-lane group (aligned within the
+// warp) holds: lane l computes group l % kGroups and the others take it by shuffle, so a group
+// costs one division and one reciprocal per lane group, not per lane. `own` gets lane l's group's
+// scale (to store it).
+template <int kLanes, int kGroups>
+__device__ __forceinline__ void lane_group_scales(const unsigned (&amax)[kGroups], float fmax,
+                                                  bool pow2, GroupScale (&g)[kGroups], float& own) {
+  static_assert(kGroups <= kLanes && 32 % kLanes == 0);
+  const int lane = threadIdx.x & (kLanes - 1);
   unsigned mine = amax[0];
 #pragma unroll
   for (int k = 1; k < kGroups; ++k) mine = lane % kGroups == k ? amax[k] : mine;
@@ -98,11 +101,11 @@ __device__ __forceinline__ void half_warp_scales(const unsigned (&amax)[kGroups]
   if constexpr (kGroups == 1) {
     g[0] = computed;
   } else {
-    const int half = threadIdx.x & 16;  // the half warp's first lane
+    const int first = threadIdx.x & 31 & ~(kLanes - 1);
 #pragma unroll
     for (int k = 0; k < kGroups; ++k) {
-      g[k].s = __shfl_sync(kFullMask, computed.s, half | k);
-      g[k].r = __shfl_sync(kFullMask, computed.r, half | k);
+      g[k].s = __shfl_sync(kFullMask, computed.s, first | k);
+      g[k].r = __shfl_sync(kFullMask, computed.r, first | k);
     }
   }
 }
@@ -130,26 +133,60 @@ __device__ __forceinline__ uint2 quantize8(const float (&v)[8], GroupScale g) {
   return make_uint2(w[0] | (w[1] << 16), w[2] | (w[3] << 16));
 }
 
+// 8 consecutive elements kept as the loaded words (one uint4 for 16-bit T, two for float): 4 or 8
+// registers per chunk instead of one per element, unpacked only where used. Zero-initialized
+// is +0 for every T.
 template <class T>
-__device__ __forceinline__ Vec<T, 8> zeros8() {
-  Vec<T, 8> v;
-#pragma unroll
-  for (int k = 0; k < 8; ++k) v.v[k] = detail::from_float<T>(0.0f);
-  return v;
+struct Chunk {
+  uint4 w[sizeof(T) / 2];
+};
+
+template <class T>
+__device__ __forceinline__ float chunk_value(const Chunk<T>& c, int k) {
+  constexpr int kPerWord = 4 / static_cast<int>(sizeof(T));
+  const int j = k / kPerWord;  // 32-bit word j of the chunk
+  const uint4& w = c.w[j / 4];
+  const unsigned word = (j & 2) ? ((j & 1) ? w.w : w.z) : ((j & 1) ? w.y : w.x);
+  if constexpr (sizeof(T) == 4) {
+    return __uint_as_float(word);
+  } else {
+    const unsigned short bits = static_cast<unsigned short>(word >> (16 * (k & 1)));
+    T t;
+    memcpy(&t, &bits, sizeof(t));
+    return to_float(t);
+  }
 }
 
-// Elements [col, col + 8) of a row (those at or past `cols` read as 0): one or two 16-byte loads
-// when the row is vector-aligned and the chunk complete, element loads otherwise.
 template <class T>
-__device__ __forceinline__ Vec<T, 8> load_chunk(const T* row, std::int64_t col, std::int64_t cols,
-                                                bool vec_ok) {
-  if (vec_ok && col + 8 <= cols) return load_raw<T, 8>(row + col);
-  Vec<T, 8> v = zeros8<T>();
+__device__ __forceinline__ void chunk_floats(const Chunk<T>& c, float (&v)[8]) {
 #pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    if (col + k < cols) v.v[k] = row[col + k];
-  }
-  return v;
+  for (int k = 0; k < 8; ++k) v[k] = chunk_value(c, k);
+}
+
+// A complete, 16-byte aligned chunk.
+template <class T>
+__device__ __forceinline__ Chunk<T> load_chunk_vec(const T* p) {
+  Chunk<T> c;
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(T) / 2); ++i) c.w[i] = reinterpret_cast<const uint4*>(p)[i];
+  return c;
+}
+
+// Elements [col, col + 8) of a row (those at or past `cols` read as 0): vector loads when the row
+// is vector-aligned and the chunk complete, element loads otherwise. The kernels call this only
+// on their edge path: a branch per chunk keeps the compiler from issuing the next chunk's load
+// before this one's data is used (one load in flight per thread), so interior tiles take
+// load_chunk_vec for all their chunks back to back.
+template <class T>
+__device__ __forceinline__ Chunk<T> load_chunk(const T* row, std::int64_t col, std::int64_t cols,
+                                               bool vec_ok) {
+  if (vec_ok && col + 8 <= cols) return load_chunk_vec(row + col);
+  T v[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) v[k] = col + k < cols ? row[col + k] : detail::from_float<T>(0.0f);
+  Chunk<T> c;
+  memcpy(&c, v, sizeof(c));
+  return c;
 }
 
 // 8 codes to p = row + col; only those before `cols`.
@@ -165,10 +202,17 @@ __device__ __forceinline__ void store_codes8(std::uint8_t* p, uint2 c, std::int6
   }
 }
 
+// 16 codes to p = row + col; only those before `cols`. vec16 / vec8: rows aligned for 16- / 8-byte
+// stores.
 __device__ __forceinline__ void store_codes16(std::uint8_t* p, uint4 c, std::int64_t col,
-                                              std::int64_t cols, bool vec_ok) {
-  if (vec_ok && col + 16 <= cols) {
+                                              std::int64_t cols, bool vec8, bool vec16) {
+  if (col + 16 <= cols && vec16) {
     *reinterpret_cast<uint4*>(p) = c;
+    return;
+  }
+  if (col + 16 <= cols && vec8) {
+    reinterpret_cast<uint2*>(p)[0] = make_uint2(c.x, c.y);
+    reinterpret_cast<uint2*>(p)[1] = make_uint2(c.z, c.w);
     return;
   }
   const unsigned w[4] = {c.x, c.y, c.z, c.w};
@@ -178,10 +222,15 @@ __device__ __forceinline__ void store_codes16(std::uint8_t* p, uint4 c, std::int
   }
 }
 
-template <class T>
-__device__ __forceinline__ void to_floats8(const Vec<T, 8>& raw, float (&v)[8]) {
-#pragma unroll
-  for (int k = 0; k < 8; ++k) v[k] = to_float(raw.v[k]);
+// Codes of two consecutive chunks of one group: 16 bytes, value k in byte k.
+template <bool kE4M3, class T>
+__device__ __forceinline__ uint4 quantize16(const Chunk<T> (&c)[2], GroupScale g) {
+  float v[8];
+  chunk_floats(c[0], v);
+  const uint2 lo = quantize8<kE4M3>(v, g);
+  chunk_floats(c[1], v);
+  const uint2 hi = quantize8<kE4M3>(v, g);
+  return make_uint4(lo.x, lo.y, hi.x, hi.y);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -209,7 +258,7 @@ struct TileArgs {
   std::int64_t pitch, pitch_t;         // kTile m-major: align4(M), align4(N)
   bool m_major;
   bool pow2;
-  bool x_vec, q_vec, q_t_vec;          // rows aligned for 16-byte x, 8-byte q, 16-byte q_t access
+  bool x_vec, q_vec, q_vec16, q_t_vec;  // rows aligned for 16-byte x, 8- / 16-byte q, 16-byte q_t
 };
 
 // Byte transpose of an 8x8 block: out[c] byte r = in[r] byte c.
@@ -258,11 +307,17 @@ __global__ void __launch_bounds__(kTileThreads) tile_kernel(TileArgs a) {
     const std::int64_t r0 = bi * 128 + rg * 8;  // this thread's rows r0 .. r0 + 7
     const std::int64_t c0 = bj * 128 + cg * 8;  // and columns c0 .. c0 + 7
 
-    Vec<T, 8> raw[8];
+    // All 8 loads in flight before the first use.
+    Chunk<T> raw[8];
+    if (a.x_vec && r0 + 8 <= a.rows && c0 + 8 <= a.cols) {
 #pragma unroll
-    for (int r = 0; r < 8; ++r) {
-      const std::int64_t row = r0 + r;
-      raw[r] = row < a.rows ? load_chunk(x + row * a.x_stride, c0, a.cols, a.x_vec) : zeros8<T>();
+      for (int r = 0; r < 8; ++r) raw[r] = load_chunk_vec(x + (r0 + r) * a.x_stride + c0);
+    } else {
+#pragma unroll
+      for (int r = 0; r < 8; ++r) {
+        const std::int64_t row = r0 + r;
+        raw[r] = row < a.rows ? load_chunk(x + row * a.x_stride, c0, a.cols, a.x_vec) : Chunk<T>{};
+      }
     }
 
     unsigned ra[8], ca[8];
@@ -273,7 +328,7 @@ __global__ void __launch_bounds__(kTileThreads) tile_kernel(TileArgs a) {
       for (int r = 0; r < 8; ++r) {
 #pragma unroll
         for (int c = 0; c < 8; ++c) {
-          const unsigned b = abs_bits(to_float(raw[r].v[c]));
+          const unsigned b = abs_bits(chunk_value(raw[r], c));
           ra[r] = max(ra[r], b);
           if constexpr (kColAmax) ca[c] = max(ca[c], b);
         }
@@ -343,7 +398,7 @@ __global__ void __launch_bounds__(kTileThreads) tile_kernel(TileArgs a) {
       GroupScale rs[8];
       if constexpr (kMode == TileMode::kTile) {
         float own;
-        half_warp_scales(ra, kMax, a.pow2, rs, own);
+        lane_group_scales<16>(ra, kMax, a.pow2, rs, own);
         const std::int64_t row = r0 + cg;
         if (cg < 8 && row < a.rows) {
           a.scales[a.m_major ? bj * a.pitch + row : row * a.col_tiles + bj] = own;
@@ -378,7 +433,7 @@ __global__ void __launch_bounds__(kTileThreads) tile_kernel(TileArgs a) {
 #pragma unroll
       for (int r = 0; r < 8; ++r) {
         float v[8];
-        to_floats8(raw[r], v);
+        chunk_floats(raw[r], v);
         qc[r] = quantize8<kE4M3>(v, rs[r]);
         const std::int64_t row = r0 + r;
         if (row < a.rows) store_codes8(a.q + row * a.q_stride + c0, qc[r], c0, a.cols, a.q_vec);
@@ -399,7 +454,7 @@ __global__ void __launch_bounds__(kTileThreads) tile_kernel(TileArgs a) {
             }
             float v[8];
 #pragma unroll
-            for (int r = 0; r < 8; ++r) v[r] = to_float(raw[r].v[c]);
+            for (int r = 0; r < 8; ++r) v[r] = chunk_value(raw[r], c);
             tc[c] = quantize8<kE4M3>(v, s);
           }
         }
@@ -414,7 +469,7 @@ __global__ void __launch_bounds__(kTileThreads) tile_kernel(TileArgs a) {
           uint4 v = reinterpret_cast<const uint4*>(qt_tile + jl * 16)[m ^ (swz >> 1)];
           if (swz & 1) v = make_uint4(v.z, v.w, v.x, v.y);
           const std::int64_t j = bj * 128 + jl, i = bi * 128 + 16 * m;
-          if (j < a.cols) store_codes16(a.q_t + j * a.q_t_stride + i, v, i, a.rows, a.q_t_vec);
+          if (j < a.cols) store_codes16(a.q_t + j * a.q_t_stride + i, v, i, a.rows, a.q_t_vec, a.q_t_vec);
         }
       }
     }
@@ -423,51 +478,65 @@ __global__ void __launch_bounds__(kTileThreads) tile_kernel(TileArgs a) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// 1x128 tiles without the transposed copy: a 16-lane half warp per row and kTiles consecutive tiles
-// of it (chunk k of lane l covers columns (t0 + k) * 128 + l * 8 .. + 7), 16 rows per block;
-// grid.x walks row groups, grid.y tile groups.
+// 1x128 tiles without the transposed copy: 8 lanes per row and kTiles consecutive tiles of it,
+// each lane 16 consecutive elements of every tile (columns (t0 + k) * 128 + l * 16 .. + 15, two
+// chunks), so that its codes leave as one 16-byte store; 32 rows per block. grid.x walks row
+// groups, grid.y tile groups.
 template <class T, bool kE4M3, int kTiles>
 __global__ void __launch_bounds__(256) tile_rows_kernel(TileArgs a) {
-  const int lane = threadIdx.x & 15, slot = threadIdx.x >> 4;
+  constexpr int kLanes = 8, kRowsPerBlock = 256 / kLanes;
+  const int lane = threadIdx.x & (kLanes - 1), slot = threadIdx.x / kLanes;
   const T* x = static_cast<const T*>(a.x);
-  const std::int64_t last_group = (a.rows - 1) / 16;
+  const std::int64_t last_group = (a.rows - 1) / kRowsPerBlock;
   for (std::int64_t rb = blockIdx.x; rb <= last_group; rb += gridDim.x) {
-    const std::int64_t row = rb * 16 + slot;
-    const bool valid = row < a.rows;  // both half warps run the shuffles either way
+    const std::int64_t row = rb * kRowsPerBlock + slot;
+    const bool valid = row < a.rows;  // every lane group runs the shuffles either way
+    const T* x_row = x + row * a.x_stride;
     for (std::int64_t sb = blockIdx.y; sb * kTiles < a.col_tiles; sb += gridDim.y) {
       const std::int64_t t0 = sb * kTiles;
-      Vec<T, 8> raw[kTiles];
+      const std::int64_t first = t0 * 128 + lane * 16;  // tile k's chunks: first + k * 128 (+ 8)
+      // All 2 * kTiles loads in flight before the first use.
+      Chunk<T> raw[kTiles][2];
+      if (valid && a.x_vec && first + (kTiles - 1) * 128 + 16 <= a.cols) {
+#pragma unroll
+        for (int k = 0; k < kTiles; ++k) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) raw[k][h] = load_chunk_vec(x_row + first + k * 128 + h * 8);
+        }
+      } else {
+#pragma unroll
+        for (int k = 0; k < kTiles; ++k) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const std::int64_t col = first + k * 128 + h * 8;
+            raw[k][h] = valid ? load_chunk(x_row, col, a.cols, a.x_vec) : Chunk<T>{};
+          }
+        }
+      }
       unsigned m[kTiles];
 #pragma unroll
       for (int k = 0; k < kTiles; ++k) {
-        const std::int64_t col = (t0 + k) * 128 + lane * 8;
-        raw[k] = valid ? load_chunk(x + row * a.x_stride, col, a.cols, a.x_vec) : zeros8<T>();
         m[k] = 0;
 #pragma unroll
-        for (int e = 0; e < 8; ++e) m[k] = max(m[k], abs_bits(to_float(raw[k].v[e])));
-      }
+        for (int e = 0; e < 16; ++e) m[k] = max(m[k], abs_bits(chunk_value(raw[k][e / 8], e % 8)));
 #pragma unroll
-      for (int k = 0; k < kTiles; ++k) {
-#pragma unroll
-        for (int offset = 8; offset > 0; offset /= 2) {
+        for (int offset = kLanes / 2; offset > 0; offset /= 2) {
           m[k] = max(m[k], __shfl_xor_sync(kFullMask, m[k], offset));
         }
       }
       GroupScale g[kTiles];
       float own;
-      half_warp_scales(m, kFp8Max<kE4M3>, a.pow2, g, own);
+      lane_group_scales<kLanes>(m, kFp8Max<kE4M3>, a.pow2, g, own);
       if (valid && lane < kTiles && t0 + lane < a.col_tiles) {
         const std::int64_t t = t0 + lane;
         a.scales[a.m_major ? t * a.pitch + row : row * a.col_tiles + t] = own;
       }
 #pragma unroll
       for (int k = 0; k < kTiles; ++k) {
-        const std::int64_t col = (t0 + k) * 128 + lane * 8;
+        const std::int64_t col = first + k * 128;
         if (!valid || t0 + k >= a.col_tiles || col >= a.cols) continue;
-        float v[8];
-        to_floats8(raw[k], v);
-        store_codes8(a.q + row * a.q_stride + col, quantize8<kE4M3>(v, g[k]), col, a.cols,
-                     a.q_vec);
+        store_codes16(a.q + row * a.q_stride + col, quantize16<kE4M3>(raw[k], g[k]), col, a.cols,
+                      a.q_vec, a.q_vec16);
       }
       // m-major zero padding, rows M .. align4(M) - 1 of each tile column.
       if (a.m_major && rb == last_group && threadIdx.x < a.pitch - a.rows) {
@@ -482,7 +551,7 @@ __global__ void __launch_bounds__(256) tile_rows_kernel(TileArgs a) {
 
 template <class T, bool kE4M3>
 void launch_tile_rows(const TileArgs& a, cudaStream_t stream, const char* op) {
-  const std::int64_t row_groups = std::min<std::int64_t>(kMaxGrid, (a.rows + 15) / 16);
+  const std::int64_t row_groups = std::min<std::int64_t>(kMaxGrid, (a.rows + 31) / 32);
   auto go = [&](auto tiles) {
     constexpr int kTiles = decltype(tiles)::value;
     const std::int64_t tile_groups = std::min<std::int64_t>(65535, (a.col_tiles + kTiles - 1) / kTiles);
@@ -508,32 +577,54 @@ struct RowArgs {
   float* scales;
   std::int64_t rows, cols;
   bool pow2;
-  bool x_vec, q_vec;
+  bool x_vec, q_vec, q_vec16;
 };
 
-// kThreads threads per row (16 ... 1024), each kChunks chunks of 8 elements: chunk k of lane l
-// covers columns (k * kThreads + l) * 8 .. + 7.
+// kThreads threads per row (16 ... 1024), each kChunks chunks of 8 elements in runs of kRun
+// consecutive chunks (2 when there are several, so that the codes leave as 16-byte stores): run
+// r of lane l covers columns (r * kThreads + l) * 8 * kRun .. + 8 * kRun - 1.
 template <class T, bool kE4M3, int kThreads, int kChunks>
 __global__ void __launch_bounds__(kThreads < 256 ? 256 : kThreads) row_kernel(RowArgs a) {
   constexpr int kBlock = kThreads < 256 ? 256 : kThreads;
   constexpr int kRowsPerBlock = kBlock / kThreads;
+  constexpr int kRun = kChunks > 1 ? 2 : 1;
+  constexpr int kRuns = kChunks / kRun;
+  static_assert(kChunks % kRun == 0);
   __shared__ unsigned warp_amax[kBlock / 32];
   const int lane = threadIdx.x % kThreads, slot = threadIdx.x / kThreads;
   const T* x = static_cast<const T*>(a.x);
+  const auto run_col = [lane](int r) {
+    return (static_cast<std::int64_t>(r) * kThreads + lane) * (8 * kRun);
+  };
 
   // Every thread runs the same iterations: the reduction below has barriers.
   for (std::int64_t base = static_cast<std::int64_t>(blockIdx.x) * kRowsPerBlock; base < a.rows;
        base += static_cast<std::int64_t>(gridDim.x) * kRowsPerBlock) {
     const std::int64_t row = base + slot;
     const bool valid = row < a.rows;
-    Vec<T, 8> raw[kChunks];
+    const T* x_row = x + row * a.x_stride;
+    // All kChunks loads in flight before the first use.
+    Chunk<T> raw[kRuns][kRun];
+    if (valid && a.x_vec && run_col(kRuns - 1) + 8 * kRun <= a.cols) {
+#pragma unroll
+      for (int r = 0; r < kRuns; ++r) {
+#pragma unroll
+        for (int h = 0; h < kRun; ++h) raw[r][h] = load_chunk_vec(x_row + run_col(r) + 8 * h);
+      }
+    } else {
+#pragma unroll
+      for (int r = 0; r < kRuns; ++r) {
+#pragma unroll
+        for (int h = 0; h < kRun; ++h) {
+          raw[r][h] = valid ? load_chunk(x_row, run_col(r) + 8 * h, a.cols, a.x_vec) : Chunk<T>{};
+        }
+      }
+    }
     unsigned m = 0;
 #pragma unroll
-    for (int k = 0; k < kChunks; ++k) {
-      const std::int64_t col = (static_cast<std::int64_t>(k) * kThreads + lane) * 8;
-      raw[k] = valid ? load_chunk(x + row * a.x_stride, col, a.cols, a.x_vec) : zeros8<T>();
+    for (int r = 0; r < kRuns; ++r) {
 #pragma unroll
-      for (int e = 0; e < 8; ++e) m = max(m, abs_bits(to_float(raw[k].v[e])));
+      for (int e = 0; e < 8 * kRun; ++e) m = max(m, abs_bits(chunk_value(raw[r][e / 8], e % 8)));
     }
     if constexpr (kThreads < 32) {
 #pragma unroll
@@ -555,13 +646,18 @@ __global__ void __launch_bounds__(kThreads < 256 ? 256 : kThreads) row_kernel(Ro
     if (!valid) continue;
     if (lane == 0) a.scales[row] = s;
     const GroupScale g = group_scale(s);
+    std::uint8_t* q_row = a.q + row * a.q_stride;
 #pragma unroll
-    for (int k = 0; k < kChunks; ++k) {
-      const std::int64_t col = (static_cast<std::int64_t>(k) * kThreads + lane) * 8;
+    for (int r = 0; r < kRuns; ++r) {
+      const std::int64_t col = run_col(r);
       if (col >= a.cols) continue;
-      float v[8];
-      to_floats8(raw[k], v);
-      store_codes8(a.q + row * a.q_stride + col, quantize8<kE4M3>(v, g), col, a.cols, a.q_vec);
+      if constexpr (kRun == 2) {
+        store_codes16(q_row + col, quantize16<kE4M3>(raw[r], g), col, a.cols, a.q_vec, a.q_vec16);
+      } else {
+        float v[8];
+        chunk_floats(raw[r][0], v);
+        store_codes8(q_row + col, quantize8<kE4M3>(v, g), col, a.cols, a.q_vec);
+      }
     }
   }
 }
@@ -764,6 +860,7 @@ void quantize(const TensorView& x, TensorView q, TensorView scales, TensorView q
   const auto elem = static_cast<std::int64_t>(sizeof(T));
   a.x_vec = aligned_rows(a.x, a.x_stride * elem, 16);
   a.q_vec = aligned_rows(a.q, a.q_stride, 8);
+  a.q_vec16 = aligned_rows(a.q, a.q_stride, 16);
   if (transpose) {
     a.q_t = static_cast<std::uint8_t*>(q_t.data);
     a.q_t_stride = c.rows(q_t, "q_t").row_stride;
@@ -783,7 +880,8 @@ void quantize(const TensorView& x, TensorView q, TensorView scales, TensorView q
       return;
     case Fp8Granularity::kRow:
       if (!transpose && (N + 7) / 8 <= kMaxRegisterChunks) {
-        const RowArgs r{a.x, a.x_stride, a.q, a.q_stride, s, M, N, pow2, a.x_vec, a.q_vec};
+        const RowArgs r{a.x, a.x_stride, a.q,   a.q_stride, s,
+                        M,   N,          pow2,  a.x_vec,    a.q_vec, a.q_vec16};
         launch_rows<T, kE4M3>(r, stream);
         detail::check_launch(op);
         return;
