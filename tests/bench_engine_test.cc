@@ -174,6 +174,56 @@ TEST_F(EngineFixture, BaselineIsTimedWhenOursHasNoKernelForTheDevice) {
   EXPECT_EQ(pairs[0].speedup(), 0.0);
 }
 
+// Opt-in implementations (forced kernel variants) run only when the selection names them, are
+// gated and timed like baselines, and one that cannot run a shape is UNSUPPORTED.
+TEST_F(EngineFixture, OptInImplementationsRunOnlyWhenNamed) {
+  add("op", 1.0);
+  const auto opt_in = [](bool supported) {
+    return [supported](const Case& c) -> std::optional<Implementation> {
+      Implementation impl;
+      impl.run = supported ? doubling_case(c.shape, c.dtype, 1.0, false).entry
+                           : [](Views, cudaStream_t) { throw UnsupportedVariantError("not for this shape"); };
+      return impl;
+    };
+  };
+  registry.add_opt_in("op", "ours-forced", opt_in(true), /*on_gpu=*/false);
+  registry.add_opt_in("op", "ours-unfit", opt_in(false), /*on_gpu=*/false);
+  EXPECT_EQ(registry.opt_in_names(), (std::vector<std::string>{"ours-forced", "ours-unfit"}));
+  EXPECT_TRUE(registry.baseline_names().empty());
+
+  run_cases(registry, options, result);
+  ASSERT_EQ(result.rows.size(), 1u);  // not named: only ours
+  EXPECT_EQ(result.rows[0].impl, "cpu-ref");
+
+  result = {};
+  options.selection.impls = {"cpu-ref", "ours-forced", "ours-unfit"};
+  run_cases(registry, options, result);
+  ASSERT_EQ(result.rows.size(), 3u);
+  const Row& forced = result.rows[1];
+  EXPECT_EQ(forced.impl, "ours-forced");
+  EXPECT_TRUE(forced.baseline);
+  EXPECT_EQ(forced.status, Status::kOk) << forced.message;
+  EXPECT_GE(forced.ms.count, 1);
+  const Row& unfit = result.rows[2];
+  EXPECT_EQ(unfit.impl, "ours-unfit");
+  EXPECT_EQ(unfit.status, Status::kUnsupported);
+  EXPECT_EQ(unfit.message, "not for this shape");
+  EXPECT_FALSE(result.any_failed());
+  // Reported like baselines: each paired with ours.
+  const std::vector<Pairing> pairs = pair_rows(result.rows);
+  ASSERT_EQ(pairs.size(), 2u);
+  EXPECT_EQ(pairs[0].ours, &result.rows[0]);
+  EXPECT_EQ(pairs[0].base, &forced);
+  EXPECT_GT(pairs[0].speedup(), 0.0);
+  EXPECT_EQ(pairs[1].base, &unfit);
+
+  result = {};
+  options.selection.impls = {"ours-forced"};  // alone
+  run_cases(registry, options, result);
+  ASSERT_EQ(result.rows.size(), 1u);
+  EXPECT_EQ(result.rows[0].impl, "ours-forced");
+}
+
 TEST_F(EngineFixture, FiltersSelectConfigs) {
   add("a", 1.0);
   add("b", 1.0);
@@ -468,6 +518,30 @@ TEST(BenchRegistry, NormOpsAreInEveryRowSuite) {
       EXPECT_TRUE(std::any_of(configs.begin(), configs.end(), [&](const Config& c) { return c.op == op; }))
           << op << " not in " << suite;
     }
+  }
+}
+
+// Each norm op has one opt-in implementation per kernel variant it has (the rows variant is
+// forward-only); none is a default baseline.
+TEST(BenchRegistry, NormVariantsAreOptIn) {
+  const Registry& r = Registry::global();
+  const std::vector<std::string> names = r.opt_in_names();
+  for (const char* name : {"trainscale-registers", "trainscale-two-pass", "trainscale-rows"}) {
+    EXPECT_NE(std::find(names.begin(), names.end(), name), names.end()) << name;
+    const auto baselines = r.baseline_names();
+    EXPECT_EQ(std::find(baselines.begin(), baselines.end(), name), baselines.end()) << name;
+  }
+  const std::vector<std::string> all = {"trainscale-registers", "trainscale-two-pass", "trainscale-rows"};
+  for (const char* op : {"rmsnorm_fwd", "rmsnorm_bwd", "fused_add_rmsnorm_fwd", "fused_add_rmsnorm_bwd",
+                         "layernorm_fwd", "layernorm_bwd"}) {
+    const Case c = r.find_op(op)->make(std::vector<std::int64_t>{64, 512}, DType::kBFloat16);
+    EXPECT_TRUE(r.baselines_for(c, true).size() <= 1) << op;  // cuDNN at most
+    std::vector<std::string> forced;
+    for (const Implementation& impl : r.baselines_for(c, true, all)) {
+      if (impl.name.starts_with("trainscale-")) forced.push_back(impl.name);
+    }
+    const bool forward = std::string(op).ends_with("_fwd");
+    EXPECT_EQ(forced.size(), forward ? 3u : 2u) << op;
   }
 }
 

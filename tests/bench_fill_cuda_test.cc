@@ -82,6 +82,25 @@ TEST(BenchGateCuda, NormKernelsAndBaselinesPassThePrefixAndSampledGates) {
   EXPECT_EQ(ours, 12);  // 6 ops x (fp32, bf16)
 }
 
+// The forced norm kernel variants (opt-in implementations) pass the same gates when named:
+// the smoke shape (64 x 512) is aligned and short, so every variant runs it.
+TEST(BenchGateCuda, NormVariantsPassTheGatesWhenNamed) {
+  TS_REQUIRE_GPU();
+  RunOptions options = quick_gpu_run({"rmsnorm_fwd", "rmsnorm_bwd", "fused_add_rmsnorm_fwd",
+                                      "fused_add_rmsnorm_bwd", "layernorm_fwd", "layernorm_bwd"});
+  options.selection.impls = {"trainscale-registers", "trainscale-two-pass", "trainscale-rows"};
+  RunResult result;
+  run_cases(Registry::global(), options, result);
+  // 6 ops x (fp32, bf16) x 2 variants, and the rows variant of the 3 forward ops.
+  EXPECT_EQ(result.rows.size(), 12u * 2 + 6);
+  for (const Row& r : result.rows) {
+    SCOPED_TRACE(r.key());
+    EXPECT_EQ(r.status, Status::kOk) << r.message;
+    EXPECT_TRUE(r.baseline);
+    EXPECT_GT(r.ms.count, 0);
+  }
+}
+
 // A case of `op` whose entry runs our kernel with a weight offset the reference does not have.
 void add_wrong(Registry& registry, const std::string& op) {
   const CaseFactory make = registry.find_op(op)->make;

@@ -10,7 +10,6 @@
 namespace trainscale {
 namespace {
 
-using ops::norm::NormVariant;
 using test::DeviceTensor;
 using test::HostTensor;
 
@@ -68,18 +67,37 @@ std::int64_t row_vectors(const Shape& s, DType dt) {
   return s.cols % vec == 0 && s.pad % vec == 0 ? s.cols / vec : -1;
 }
 
+// kRows is forward-only: the backward takes it as kAuto.
 std::vector<NormVariant> variants_for(const Shape& s, DType dt) {
   const std::int64_t vecs = row_vectors(s, dt);
-  if (vecs > 0 && vecs <= 16384) return {NormVariant::kRegisters, NormVariant::kTwoPass};
+  if (vecs > 0 && vecs <= 16384) {
+    return {NormVariant::kRegisters, NormVariant::kTwoPass, NormVariant::kRows};
+  }
   return {NormVariant::kAuto};
 }
 
-// The forward's variant for a backward variant: the forward's register kernel is shorter, and
-// LayerNorm's stages weight and bias (8 B per column) in shared memory, with no room above
-// about 29000 columns.
+// The forward's variant for a backward variant: the forward's register kernels take shorter
+// rows, and kRegisters stages LayerNorm's weight and bias (8 B per column) in shared memory,
+// with no room above about 29000 columns.
 NormVariant forward_variant(const Shape& s, DType dt, NormVariant backward, bool layernorm = false) {
-  const bool fits = row_vectors(s, dt) <= 4096 && !(layernorm && s.cols > 16384);
-  return backward == NormVariant::kRegisters && !fits ? NormVariant::kAuto : backward;
+  const bool short_enough = row_vectors(s, dt) <= 4096;
+  const bool fits = backward == NormVariant::kRows
+                        ? short_enough
+                        : short_enough && !(layernorm && s.cols > 16384);
+  return backward != NormVariant::kTwoPass && !fits ? NormVariant::kAuto : backward;
+}
+
+RMSNormOptions rms_options(NormVariant variant, double weight_offset = 0.0) {
+  RMSNormOptions o;
+  o.weight_offset = weight_offset;
+  o.variant = variant;
+  return o;
+}
+
+LayerNormOptions layer_options(NormVariant variant) {
+  LayerNormOptions o;
+  o.variant = variant;
+  return o;
 }
 
 // Large shapes exercise the long-row paths; their fp64 reference is slow, so they run for
@@ -131,23 +149,23 @@ void check_norm(bool layer) {
                               rstd64.view());
             layernorm_backward(dy64.view(), x64.view(), w64.view(), mean64.view(), rstd64.view(),
                                dx64.view(), dw64.view(), db64.view(), {});
-            ops::norm::layernorm_forward_cuda(d_x.view(), d_w.view(), d_b.view(), d_y.view(),
-                                              d_mean.view(), d_rstd.view(), {}, nullptr,
-                                              forward_variant(s, dt, variant, true));
+            ops::norm::layernorm_forward_cuda(
+                d_x.view(), d_w.view(), d_b.view(), d_y.view(), d_mean.view(), d_rstd.view(),
+                layer_options(forward_variant(s, dt, variant, true)), nullptr);
             ops::norm::layernorm_backward_cuda(d_dy.view(), d_x.view(), d_w.view(), d_mean.view(),
                                                d_rstd.view(), d_dx.view(), d_dw.view(),
-                                               d_db.view(), d_ws.view(), {}, nullptr, variant);
+                                               d_db.view(), d_ws.view(), layer_options(variant),
+                                               nullptr);
           } else {
-            RMSNormOptions opt;
-            opt.weight_offset = 0.25;
+            const RMSNormOptions opt = rms_options(variant, 0.25);
             rmsnorm_forward(x64.view(), w64.view(), y64.view(), rstd64.view(), opt);
             rmsnorm_backward(dy64.view(), x64.view(), w64.view(), rstd64.view(), dx64.view(),
                              dw64.view(), {}, opt);
             ops::norm::rmsnorm_forward_cuda(d_x.view(), d_w.view(), d_y.view(), d_rstd.view(),
-                                            opt, nullptr, forward_variant(s, dt, variant));
+                                            rms_options(forward_variant(s, dt, variant), 0.25),
+                                            nullptr);
             ops::norm::rmsnorm_backward_cuda(d_dy.view(), d_x.view(), d_w.view(), d_rstd.view(),
-                                             d_dx.view(), d_dw.view(), d_ws.view(), opt, nullptr,
-                                             variant);
+                                             d_dx.view(), d_dw.view(), d_ws.view(), opt, nullptr);
           }
           EXPECT_TRUE(test::matches_reference(d_y.to_host().values(), y64.values(), tol)) << "y";
           EXPECT_TRUE(test::matches_reference(d_rstd.to_host().values(), rstd64.values(), 1e-5))
@@ -193,12 +211,13 @@ TEST(NormCuda, FusedAddRMSNormMatchesReference) {
           DeviceTensor d_dw(HostTensor(dt, {s.cols}), false);
           DeviceTensor d_ws(byte_buffer(workspace_bytes(s.rows, s.cols, dt)), false);
           ops::norm::fused_add_rmsnorm_forward_cuda(d_x.view(), d_r.view(), d_w.view(),
-                                                    d_rstd.view(), {}, nullptr,
-                                                    forward_variant(s, dt, variant));
+                                                    d_rstd.view(),
+                                                    rms_options(forward_variant(s, dt, variant)),
+                                                    nullptr);
           ops::norm::fused_add_rmsnorm_backward_cuda(d_dy.view(), d_dres.view(), d_r.view(),
                                                      d_w.view(), d_rstd.view(), d_dx.view(),
-                                                     d_dw.view(), d_ws.view(), {}, nullptr,
-                                                     variant);
+                                                     d_dw.view(), d_ws.view(),
+                                                     rms_options(variant), nullptr);
           // Reference: the sum as the kernel stores it (rounded to the residual dtype), then
           // rmsnorm in fp64.
           HostTensor sum(rdt, {s.rows, s.cols});
@@ -221,16 +240,19 @@ TEST(NormCuda, FusedAddRMSNormMatchesReference) {
 }
 
 // Forward only, on rows longer than shapes() has (the backward's register kernels take
-// shorter rows): the register kernel at 512 and 1024 threads per row, whose staged weight and
-// bias tables need more than the default 48 KB of shared memory, against two passes and auto.
-// Weight and bias in fp32 or the activation dtype, residual of either for the fused add.
+// shorter rows): the register kernels at 512 and 1024 threads per row (kRegisters' staged
+// weight and bias tables need more than the default 48 KB of shared memory), against two
+// passes and auto. Weight and bias in fp32 or the activation dtype, residual of either for the
+// fused add.
 std::vector<NormVariant> forward_variants(std::int64_t cols, DType dt, bool layer) {
   const std::int64_t vec = 16 / static_cast<std::int64_t>(dtype_size(dt));
-  // The register kernel stages 4 bytes per column for RMSNorm, 8 for LayerNorm; stay well
-  // under any Hopper block's shared-memory limit (227 KB) when forcing it.
-  const bool registers_apply = cols / vec <= 4096 && cols * (layer ? 8 : 4) <= 160 * 1024;
-  if (registers_apply) return {NormVariant::kRegisters, NormVariant::kTwoPass, NormVariant::kAuto};
-  return {NormVariant::kTwoPass, NormVariant::kAuto};
+  std::vector<NormVariant> variants = {NormVariant::kTwoPass, NormVariant::kAuto};
+  if (cols / vec > 4096) return variants;
+  variants.push_back(NormVariant::kRows);
+  // kRegisters stages 4 bytes per column for RMSNorm, 8 for LayerNorm; stay well under any
+  // Hopper block's shared-memory limit (227 KB) when forcing it.
+  if (cols * (layer ? 8 : 4) <= 160 * 1024) variants.push_back(NormVariant::kRegisters);
+  return variants;
 }
 
 void check_long_row_forward(int which) {  // 0 RMSNorm, 1 LayerNorm, 2 fused add + RMSNorm
@@ -258,21 +280,21 @@ void check_long_row_forward(int which) {  // 0 RMSNorm, 1 LayerNorm, 2 fused add
           auto in64 = as_f64(in), w64 = as_f64(w), b64 = as_f64(b);
           HostTensor y64(DType::kFloat64, {s.rows, s.cols}), mean64(DType::kFloat64, {s.rows}),
               rstd64(DType::kFloat64, {s.rows});
-          RMSNormOptions opt;
-          opt.weight_offset = 0.25;
+          const RMSNormOptions opt = rms_options(variant, 0.25);
           if (which == 0) {
             rmsnorm_forward(in64.view(), w64.view(), y64.view(), rstd64.view(), opt);
             ops::norm::rmsnorm_forward_cuda(d_x.view(), d_w.view(), d_y.view(), d_rstd.view(),
-                                            opt, nullptr, variant);
+                                            opt, nullptr);
           } else if (which == 1) {
             layernorm_forward(in64.view(), w64.view(), b64.view(), y64.view(), mean64.view(),
                               rstd64.view());
             ops::norm::layernorm_forward_cuda(d_x.view(), d_w.view(), d_b.view(), d_y.view(),
-                                              d_mean.view(), d_rstd.view(), {}, nullptr, variant);
+                                              d_mean.view(), d_rstd.view(),
+                                              layer_options(variant), nullptr);
           } else {
             rmsnorm_forward(in64.view(), w64.view(), y64.view(), rstd64.view(), opt);
             ops::norm::fused_add_rmsnorm_forward_cuda(d_x.view(), d_r.view(), d_w.view(),
-                                                      d_rstd.view(), opt, nullptr, variant);
+                                                      d_rstd.view(), opt, nullptr);
           }
           const auto& out = which == 2 ? d_x : d_y;
           EXPECT_TRUE(test::matches_reference(out.to_host().values(), y64.values(), tol)) << "y";
@@ -305,7 +327,7 @@ TEST(NormCuda, LayerNormVarianceWhenMeanDominates) {
                                              {4, 8192, 0}, {3, 65536, 0}}) {
       for (NormVariant variant : forward_variants(s.cols, dt, true)) {
         if (s.cols % (16 / static_cast<std::int64_t>(dtype_size(dt))) != 0 &&
-            variant == NormVariant::kRegisters) {
+            (variant == NormVariant::kRegisters || variant == NormVariant::kRows)) {
           continue;
         }
         SCOPED_TRACE(shape_name(dt, s, dt, variant));
@@ -322,7 +344,8 @@ TEST(NormCuda, LayerNormVarianceWhenMeanDominates) {
         layernorm_forward(x64.view(), w64.view(), b64.view(), y64.view(), mean64.view(),
                           rstd64.view());
         ops::norm::layernorm_forward_cuda(d_x.view(), d_w.view(), d_b.view(), d_y.view(),
-                                          d_mean.view(), d_rstd.view(), {}, nullptr, variant);
+                                          d_mean.view(), d_rstd.view(), layer_options(variant),
+                                          nullptr);
         EXPECT_TRUE(test::matches_reference(d_y.to_host().values(), y64.values(),
                                             test::tolerance(dt)))
             << "y";
@@ -336,7 +359,8 @@ TEST(NormCuda, LayerNormVarianceWhenMeanDominates) {
 }
 
 // Forcing the register kernel on a row whose staged LayerNorm weight and bias (8 bytes per
-// column) exceed a block's shared memory is an error, not a fault; auto takes two passes.
+// column) exceed a block's shared memory is an error, not a fault; auto takes two passes, and
+// the rows variant, which stages nothing, runs it.
 TEST(NormCuda, LayerNormRegisterVariantRejectsRowsBeyondSharedMemory) {
   TS_REQUIRE_GPU();
   const std::int64_t cols = 32768;
@@ -346,10 +370,33 @@ TEST(NormCuda, LayerNormRegisterVariantRejectsRowsBeyondSharedMemory) {
   DeviceTensor d_y(HostTensor(DType::kBFloat16, {2, cols}), false);
   DeviceTensor d_mean(HostTensor(DType::kFloat32, {2}), false);
   DeviceTensor d_rstd(HostTensor(DType::kFloat32, {2}), false);
+  EXPECT_THROW(ops::norm::layernorm_forward_cuda(d_x.view(), d_w.view(), d_b.view(),
+                                                 d_y.view(), d_mean.view(), d_rstd.view(),
+                                                 layer_options(NormVariant::kRegisters), nullptr),
+               UnsupportedVariantError);
   TS_EXPECT_ERROR(ops::norm::layernorm_forward_cuda(d_x.view(), d_w.view(), d_b.view(),
-                                                    d_y.view(), d_mean.view(), d_rstd.view(), {},
-                                                    nullptr, NormVariant::kRegisters),
+                                                    d_y.view(), d_mean.view(), d_rstd.view(),
+                                                    layer_options(NormVariant::kRegisters),
+                                                    nullptr),
                   "register variant", "shared memory", "32768");
+  ops::norm::layernorm_forward_cuda(d_x.view(), d_w.view(), d_b.view(), d_y.view(),
+                                    d_mean.view(), d_rstd.view(), layer_options(NormVariant::kRows),
+                                    nullptr);
+  for (double v : d_rstd.to_host().values()) EXPECT_TRUE(std::isfinite(v));
+}
+
+// The register kernels need 16-byte aligned rows: forcing one on others is an
+// UnsupportedVariantError through the public entry point too.
+TEST(NormCuda, RegisterVariantsRejectUnalignedRows) {
+  TS_REQUIRE_GPU();
+  auto x = HostTensor::random(DType::kBFloat16, {4, 1001});
+  DeviceTensor d_x(x), d_y(HostTensor(DType::kBFloat16, {4, 1001}), false);
+  for (NormVariant variant : {NormVariant::kRegisters, NormVariant::kRows}) {
+    EXPECT_THROW(rmsnorm_forward(d_x.view(), {}, d_y.view(), {}, rms_options(variant)),
+                 UnsupportedVariantError);
+    TS_EXPECT_ERROR(rmsnorm_forward(d_x.view(), {}, d_y.view(), {}, rms_options(variant)),
+                    "variant", "16-byte aligned");
+  }
 }
 
 TEST(NormCuda, PublicEntryPointsDispatchToCuda) {
@@ -421,13 +468,19 @@ TEST(NormCuda, NaNPropagatesToItsRowOnly) {
     x.set(1 * cols + 3, NAN);
     DeviceTensor d_x(x), d_y(HostTensor(DType::kBFloat16, {4, cols}), false);
     DeviceTensor d_rstd(HostTensor(DType::kFloat32, {4}), false);
-    rmsnorm_forward(d_x.view(), {}, d_y.view(), d_rstd.view());
-    const auto y = d_y.to_host();
-    const auto rstd = d_rstd.to_host();
-    EXPECT_TRUE(std::isnan(rstd.at(1)));
-    EXPECT_TRUE(std::isfinite(rstd.at(0)) && std::isfinite(rstd.at(2)));
-    EXPECT_TRUE(std::isnan(y.at(1 * cols + 100)));
-    EXPECT_TRUE(std::isfinite(y.at(2 * cols + 100)));
+    // Auto, and the rows variant where it applies (aligned rows of at most 32768 bf16).
+    std::vector<NormVariant> variants = {NormVariant::kAuto};
+    if (cols % 8 == 0 && cols <= 32768) variants.push_back(NormVariant::kRows);
+    for (NormVariant variant : variants) {
+      SCOPED_TRACE(std::to_string(cols) + " variant " + std::to_string(static_cast<int>(variant)));
+      rmsnorm_forward(d_x.view(), {}, d_y.view(), d_rstd.view(), rms_options(variant));
+      const auto y = d_y.to_host();
+      const auto rstd = d_rstd.to_host();
+      EXPECT_TRUE(std::isnan(rstd.at(1)));
+      EXPECT_TRUE(std::isfinite(rstd.at(0)) && std::isfinite(rstd.at(2)));
+      EXPECT_TRUE(std::isnan(y.at(1 * cols + 100)));
+      EXPECT_TRUE(std::isfinite(y.at(2 * cols + 100)));
+    }
     // Backward: dx of that row only (dw sums every row, so it is NaN as a whole).
     DeviceTensor d_dy(HostTensor::random(DType::kBFloat16, {4, cols}));
     DeviceTensor d_dx(HostTensor(DType::kBFloat16, {4, cols}), false);

@@ -691,6 +691,16 @@ TEST_F(ErrorFixture, RMSNormForward) {
   TS_EXPECT_ERROR(rmsnorm_forward(x.view(), w.view(), y.view(), rstd.view(),
                                   {.eps = 1e-6, .weight_offset = INFINITY}),
                   "rmsnorm_forward", "argument 'options.weight_offset'", "finite", "inf");
+  TS_EXPECT_ERROR(rmsnorm_forward(x.view(), w.view(), y.view(), rstd.view(),
+                                  {.variant = static_cast<NormVariant>(9)}),
+                  "rmsnorm_forward", "argument 'options.variant'", "9");
+  TS_EXPECT_ERROR(layernorm_forward(x.view(), w.view(), {}, y.view(), {}, rstd.view(),
+                                    {.variant = static_cast<NormVariant>(-1)}),
+                  "layernorm_forward", "argument 'options.variant'", "-1");
+  // The CPU path ignores a valid variant, forward-only ones included.
+  for (NormVariant v : {NormVariant::kRegisters, NormVariant::kTwoPass, NormVariant::kRows}) {
+    rmsnorm_forward(x.view(), w.view(), y.view(), rstd.view(), {.variant = v});
+  }
   TS_EXPECT_ERROR(rmsnorm_forward(x.view(), w.view(), x.view(), rstd.view()), "rmsnorm_forward",
                   "argument 'y'", "disjoint from 'x'");
   TS_EXPECT_ERROR(rmsnorm_forward(slice(0), w.view(), slice(8), rstd.view()), "rmsnorm_forward",

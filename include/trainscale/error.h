@@ -12,4 +12,11 @@ class Error : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A forced kernel variant (NormVariant) that cannot run these arguments, which are otherwise
+// valid: the automatic choice would have taken another variant.
+class UnsupportedVariantError : public Error {
+ public:
+  using Error::Error;
+};
+
 }  // namespace trainscale

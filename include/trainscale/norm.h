@@ -18,13 +18,27 @@
 
 namespace trainscale {
 
+// The CUDA row kernel; the CPU path ignores it. A forced variant that cannot run the call's
+// shape or alignment throws UnsupportedVariantError.
+enum class NormVariant {
+  kAuto,       // by row length, dtype and alignment
+  kRegisters,  // whole row in registers; forward: persistent grid, weight/bias staged in shared
+               // memory; aligned rows of at most 4096 (forward) / 16384 (backward) 16-byte vectors
+  kTwoPass,    // any row: one block per row, pass 1 reduces, pass 2 re-reads and writes
+  kRows,       // forward only (the backward chooses as for kAuto): whole row in registers, one
+               // row group per block, weight/bias read from global memory per row; aligned
+               // rows of at most 4096 16-byte vectors
+};
+
 struct RMSNormOptions {
   double eps = 1e-6;           // >= 0, finite
   double weight_offset = 0.0;  // y = x * rstd * (w + offset); Gemma uses 1.0
+  NormVariant variant = NormVariant::kAuto;
 };
 
 struct LayerNormOptions {
   double eps = 1e-5;  // >= 0, finite
+  NormVariant variant = NormVariant::kAuto;
 };
 
 // rstd = 1 / sqrt(mean(x^2) + eps), y = x * rstd * (w + offset).

@@ -340,6 +340,7 @@ std::string run_bench(const std::vector<std::string>& suites, const std::vector<
   }
   std::vector<std::string> known = {tb::kOursGpu, tb::kOursCpu};
   for (const auto& name : registry.baseline_names()) known.push_back(name);
+  for (const auto& name : registry.opt_in_names()) known.push_back(name);
   for (const auto& impl : impls) {
     if (std::find(known.begin(), known.end(), impl) == known.end()) {
       arg_error(fn, "impls", "unknown implementation '" + impl + "' (known: " + join(known) + ")");

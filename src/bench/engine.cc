@@ -55,7 +55,8 @@ constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
 // Errors that mean "this implementation does not cover this case yet", not "it is wrong".
 bool is_unsupported(const std::exception& e) {
-  if (dynamic_cast<const Unsupported*>(&e)) return true;
+  // A forced kernel variant (an opt-in implementation) that does not take this shape.
+  if (dynamic_cast<const Unsupported*>(&e) || dynamic_cast<const UnsupportedVariantError*>(&e)) return true;
   const std::string what = e.what();
   return what.find("has only its CPU reference so far") != std::string::npos ||
          what.find("has no CUDA support") != std::string::npos;
@@ -256,9 +257,9 @@ std::vector<Implementation> implementations(const Registry& registry, const Case
   ours.run = c.entry;
   impls.push_back(std::move(ours));
   // Baselines of the run's device: CUDA ones on a GPU; the Python front-end also adds PyTorch
-  // baselines on the CPU.
-  for (auto& b : registry.baselines_for(c, options.use_gpu)) impls.push_back(std::move(b));
+  // baselines on the CPU. Opt-in implementations only when the selection names them.
   const auto& filter = options.selection.impls;
+  for (auto& b : registry.baselines_for(c, options.use_gpu, filter)) impls.push_back(std::move(b));
   if (!filter.empty()) {
     std::erase_if(impls, [&](const Implementation& i) {
       return std::find(filter.begin(), filter.end(), i.name) == filter.end();

@@ -84,6 +84,10 @@ void Registry::add_baseline(const std::string& op, std::string name, BaselineFac
   baselines_.push_back({op, std::move(name), std::move(factory), on_gpu});
 }
 
+void Registry::add_opt_in(const std::string& op, std::string name, BaselineFactory factory, bool on_gpu) {
+  baselines_.push_back({op, std::move(name), std::move(factory), on_gpu, /*opt_in=*/true});
+}
+
 const OpInfo* Registry::find_op(const std::string& name) const {
   const auto it = ops_.find(name);
   return it == ops_.end() ? nullptr : &it->second;
@@ -103,23 +107,33 @@ const std::vector<Config>& Registry::suite(const std::string& suite) const {
   return it == suites_.end() ? kEmpty : it->second;
 }
 
-std::vector<std::string> Registry::baseline_names() const {
+std::vector<std::string> Registry::names(bool opt_in) const {
   std::vector<std::string> names;
   for (const auto& b : baselines_) {
-    if (std::find(names.begin(), names.end(), b.name) == names.end()) names.push_back(b.name);
+    if (b.opt_in == opt_in && std::find(names.begin(), names.end(), b.name) == names.end()) {
+      names.push_back(b.name);
+    }
   }
   return names;
 }
 
-std::vector<Implementation> Registry::baselines_for(const Case& c, bool on_gpu) const {
+std::vector<std::string> Registry::baseline_names() const { return names(false); }
+
+std::vector<std::string> Registry::opt_in_names() const { return names(true); }
+
+std::vector<Implementation> Registry::baselines_for(const Case& c, bool on_gpu,
+                                                    const std::vector<std::string>& named) const {
   std::vector<Implementation> impls;
-  for (const auto& b : baselines_) {
-    if (b.op != c.op || b.on_gpu != on_gpu) continue;
-    if (auto impl = b.factory(c)) {
-      impl->name = b.name;
-      impl->baseline = true;
-      impl->on_gpu = b.on_gpu;
-      impls.push_back(std::move(*impl));
+  for (const bool opt_in : {false, true}) {
+    for (const auto& b : baselines_) {
+      if (b.opt_in != opt_in || b.op != c.op || b.on_gpu != on_gpu) continue;
+      if (opt_in && std::find(named.begin(), named.end(), b.name) == named.end()) continue;
+      if (auto impl = b.factory(c)) {
+        impl->name = b.name;
+        impl->baseline = true;
+        impl->on_gpu = b.on_gpu;
+        impls.push_back(std::move(*impl));
+      }
     }
   }
   return impls;

@@ -3,7 +3,9 @@
 // A family registers, per op, a factory that builds a Case for a (shape, dtype): the tensors
 // it touches, the bytes that must move and the FLOPs, which roofline applies, the call of our
 // entry point, and the fp64 reference. It also lists the (shape, dtype) configs it contributes
-// to each suite. Baselines (cuDNN, cuBLASLt, ...) attach to ops through add_baseline().
+// to each suite. Baselines (cuDNN, cuBLASLt, ...) attach to ops through add_baseline();
+// opt-in implementations (our kernels with a variant forced, ...) through add_opt_in(): they
+// run only when named in the selection's implementations, and are reported like baselines.
 #pragma once
 
 #include <cstdint>
@@ -65,9 +67,9 @@ class Unsupported : public std::runtime_error {
 
 // One way to compute a case. `run` must be capturable in a CUDA graph on GPU.
 struct Implementation {
-  std::string name;  // "trainscale", "cpu-ref", "cudnn", ...
+  std::string name;  // "trainscale", "cpu-ref", "cudnn", "trainscale-rows", ...
   bool on_gpu = true;
-  bool baseline = false;
+  bool baseline = false;  // baselines and opt-in implementations: paired with ours in reports
   std::function<void(Views tensors, cudaStream_t stream)> run;
   // The gate's call, when it differs from `run`: an implementation that returns fresh outputs
   // (PyTorch callables) copies them into the case's tensors here, and `run`, which is timed,
@@ -137,6 +139,8 @@ class Registry {
                    const std::vector<DType>& dtypes);
   // `on_gpu`: the device the baseline runs on (CUDA baselines are only built on a GPU run).
   void add_baseline(const std::string& op, std::string name, BaselineFactory factory, bool on_gpu = true);
+  // Like a baseline, but run only when named (Selection::impls), e.g. a forced kernel variant.
+  void add_opt_in(const std::string& op, std::string name, BaselineFactory factory, bool on_gpu = true);
 
   const OpInfo* find_op(const std::string& name) const;
   std::vector<std::string> op_names() const;
@@ -145,8 +149,11 @@ class Registry {
   // Configs of a suite in registration order.
   const std::vector<Config>& suite(const std::string& suite) const;
   std::vector<std::string> baseline_names() const;
-  // Every baseline on that device (GPU or CPU) that applies to the case.
-  std::vector<Implementation> baselines_for(const Case& c, bool on_gpu) const;
+  std::vector<std::string> opt_in_names() const;
+  // Every baseline on that device (GPU or CPU) that applies to the case, then the opt-in
+  // implementations among `named` that do.
+  std::vector<Implementation> baselines_for(const Case& c, bool on_gpu,
+                                            const std::vector<std::string>& named = {}) const;
 
  private:
   std::map<std::string, OpInfo> ops_;
@@ -156,7 +163,9 @@ class Registry {
     std::string op, name;
     BaselineFactory factory;
     bool on_gpu = true;
+    bool opt_in = false;
   };
+  std::vector<std::string> names(bool opt_in) const;
   std::vector<Baseline> baselines_;
 };
 

@@ -77,6 +77,7 @@ Selection make_selection(const Registry& registry, const RunArgs& args) {
   }
   std::vector<std::string> impls = {kOursGpu, kOursCpu};
   for (const auto& name : registry.baseline_names()) impls.push_back(name);
+  for (const auto& name : registry.opt_in_names()) impls.push_back(name);
   for (const auto& impl : args.impls) {
     if (!contains(impls, impl)) throw UsageError("unknown implementation '" + impl + "' (known: " + join(impls) + ")");
     s.impls.push_back(impl);

@@ -46,7 +46,7 @@ int main(int argc, char** argv) {
   app.add_option("--ops", run.ops, "Only these ops (comma-separated)")->delimiter(',');
   app.add_option("--dtype", run.dtypes, "Only these dtypes: fp32, fp16, bf16, ... (comma-separated)")->delimiter(',');
   app.add_option("--configs", run.configs, "Only these shapes, e.g. 32768x4096,8192x8192")->delimiter(',');
-  app.add_option("--impl", run.impls, "Only these implementations: trainscale, cpu-ref, baselines")->delimiter(',');
+  app.add_option("--impl", run.impls, "Only these implementations: trainscale, cpu-ref, baselines, opt-in ones (run only when named)")->delimiter(',');
   app.add_flag("--list", run.list, "Print the selected cases without running them");
   app.add_option("--json", run.json, "Write results as JSON (docs/bench-json.md)");
   app.add_option("--csv", run.csv, "Write results as CSV");

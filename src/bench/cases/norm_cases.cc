@@ -1,5 +1,7 @@
 // Norm family: RMSNorm forward / backward, fused residual-add + RMSNorm forward / backward,
 // LayerNorm forward / backward. M rows of N; weight and bias in the activation dtype.
+// Opt-in implementations force a kernel variant (NormVariant): trainscale-registers,
+// trainscale-two-pass, and for the forward ops trainscale-rows.
 #include "bench/baselines/cudnn_norm.h"
 #include "bench/cases/case_util.h"
 #include "bench/gate.h"
@@ -25,6 +27,44 @@ TensorSpec workspace_for(std::int64_t m, std::int64_t n, DType dtype) {
 
 double elements(const Case& c) { return static_cast<double>(numel(c.shape)); }
 
+using Entry = std::function<void(Views, cudaStream_t)>;
+
+RMSNormOptions rms(NormVariant variant) {
+  RMSNormOptions o;
+  o.variant = variant;
+  return o;
+}
+
+LayerNormOptions layer(NormVariant variant) {
+  LayerNormOptions o;
+  o.variant = variant;
+  return o;
+}
+
+// Our entry point of each op, with the kernel variant it forces (kAuto for the case itself).
+Entry rmsnorm_forward_entry(NormVariant v) {
+  return [o = rms(v)](Views t, cudaStream_t s) { rmsnorm_forward(t[0], t[1], t[2], t[3], o, s); };
+}
+Entry rmsnorm_backward_entry(NormVariant v) {
+  return [o = rms(v)](Views t, cudaStream_t s) { rmsnorm_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], o, s); };
+}
+Entry fused_add_rmsnorm_forward_entry(NormVariant v) {
+  return [o = rms(v)](Views t, cudaStream_t s) { fused_add_rmsnorm_forward(t[0], t[1], t[2], t[3], o, s); };
+}
+Entry fused_add_rmsnorm_backward_entry(NormVariant v) {
+  return [o = rms(v)](Views t, cudaStream_t s) {
+    fused_add_rmsnorm_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], o, s);
+  };
+}
+Entry layernorm_forward_entry(NormVariant v) {
+  return [o = layer(v)](Views t, cudaStream_t s) { layernorm_forward(t[0], t[1], t[2], t[3], t[4], t[5], o, s); };
+}
+Entry layernorm_backward_entry(NormVariant v) {
+  return [o = layer(v)](Views t, cudaStream_t s) {
+    layernorm_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], o, s);
+  };
+}
+
 Case rmsnorm_forward_case(std::span<const std::int64_t> shape, DType dtype) {
   Case c = begin_case("rmsnorm_fwd", "norm", shape, dtype, 2, "MxN");
   const std::int64_t m = c.shape[0], n = c.shape[1];
@@ -33,7 +73,7 @@ Case rmsnorm_forward_case(std::span<const std::int64_t> shape, DType dtype) {
   c.bytes = traffic(c.tensors);
   c.flops = 4.0 * elements(c);  // square, accumulate, two scalings
   c.rows_independent = true;
-  c.entry = [](Views t, cudaStream_t s) { rmsnorm_forward(t[0], t[1], t[2], t[3], {}, s); };
+  c.entry = rmsnorm_forward_entry(NormVariant::kAuto);
   c.reference = [](Views t) { rmsnorm_forward(t[0], t[1], t[2], t[3]); };
   return c;
 }
@@ -46,7 +86,7 @@ Case rmsnorm_backward_case(std::span<const std::int64_t> shape, DType dtype) {
                workspace_for(m, n, dtype)};
   c.bytes = traffic(c.tensors);
   c.flops = 8.0 * elements(c);
-  c.entry = [](Views t, cudaStream_t s) { rmsnorm_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], {}, s); };
+  c.entry = rmsnorm_backward_entry(NormVariant::kAuto);
   c.reference = [](Views t) { rmsnorm_backward(t[0], t[1], t[2], t[3], t[4], t[5], TensorView{}); };
   return c;
 }
@@ -61,7 +101,7 @@ Case fused_add_rmsnorm_case(std::span<const std::int64_t> shape, DType dtype) {
   c.bytes = traffic(c.tensors);
   c.flops = 5.0 * elements(c);
   c.rows_independent = true;
-  c.entry = [](Views t, cudaStream_t s) { fused_add_rmsnorm_forward(t[0], t[1], t[2], t[3], {}, s); };
+  c.entry = fused_add_rmsnorm_forward_entry(NormVariant::kAuto);
   c.reference = [](Views t) { fused_add_rmsnorm_forward(t[0], t[1], t[2], t[3]); };
   return c;
 }
@@ -76,9 +116,7 @@ Case fused_add_rmsnorm_backward_case(std::span<const std::int64_t> shape, DType 
                output("dw", dtype, {n}, false),  workspace_for(m, n, dtype)};
   c.bytes = traffic(c.tensors);
   c.flops = 9.0 * elements(c);  // rmsnorm_bwd's 8 and the add
-  c.entry = [](Views t, cudaStream_t s) {
-    fused_add_rmsnorm_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], {}, s);
-  };
+  c.entry = fused_add_rmsnorm_backward_entry(NormVariant::kAuto);
   c.reference = [](Views t) { fused_add_rmsnorm_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], TensorView{}); };
   return c;
 }
@@ -91,7 +129,7 @@ Case layernorm_forward_case(std::span<const std::int64_t> shape, DType dtype) {
   c.bytes = traffic(c.tensors);
   c.flops = 7.0 * elements(c);
   c.rows_independent = true;
-  c.entry = [](Views t, cudaStream_t s) { layernorm_forward(t[0], t[1], t[2], t[3], t[4], t[5], {}, s); };
+  c.entry = layernorm_forward_entry(NormVariant::kAuto);
   c.reference = [](Views t) { layernorm_forward(t[0], t[1], t[2], t[3], t[4], t[5]); };
   return c;
 }
@@ -104,20 +142,52 @@ Case layernorm_backward_case(std::span<const std::int64_t> shape, DType dtype) {
                output("dw", dtype, {n}, false),   output("db", dtype, {n}, false), workspace_for(m, n, dtype)};
   c.bytes = traffic(c.tensors);
   c.flops = 10.0 * elements(c);
-  c.entry = [](Views t, cudaStream_t s) {
-    layernorm_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], {}, s);
-  };
+  c.entry = layernorm_backward_entry(NormVariant::kAuto);
   c.reference = [](Views t) { layernorm_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], TensorView{}); };
   return c;
 }
 
+struct NormOp {
+  const char* name;
+  CaseFactory make;
+  Entry (*entry)(NormVariant);
+  bool forward;
+};
+
+const NormOp kOps[] = {
+    {"rmsnorm_fwd", rmsnorm_forward_case, rmsnorm_forward_entry, true},
+    {"rmsnorm_bwd", rmsnorm_backward_case, rmsnorm_backward_entry, false},
+    {"fused_add_rmsnorm_fwd", fused_add_rmsnorm_case, fused_add_rmsnorm_forward_entry, true},
+    {"fused_add_rmsnorm_bwd", fused_add_rmsnorm_backward_case, fused_add_rmsnorm_backward_entry, false},
+    {"layernorm_fwd", layernorm_forward_case, layernorm_forward_entry, true},
+    {"layernorm_bwd", layernorm_backward_case, layernorm_backward_entry, false},
+};
+
+struct ForcedVariant {
+  NormVariant variant;
+  const char* impl;
+  bool forward_only;
+};
+
+const ForcedVariant kForcedVariants[] = {
+    {NormVariant::kRegisters, "trainscale-registers", false},
+    {NormVariant::kTwoPass, "trainscale-two-pass", false},
+    {NormVariant::kRows, "trainscale-rows", true},
+};
+
 const Registrar kRegister([](Registry& r) {
-  r.add_op({"rmsnorm_fwd", "norm", "M x N", rmsnorm_forward_case});
-  r.add_op({"rmsnorm_bwd", "norm", "M x N", rmsnorm_backward_case});
-  r.add_op({"fused_add_rmsnorm_fwd", "norm", "M x N", fused_add_rmsnorm_case});
-  r.add_op({"fused_add_rmsnorm_bwd", "norm", "M x N", fused_add_rmsnorm_backward_case});
-  r.add_op({"layernorm_fwd", "norm", "M x N", layernorm_forward_case});
-  r.add_op({"layernorm_bwd", "norm", "M x N", layernorm_backward_case});
+  for (const NormOp& op : kOps) {
+    r.add_op({op.name, "norm", "M x N", op.make});
+    // A variant that cannot run a shape throws UnsupportedVariantError: the row is UNSUPPORTED.
+    for (const ForcedVariant& forced : kForcedVariants) {
+      if (forced.forward_only && !op.forward) continue;
+      r.add_opt_in(op.name, forced.impl, [entry = op.entry(forced.variant)](const Case&) {
+        Implementation impl;
+        impl.run = entry;
+        return std::optional<Implementation>(std::move(impl));
+      });
+    }
+  }
   const auto bf16 = std::vector<DType>{DType::kBFloat16};
   for (const char* op : {"rmsnorm_fwd", "rmsnorm_bwd", "fused_add_rmsnorm_fwd", "fused_add_rmsnorm_bwd", "layernorm_fwd",
                          "layernorm_bwd"}) {

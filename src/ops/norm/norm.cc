@@ -116,13 +116,23 @@ void check_eps(OpChecker& c, double eps) {
     c.fail("options.eps", "a finite value >= 0", detail::format_number(eps));
 }
 
+void check_variant(OpChecker& c, NormVariant variant) {
+  const int v = static_cast<int>(variant);
+  if (!(v >= static_cast<int>(NormVariant::kAuto) && v <= static_cast<int>(NormVariant::kRows)))
+    c.fail("options.variant", "a NormVariant", std::to_string(v));
+}
+
 void check_options(OpChecker& c, const RMSNormOptions& options) {
   check_eps(c, options.eps);
+  check_variant(c, options.variant);
   if (!std::isfinite(options.weight_offset))
     c.fail("options.weight_offset", "a finite value", detail::format_number(options.weight_offset));
 }
 
-void check_options(OpChecker& c, const LayerNormOptions& options) { check_eps(c, options.eps); }
+void check_options(OpChecker& c, const LayerNormOptions& options) {
+  check_eps(c, options.eps);
+  check_variant(c, options.variant);
+}
 
 }  // namespace
 

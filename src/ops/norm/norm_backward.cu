@@ -491,6 +491,7 @@ std::int64_t resident_groups(void (*kernel)(BackwardArgs), int block, int cluste
 
 template <class T, class X, Kind kKind>
 Plan plan_backward(const BackwardArgs& a, NormVariant variant, const char* op) {
+  if (variant == NormVariant::kRows) variant = NormVariant::kAuto;  // a forward-only variant
   constexpr int V = detail::kVec16<T>;
   const std::int64_t vecs = (a.cols + V - 1) / V;
   const bool aligned = a.cols % V == 0 && rows_vectorizable(a.dy, a.dy_stride, sizeof(T)) &&
@@ -508,7 +509,7 @@ Plan plan_backward(const BackwardArgs& a, NormVariant variant, const char* op) {
     });
     if (plan.groups == 0) {
       if (variant == NormVariant::kRegisters) {
-        throw Error(std::string("trainscale ") + op +
+        throw UnsupportedVariantError(std::string("trainscale ") + op +
                     ": the register variant does not fit this device for " +
                     std::to_string(a.cols) + " columns");
       }
@@ -614,8 +615,9 @@ std::size_t backward_workspace_bytes_cuda(std::int64_t rows, std::int64_t cols, 
 void rmsnorm_backward_cuda(const TensorView& dy, const TensorView& x, const TensorView& weight,
                            const TensorView& rstd, TensorView dx, TensorView dw,
                            TensorView workspace, const RMSNormOptions& options,
-                           cudaStream_t stream, NormVariant variant) {
+                           cudaStream_t stream) {
   const char* op = "rmsnorm_backward";
+  const NormVariant variant = options.variant;
   BackwardArgs a = make_args(op, dy, x, weight, {}, rstd, dx);
   a.weight_offset = static_cast<float>(options.weight_offset);
   detail::dispatch_activation_dtype(dy.dtype, op, [&](auto tag) {
@@ -628,8 +630,9 @@ void fused_add_rmsnorm_backward_cuda(const TensorView& dy, const TensorView& d_r
                                      const TensorView& residual, const TensorView& weight,
                                      const TensorView& rstd, TensorView dx, TensorView dw,
                                      TensorView workspace, const RMSNormOptions& options,
-                                     cudaStream_t stream, NormVariant variant) {
+                                     cudaStream_t stream) {
   const char* op = "fused_add_rmsnorm_backward";
+  const NormVariant variant = options.variant;
   BackwardArgs a = make_args(op, dy, residual, weight, {}, rstd, dx);
   a.weight_offset = static_cast<float>(options.weight_offset);
   if (d_residual.defined()) {
@@ -649,9 +652,9 @@ void fused_add_rmsnorm_backward_cuda(const TensorView& dy, const TensorView& d_r
 void layernorm_backward_cuda(const TensorView& dy, const TensorView& x, const TensorView& weight,
                              const TensorView& mean, const TensorView& rstd, TensorView dx,
                              TensorView dw, TensorView db, TensorView workspace,
-                             const LayerNormOptions& /*options*/, cudaStream_t stream,
-                             NormVariant variant) {
+                             const LayerNormOptions& options, cudaStream_t stream) {
   const char* op = "layernorm_backward";
+  const NormVariant variant = options.variant;
   BackwardArgs a = make_args(op, dy, x, weight, mean, rstd, dx);
   detail::dispatch_activation_dtype(dy.dtype, op, [&](auto tag) {
     using T = typename decltype(tag)::type;

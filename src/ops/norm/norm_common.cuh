@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <type_traits>
 
 #include "common/cuda_check.h"
@@ -48,14 +49,26 @@ inline bool rows_vectorizable(const void* p, std::int64_t stride, std::size_t el
          (detail::is_aligned(p, 16) && (stride * static_cast<std::int64_t>(elem_bytes)) % 16 == 0);
 }
 
-// Whether the register kernels apply: aligned rows and a row short enough.
+inline const char* variant_name(NormVariant variant) {
+  switch (variant) {
+    case NormVariant::kAuto: return "auto";
+    case NormVariant::kRegisters: return "register";
+    case NormVariant::kTwoPass: return "two-pass";
+    case NormVariant::kRows: return "rows";
+  }
+  return "unknown";
+}
+
+// Whether the whole-row register kernels apply: aligned rows and a row short enough. Forcing
+// one (kRegisters, kRows) where it does not apply throws.
 inline bool use_registers(NormVariant variant, bool aligned, std::int64_t vecs,
                           std::int64_t max_vecs) {
   if (variant == NormVariant::kTwoPass) return false;
   const bool fits = aligned && vecs <= max_vecs;
-  if (variant == NormVariant::kRegisters && !fits) {
-    throw Error("trainscale norm: the register variant needs 16-byte aligned rows of at most " +
-                std::to_string(max_vecs) + " vectors");
+  if (variant != NormVariant::kAuto && !fits) {
+    throw UnsupportedVariantError(std::string("trainscale norm: the ") + variant_name(variant) +
+                                  " variant needs 16-byte aligned rows of at most " +
+                                  std::to_string(max_vecs) + " vectors");
   }
   return fits;
 }

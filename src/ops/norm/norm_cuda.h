@@ -1,4 +1,5 @@
-// CUDA launchers of the norm family (norm.cu); arguments arrive validated by norm.cc.
+// CUDA launchers of the norm family (norm_forward.cu, norm_backward.cu); arguments arrive
+// validated by norm.cc. options.variant picks the row kernel.
 #pragma once
 
 #include <cstddef>
@@ -8,34 +9,28 @@
 
 namespace trainscale::ops::norm {
 
-// Row-kernel strategies; the bench can force one (kAuto picks by row length and alignment).
-enum class NormVariant { kAuto, kRegisters, kTwoPass };
-
 void rmsnorm_forward_cuda(const TensorView& x, const TensorView& weight, TensorView y,
-                          TensorView rstd, const RMSNormOptions& options, cudaStream_t stream,
-                          NormVariant variant = NormVariant::kAuto);
+                          TensorView rstd, const RMSNormOptions& options, cudaStream_t stream);
 void fused_add_rmsnorm_forward_cuda(TensorView x, TensorView residual, const TensorView& weight,
                                     TensorView rstd, const RMSNormOptions& options,
-                                    cudaStream_t stream, NormVariant variant = NormVariant::kAuto);
+                                    cudaStream_t stream);
 void layernorm_forward_cuda(const TensorView& x, const TensorView& weight, const TensorView& bias,
                             TensorView y, TensorView mean, TensorView rstd,
-                            const LayerNormOptions& options, cudaStream_t stream,
-                            NormVariant variant = NormVariant::kAuto);
+                            const LayerNormOptions& options, cudaStream_t stream);
 
 void rmsnorm_backward_cuda(const TensorView& dy, const TensorView& x, const TensorView& weight,
                            const TensorView& rstd, TensorView dx, TensorView dw,
                            TensorView workspace, const RMSNormOptions& options,
-                           cudaStream_t stream, NormVariant variant = NormVariant::kAuto);
+                           cudaStream_t stream);
 void fused_add_rmsnorm_backward_cuda(const TensorView& dy, const TensorView& d_residual,
                                      const TensorView& residual, const TensorView& weight,
                                      const TensorView& rstd, TensorView dx, TensorView dw,
                                      TensorView workspace, const RMSNormOptions& options,
-                                     cudaStream_t stream, NormVariant variant = NormVariant::kAuto);
+                                     cudaStream_t stream);
 void layernorm_backward_cuda(const TensorView& dy, const TensorView& x, const TensorView& weight,
                              const TensorView& mean, const TensorView& rstd, TensorView dx,
                              TensorView dw, TensorView db, TensorView workspace,
-                             const LayerNormOptions& options, cudaStream_t stream,
-                             NormVariant variant = NormVariant::kAuto);
+                             const LayerNormOptions& options, cudaStream_t stream);
 
 // Scratch the backward needs for the weight/bias gradients of a [rows, cols] input.
 std::size_t backward_workspace_bytes_cuda(std::int64_t rows, std::int64_t cols, DType dtype);

@@ -1,4 +1,6 @@
 // Forward kernels: RMSNorm, fused add + RMSNorm (in place) and LayerNorm share one row kernel.
+#include <limits>
+
 #include "core/check.h"
 #include "ops/norm/norm_common.cuh"
 
@@ -148,7 +150,10 @@ __device__ __forceinline__ float normalize(float v, float pivot, const RowStats&
 // barrier. Layout: column vector u of V elements is stored as V / 4 chunks of 4 floats, chunk
 // c at (c * vecs + u) * 4, so the 16-byte shared loads of a warp are consecutive (no bank
 // conflicts).
-template <int V>
+template <Kind kKind>
+constexpr int kParamTables = kKind == Kind::kLayer ? 2 : 1;
+
+template <Kind kKind, int V>
 struct StagedParams {
   static constexpr int kChunks = V / 4;
   float* base;
@@ -170,10 +175,49 @@ struct StagedParams {
       out[c * 4 + 3] = q.w;
     }
   }
+  // Scale and shift of the row vector at col (the thread's i-th).
+  __device__ __forceinline__ void scale_shift(const ForwardArgs&, int /*i*/, std::int64_t col,
+                                              float (&scale)[V], float (&shift)[V]) const {
+    load(0, col, scale);
+    if constexpr (kKind == Kind::kLayer) load(1, col, shift);
+  }
 };
 
-template <Kind kKind>
-constexpr int kParamTables = kKind == Kind::kLayer ? 2 : 1;
+// Rows variant: weight (and bias) read from global memory per row as stored (W, B: float or
+// T, known at compile time: loads of both kinds behind the runtime flags spilled), 16 bytes
+// per load, L1/L2-resident since every row reads them. Their lines are prefetched into L1
+// before the row's reduction, so the latency overlaps it without holding registers: the kernel
+// is at its 64-register cap, and parameters held across the reduction spilled.
+template <class T, class W, class B, Kind kKind, int V, int kVecs>
+struct GlobalParams {
+  static __device__ __forceinline__ void prefetch(const ForwardArgs& a, int lane, int threads) {
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      const std::int64_t col = (static_cast<std::int64_t>(i) * threads + lane) * V;
+      if (col >= a.cols) continue;
+      if (a.weight) detail::prefetch_l1(static_cast<const W*>(a.weight) + col);
+      if constexpr (kKind == Kind::kLayer) {
+        if (a.bias) detail::prefetch_l1(static_cast<const B*>(a.bias) + col);
+      }
+    }
+  }
+  static __device__ __forceinline__ void scale_shift(const ForwardArgs& a, int /*i*/,
+                                                     std::int64_t col, float (&scale)[V],
+                                                     float (&shift)[V]) {
+    if (a.weight) {
+      load_floats<W, V, false>(static_cast<const W*>(a.weight) + col, scale);
+    } else {
+#pragma unroll
+      for (int j = 0; j < V; ++j) scale[j] = 1.f;
+    }
+    if constexpr (kKind == Kind::kRms) {
+#pragma unroll
+      for (int j = 0; j < V; ++j) scale[j] += a.weight_offset;
+    } else if (a.bias) {
+      load_floats<B, V, false>(static_cast<const B*>(a.bias) + col, shift);
+    }
+  }
+};
 
 // Dynamic shared memory of the register kernel for rows of `cols` elements.
 template <Kind kKind>
@@ -183,7 +227,8 @@ std::size_t staged_param_bytes(std::int64_t cols) {
 
 // Fills the staged tables; the loads are batched so each thread has several in flight.
 template <class T, Kind kKind, int kBlock, int V>
-__device__ __forceinline__ void stage_params(const ForwardArgs& a, const StagedParams<V>& p) {
+__device__ __forceinline__ void stage_params(const ForwardArgs& a,
+                                             const StagedParams<kKind, V>& p) {
   constexpr int kBatch = 8;
   for (std::int64_t base = threadIdx.x; base < a.cols; base += kBlock * kBatch) {
     float scale[kBatch], shift[kBatch];
@@ -204,15 +249,23 @@ __device__ __forceinline__ void stage_params(const ForwardArgs& a, const StagedP
 }
 
 // Whole row in registers (as stored: 16 bytes per vector for 16-bit inputs): kThreads threads
-// per row, kVecs vectors of V elements each; aligned rows of a multiple of V elements. Scale
-// and shift come from shared memory (StagedParams); LayerNorm takes its three sums (x,
-// x - pivot, (x - pivot)^2) in one reduction, so every row has a single barrier round trip.
-template <class T, class R, Kind kKind, int kThreads, int kVecs>
+// per row, kVecs vectors of V elements each; aligned rows of a multiple of V elements.
+// LayerNorm takes its three sums (x, x - pivot, (x - pivot)^2) in one reduction, so every row
+// has a single barrier round trip. kVariant:
+//   kRegisters: a persistent grid; scale and shift staged once per block in shared memory
+//     (StagedParams), blocks loop over row groups.
+//   kRows: one row group per block (the grid covers the rows); weight and bias read from
+//     global memory as stored (GlobalParams, their dtypes W and B; T for kRegisters, which
+//     reads the runtime flags), no shared tables.
+template <class T, class R, class W, class B, Kind kKind, NormVariant kVariant, int kThreads,
+          int kVecs>
 __global__ void __launch_bounds__(kThreads > kForwardBlock ? kThreads : kForwardBlock,
                                   1024 / (kThreads > kForwardBlock ? kThreads : kForwardBlock))
     forward_registers_kernel(ForwardArgs a) {
   // The pivot would race with the residual write-back of the row's first vector.
   static_assert(kKind == Kind::kRms || std::is_void_v<R>);
+  static_assert(kVariant == NormVariant::kRegisters || kVariant == NormVariant::kRows);
+  constexpr bool kStaged = kVariant == NormVariant::kRegisters;
   using X = Held<T, R>;
   constexpr int V = detail::kVec16<T>;
   constexpr int kBlock = kThreads > kForwardBlock ? kThreads : kForwardBlock;
@@ -222,9 +275,11 @@ __global__ void __launch_bounds__(kThreads > kForwardBlock ? kThreads : kForward
   const int lane = threadIdx.x % kThreads;
   const int slot = threadIdx.x / kThreads;
   const std::int64_t n = a.cols;
-  const StagedParams<V> params{reinterpret_cast<float*>(staged), n / V};
-  stage_params<T, kKind, kBlock, V>(a, params);
-  __syncthreads();
+  const StagedParams<kKind, V> staged_params{reinterpret_cast<float*>(staged), n / V};
+  if constexpr (kStaged) {
+    stage_params<T, kKind, kBlock, V>(a, staged_params);
+    __syncthreads();
+  }
 
   // Every thread of a block runs the same number of iterations: the reductions need them all.
   for (std::int64_t base = static_cast<std::int64_t>(blockIdx.x) * kRowsPerBlock; base < a.rows;
@@ -238,6 +293,9 @@ __global__ void __launch_bounds__(kThreads > kForwardBlock ? kThreads : kForward
     for (int i = 0; i < kVecs; ++i) {
       const std::int64_t col = (static_cast<std::int64_t>(i) * kThreads + lane) * V;
       if (valid && col < n) held[i] = load_input_raw<T, R, V>(a, row, col);
+    }
+    if constexpr (!kStaged) {
+      if (valid) GlobalParams<T, W, B, kKind, V, kVecs>::prefetch(a, lane, kThreads);
     }
     float sums[kSums<kKind>] = {};
 #pragma unroll
@@ -258,8 +316,11 @@ __global__ void __launch_bounds__(kThreads > kForwardBlock ? kThreads : kForward
       if (col >= n) continue;
       float v[V], scale[V], shift[V] = {};
       detail::to_floats(held[i], v);
-      params.load(0, col, scale);
-      if constexpr (kKind == Kind::kLayer) params.load(1, col, shift);
+      if constexpr (kStaged) {
+        staged_params.scale_shift(a, i, col, scale, shift);
+      } else {
+        GlobalParams<T, W, B, kKind, V, kVecs>::scale_shift(a, i, col, scale, shift);
+      }
 #pragma unroll
       for (int j = 0; j < V; ++j) v[j] = normalize<kKind>(v[j], pivot, st, scale[j], shift[j]);
       store_floats<T, V>(y_row + col, v);
@@ -315,6 +376,60 @@ __global__ void __launch_bounds__(kTwoPassThreads) forward_two_pass_kernel(Forwa
   }
 }
 
+// kAuto's kernel for aligned rows short enough for registers (kRegisters or kRows); kAuto
+// falls back to two passes where it cannot run.
+constexpr NormVariant kAutoRegisterVariant = NormVariant::kRegisters;
+
+template <class T, class R, class W, class B, Kind kKind, NormVariant kVariant>
+void launch_registers(const ForwardArgs& a, std::int64_t vecs, cudaStream_t stream,
+                      const char* op) {
+  with_register_config<kForwardVecsPerThread>(vecs, [&](auto threads, auto per_thread) {
+    constexpr int kThreads = decltype(threads)::value;
+    constexpr int kBlock = kThreads > kForwardBlock ? kThreads : kForwardBlock;
+    constexpr int kRowsPerBlock = kBlock / kThreads;
+    const auto kernel = forward_registers_kernel<T, R, W, B, kKind, kVariant, kThreads,
+                                                 decltype(per_thread)::value>;
+    const std::int64_t row_groups = (a.rows + kRowsPerBlock - 1) / kRowsPerBlock;
+    std::size_t smem = 0;
+    std::int64_t grid = std::min<std::int64_t>(row_groups, std::numeric_limits<int>::max());
+    if constexpr (kVariant == NormVariant::kRegisters) {
+      smem = staged_param_bytes<kKind>(a.cols);
+      if (smem + kMaxScratchBytes > kDefaultSharedBytes) {
+        detail::check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                static_cast<int>(smem)),
+                           op, "raising the shared-memory limit");
+      }
+      // One resident wave: each block stages the parameters once, then loops over rows.
+      int per_sm = 0;
+      detail::check_cuda(
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlock, smem), op,
+          "occupancy query");
+      grid = blocks_for(row_groups, std::max(per_sm, 1));
+    }
+    kernel<<<static_cast<unsigned>(grid), kBlock, smem, stream>>>(a);
+  });
+}
+
+// The rows variant with the parameters' dtypes as template arguments (an absent one as T).
+template <class T, class R, Kind kKind>
+void launch_rows(const ForwardArgs& a, std::int64_t vecs, cudaStream_t stream, const char* op) {
+  const auto with_dtype = [](bool f32, auto fn) {
+    if (f32 && !std::is_same_v<T, float>) return fn(detail::TypeTag<float>{});
+    return fn(detail::TypeTag<T>{});
+  };
+  with_dtype(a.weight && a.weight_f32, [&](auto w) {
+    using W = typename decltype(w)::type;
+    if constexpr (kKind == Kind::kRms) {
+      launch_registers<T, R, W, W, kKind, NormVariant::kRows>(a, vecs, stream, op);
+    } else {
+      with_dtype(a.bias && a.bias_f32, [&](auto b) {
+        using B = typename decltype(b)::type;
+        launch_registers<T, R, W, B, kKind, NormVariant::kRows>(a, vecs, stream, op);
+      });
+    }
+  });
+}
+
 template <class T, class R, Kind kKind>
 void launch_forward(const ForwardArgs& a, NormVariant variant, cudaStream_t stream,
                     const char* op) {
@@ -329,44 +444,36 @@ void launch_forward(const ForwardArgs& a, NormVariant variant, cudaStream_t stre
   // Choice per row (H100, ptxas for sm_90a: every register configuration <= 64 registers,
   // no spills, so 4 blocks of 256 threads per SM unless shared memory says fewer):
   //   16-bit N <= 1024 (fp32 N <= 512): 32 threads per row, 8 rows per block.
-  //   16-bit N 2048 / 4096 / 8192: 64 / 128 / 256 threads per row, 4 vectors each; staged
-  //     tables 4 B per column (RMSNorm) or 8 B (LayerNorm): LayerNorm N = 8192 takes 64 KB,
-  //     so 3 blocks per SM.
+  //   16-bit N 2048 / 4096 / 8192: 64 / 128 / 256 threads per row, 4 vectors each; kRegisters
+  //     stages tables of 4 B per column (RMSNorm) or 8 B (LayerNorm): LayerNorm N = 8192 takes
+  //     64 KB, so 3 blocks per SM.
   //   16-bit N 16384 / 32768: 512 / 1024 threads per row (one row per block): RMSNorm 2 / 1
-  //     blocks per SM (registers), LayerNorm N = 16384 1 block (128 KB of tables).
-  //   LayerNorm 16-bit N > 29008 (tables over the 227 KB per block), any N > 4096 vectors,
-  //   and unaligned rows: two passes.
-  const std::size_t staged_bytes = staged_param_bytes<kKind>(a.cols);
-  const std::size_t shared_limit = detail::current_device_info().shared_memory_per_block_optin;
-  const bool staged_fits = staged_bytes + kMaxScratchBytes <= shared_limit;
-  if (variant == NormVariant::kRegisters && !staged_fits) {
-    throw Error(std::string("trainscale norm: the register variant stages the row's parameters "
-                            "in shared memory, which has no room for ") +
-                std::to_string(a.cols) + " columns");
+  //     blocks per SM (registers), kRegisters' LayerNorm N = 16384 1 block (128 KB of tables).
+  //   kRows: the same threads per row, one row group per block, no tables (any N <= 4096
+  //     vectors; 27-64 registers, no spills).
+  //   kRegisters' LayerNorm 16-bit N > 29008 (tables over the 227 KB per block), any N > 4096
+  //   vectors, and unaligned rows: two passes.
+  NormVariant chosen = variant == NormVariant::kAuto ? kAutoRegisterVariant : variant;
+  if (chosen != NormVariant::kTwoPass &&
+      !use_registers(variant, aligned, vecs, kMaxRegisterVecs<kForwardVecsPerThread>)) {
+    chosen = NormVariant::kTwoPass;
   }
-  if (use_registers(variant, aligned && staged_fits, vecs,
-                    kMaxRegisterVecs<kForwardVecsPerThread>)) {
-    with_register_config<kForwardVecsPerThread>(vecs, [&](auto threads, auto per_thread) {
-      constexpr int kThreads = decltype(threads)::value;
-      constexpr int kBlock = kThreads > kForwardBlock ? kThreads : kForwardBlock;
-      constexpr int kRowsPerBlock = kBlock / kThreads;
-      const auto kernel =
-          forward_registers_kernel<T, R, kKind, kThreads, decltype(per_thread)::value>;
-      const int smem = static_cast<int>(staged_bytes);
-      if (staged_bytes + kMaxScratchBytes > kDefaultSharedBytes) {
-        detail::check_cuda(
-            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), op,
-            "raising the shared-memory limit");
+  if (chosen == NormVariant::kRegisters) {
+    const std::size_t shared_limit = detail::current_device_info().shared_memory_per_block_optin;
+    if (staged_param_bytes<kKind>(a.cols) + kMaxScratchBytes > shared_limit) {
+      if (variant == NormVariant::kRegisters) {
+        throw UnsupportedVariantError(
+            std::string("trainscale norm: the register variant stages the row's parameters in "
+                        "shared memory, which has no room for ") +
+            std::to_string(a.cols) + " columns");
       }
-      // One resident wave: each block stages the parameters once, then loops over rows.
-      int per_sm = 0;
-      detail::check_cuda(
-          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlock, staged_bytes),
-          op, "occupancy query");
-      const std::int64_t grid =
-          blocks_for((a.rows + kRowsPerBlock - 1) / kRowsPerBlock, std::max(per_sm, 1));
-      kernel<<<static_cast<unsigned>(grid), kBlock, staged_bytes, stream>>>(a);
-    });
+      chosen = NormVariant::kTwoPass;
+    }
+  }
+  if (chosen == NormVariant::kRegisters) {
+    launch_registers<T, R, T, T, kKind, NormVariant::kRegisters>(a, vecs, stream, op);
+  } else if (chosen == NormVariant::kRows) {
+    launch_rows<T, R, kKind>(a, vecs, stream, op);
   } else if (aligned) {
     forward_two_pass_kernel<T, R, kKind, V>
         <<<static_cast<unsigned>(blocks_for(a.rows, 4)), kTwoPassThreads, 0, stream>>>(a);
@@ -401,20 +508,19 @@ ForwardArgs make_args(const char* op, const TensorView& x, const TensorView& wei
 }  // namespace
 
 void rmsnorm_forward_cuda(const TensorView& x, const TensorView& weight, TensorView y,
-                          TensorView rstd, const RMSNormOptions& options, cudaStream_t stream,
-                          NormVariant variant) {
+                          TensorView rstd, const RMSNormOptions& options, cudaStream_t stream) {
   ForwardArgs a = make_args("rmsnorm_forward", x, weight, {}, y, {}, rstd);
   a.eps = static_cast<float>(options.eps);
   a.weight_offset = static_cast<float>(options.weight_offset);
   detail::dispatch_activation_dtype(x.dtype, "rmsnorm_forward", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    launch_forward<T, void, Kind::kRms>(a, variant, stream, "rmsnorm_forward");
+    launch_forward<T, void, Kind::kRms>(a, options.variant, stream, "rmsnorm_forward");
   });
 }
 
 void fused_add_rmsnorm_forward_cuda(TensorView x, TensorView residual, const TensorView& weight,
                                     TensorView rstd, const RMSNormOptions& options,
-                                    cudaStream_t stream, NormVariant variant) {
+                                    cudaStream_t stream) {
   const char* op = "fused_add_rmsnorm_forward";
   ForwardArgs a = make_args(op, x, weight, {}, x, {}, rstd);
   a.residual = residual.data;
@@ -424,22 +530,21 @@ void fused_add_rmsnorm_forward_cuda(TensorView x, TensorView residual, const Ten
   detail::dispatch_activation_dtype(x.dtype, op, [&](auto tag) {
     using T = typename decltype(tag)::type;
     if (residual.dtype == DType::kFloat32) {
-      launch_forward<T, float, Kind::kRms>(a, variant, stream, op);
+      launch_forward<T, float, Kind::kRms>(a, options.variant, stream, op);
     } else {
-      launch_forward<T, T, Kind::kRms>(a, variant, stream, op);
+      launch_forward<T, T, Kind::kRms>(a, options.variant, stream, op);
     }
   });
 }
 
 void layernorm_forward_cuda(const TensorView& x, const TensorView& weight, const TensorView& bias,
                             TensorView y, TensorView mean, TensorView rstd,
-                            const LayerNormOptions& options, cudaStream_t stream,
-                            NormVariant variant) {
+                            const LayerNormOptions& options, cudaStream_t stream) {
   ForwardArgs a = make_args("layernorm_forward", x, weight, bias, y, mean, rstd);
   a.eps = static_cast<float>(options.eps);
   detail::dispatch_activation_dtype(x.dtype, "layernorm_forward", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    launch_forward<T, void, Kind::kLayer>(a, variant, stream, "layernorm_forward");
+    launch_forward<T, void, Kind::kLayer>(a, options.variant, stream, "layernorm_forward");
   });
 }
 
