@@ -377,8 +377,16 @@ __global__ void __launch_bounds__(kTwoPassThreads) forward_two_pass_kernel(Forwa
 }
 
 // kAuto's kernel for aligned rows short enough for registers (kRegisters or kRows); kAuto
-// falls back to two passes where it cannot run.
-constexpr NormVariant kAutoRegisterVariant = NormVariant::kRegisters;
+// falls back to two passes where it cannot run. Measured on the H100 (bf16, dsv3, llama and
+// quack shapes; docs/perf-notes.md): kRows is 3-4 % faster for the fused add from N = 6144 and
+// 4-30 % for LayerNorm from N = 7168 (it drops the 8 B per column of staged tables), but
+// 2-6 % slower for plain RMSNorm at every N and 2-3x slower below N = 4096.
+template <Kind kKind, bool kFusedAdd>
+NormVariant auto_register_variant(std::int64_t cols) {
+  if constexpr (kKind == Kind::kLayer) return cols > 6144 ? NormVariant::kRows : NormVariant::kRegisters;
+  if constexpr (kFusedAdd) return cols >= 6144 ? NormVariant::kRows : NormVariant::kRegisters;
+  return NormVariant::kRegisters;
+}
 
 template <class T, class R, class W, class B, Kind kKind, NormVariant kVariant>
 void launch_registers(const ForwardArgs& a, std::int64_t vecs, cudaStream_t stream,
@@ -453,7 +461,9 @@ void launch_forward(const ForwardArgs& a, NormVariant variant, cudaStream_t stre
   //     vectors; 27-64 registers, no spills).
   //   kRegisters' LayerNorm 16-bit N > 29008 (tables over the 227 KB per block), any N > 4096
   //   vectors, and unaligned rows: two passes.
-  NormVariant chosen = variant == NormVariant::kAuto ? kAutoRegisterVariant : variant;
+  NormVariant chosen = variant == NormVariant::kAuto
+                           ? auto_register_variant<kKind, !std::is_void_v<R>>(a.cols)
+                           : variant;
   if (chosen != NormVariant::kTwoPass &&
       !use_registers(variant, aligned, vecs, kMaxRegisterVecs<kForwardVecsPerThread>)) {
     chosen = NormVariant::kTwoPass;
