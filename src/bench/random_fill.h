@@ -64,7 +64,7 @@ TRAINSCALE_BENCH_HD inline double random_value(const RandomFill& fill, std::int6
   const float v = fmaf(static_cast<float>(fill.hi) - lo, u, lo);
   switch (fill.dtype) {
     case DType::kBFloat16: return round_to_format(v, 7, -126, FLT_MAX);
-    case DType::kFloat16: return round_to_format(v, 10, -14, FLT_MAX);
+    case DType::kFloat16: return round_to_format(v, 10, -14, 65504.0f);
     case DType::kFloat8E4M3: return round_to_format(v, 3, -6, 448.0f);
     case DType::kFloat8E5M2: return round_to_format(v, 2, -14, 57344.0f);
     default: return v;  // float32, float64
