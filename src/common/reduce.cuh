@@ -1,6 +1,9 @@
 // Sums across the threads that share a row: lanes of a warp segment, then warps via shared
-// memory. Each call reduces kCount values at once so one barrier serves all of them.
+// memory, then (cluster_row_sum) the blocks of a thread-block cluster that split the row.
+// Each call reduces kCount values at once so one barrier serves all of them.
 #pragma once
+
+#include <cooperative_groups.h>
 
 namespace trainscale::detail {
 
@@ -39,6 +42,36 @@ __device__ __forceinline__ void row_sum(float (&v)[kCount], float* scratch) {
     for (int c = 0; c < kCount; ++c) v[c] = row_scratch[(lane % kWarps) * kCount + c];
     warp_segment_sum<kWarps, kCount>(v);
   }
+}
+
+// Sums across the blocks of a cluster that share a row: every block sends its totals to every
+// block, then each adds them in rank order, so all blocks hold bitwise the same totals. Two
+// buffers alternate by row: a block writes buffer p for row r only after every block passed the
+// barrier of row r - 1, hence finished reading buffer p (used by row r - 2). v holds the block's
+// totals in every thread, as row_sum leaves them.
+template <int kCluster, int kSums>
+__device__ __forceinline__ void cluster_row_sum(float (&v)[kSums],
+                                                float (&exchange)[2][kCluster][kSums],
+                                                int& parity) {
+  cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+  const unsigned rank = cluster.block_rank();
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int r = 0; r < kCluster; ++r) {
+      float* dst = cluster.map_shared_rank(&exchange[parity][rank][0], r);
+#pragma unroll
+      for (int c = 0; c < kSums; ++c) dst[c] = v[c];
+    }
+  }
+  cluster.sync();
+#pragma unroll
+  for (int c = 0; c < kSums; ++c) {
+    float s = 0.f;
+#pragma unroll
+    for (int r = 0; r < kCluster; ++r) s += exchange[parity][r][c];
+    v[c] = s;
+  }
+  parity ^= 1;
 }
 
 }  // namespace trainscale::detail

@@ -72,17 +72,6 @@ __device__ __forceinline__ void load_floats(const T* p, float (&out)[N]) {
   to_floats(load_raw<T, N, kStreaming>(p), out);
 }
 
-// N elements of a parameter stored as float32 or as T (is_float32) at p + i, as floats.
-template <class T, int N>
-__device__ __forceinline__ void load_param_floats(const void* p, bool is_float32, long long i,
-                                                  float (&out)[N]) {
-  if (is_float32) {
-    load_floats<float, N, false>(static_cast<const float*>(p) + i, out);
-  } else {
-    load_floats<T, N, false>(static_cast<const T*>(p) + i, out);
-  }
-}
-
 // Starts moving p's cache line into L1 without taking a register: a load after a barrier then
 // hits L1 instead of waiting for L2.
 __device__ __forceinline__ void prefetch_l1(const void* p) {

@@ -15,6 +15,7 @@ namespace {
 
 using detail::load_floats;
 using detail::load_param;
+using detail::cluster_row_sum;
 using detail::row_sum;
 using detail::store_floats;
 
@@ -159,36 +160,6 @@ template <class T, Kind kKind, int kThreads, int kVecs>
 constexpr std::size_t register_smem_bytes() {
   constexpr int kArrays = 1 + (kBackwardBlock / kThreads) * (kKind == Kind::kLayer ? 2 : 1);
   return static_cast<std::size_t>(kArrays) * kThreads * kVecs * detail::kVec16<T> * sizeof(float);
-}
-
-// Sums across the blocks of a cluster that share a row: every block sends its totals to every
-// block, then each adds them in rank order, so all blocks hold bitwise the same totals. Two
-// buffers alternate by row: a block writes buffer p for row r only after every block passed the
-// barrier of row r - 1, hence finished reading buffer p (used by row r - 2).
-template <int kCluster, int kSums>
-__device__ __forceinline__ void cluster_row_sum(float (&v)[kSums],
-                                                float (&exchange)[2][kCluster][kSums],
-                                                int& parity) {
-  namespace cg = cooperative_groups;
-  cg::cluster_group cluster = cg::this_cluster();
-  const unsigned rank = cluster.block_rank();
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int r = 0; r < kCluster; ++r) {
-      float* dst = cluster.map_shared_rank(&exchange[parity][rank][0], r);
-#pragma unroll
-      for (int c = 0; c < kSums; ++c) dst[c] = v[c];
-    }
-  }
-  cluster.sync();
-#pragma unroll
-  for (int c = 0; c < kSums; ++c) {
-    float s = 0.f;
-#pragma unroll
-    for (int r = 0; r < kCluster; ++r) s += exchange[parity][r][c];
-    v[c] = s;
-  }
-  parity ^= 1;
 }
 
 // dx with the row reductions and dw/db partial sums. The row's dy and x stay in registers as

@@ -175,9 +175,9 @@ struct StagedParams {
       out[c * 4 + 3] = q.w;
     }
   }
-  // Scale and shift of the row vector at col (the thread's i-th).
-  __device__ __forceinline__ void scale_shift(const ForwardArgs&, int /*i*/, std::int64_t col,
-                                              float (&scale)[V], float (&shift)[V]) const {
+  // Scale and shift of the row vector at col.
+  __device__ __forceinline__ void scale_shift(const ForwardArgs&, std::int64_t col, float (&scale)[V],
+                                              float (&shift)[V]) const {
     load(0, col, scale);
     if constexpr (kKind == Kind::kLayer) load(1, col, shift);
   }
@@ -201,9 +201,8 @@ struct GlobalParams {
       }
     }
   }
-  static __device__ __forceinline__ void scale_shift(const ForwardArgs& a, int /*i*/,
-                                                     std::int64_t col, float (&scale)[V],
-                                                     float (&shift)[V]) {
+  static __device__ __forceinline__ void scale_shift(const ForwardArgs& a, std::int64_t col,
+                                                     float (&scale)[V], float (&shift)[V]) {
     if (a.weight) {
       load_floats<W, V, false>(static_cast<const W*>(a.weight) + col, scale);
     } else {
@@ -317,9 +316,9 @@ __global__ void __launch_bounds__(kThreads > kForwardBlock ? kThreads : kForward
       float v[V], scale[V], shift[V] = {};
       detail::to_floats(held[i], v);
       if constexpr (kStaged) {
-        staged_params.scale_shift(a, i, col, scale, shift);
+        staged_params.scale_shift(a, col, scale, shift);
       } else {
-        GlobalParams<T, W, B, kKind, V, kVecs>::scale_shift(a, i, col, scale, shift);
+        GlobalParams<T, W, B, kKind, V, kVecs>::scale_shift(a, col, scale, shift);
       }
 #pragma unroll
       for (int j = 0; j < V; ++j) v[j] = normalize<kKind>(v[j], pivot, st, scale[j], shift[j]);
