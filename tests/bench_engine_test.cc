@@ -521,17 +521,19 @@ TEST(BenchRegistry, NormOpsAreInEveryRowSuite) {
   }
 }
 
-// Each norm op has one opt-in implementation per kernel variant it has (the rows variant is
-// forward-only); none is a default baseline.
+// Each norm op has one opt-in implementation per kernel variant it has (the rows and pipelined
+// variants are forward-only); none is a default baseline.
 TEST(BenchRegistry, NormVariantsAreOptIn) {
   const Registry& r = Registry::global();
   const std::vector<std::string> names = r.opt_in_names();
-  for (const char* name : {"trainscale-registers", "trainscale-two-pass", "trainscale-rows"}) {
+  for (const char* name :
+       {"trainscale-registers", "trainscale-two-pass", "trainscale-rows", "trainscale-pipelined"}) {
     EXPECT_NE(std::find(names.begin(), names.end(), name), names.end()) << name;
     const auto baselines = r.baseline_names();
     EXPECT_EQ(std::find(baselines.begin(), baselines.end(), name), baselines.end()) << name;
   }
-  const std::vector<std::string> all = {"trainscale-registers", "trainscale-two-pass", "trainscale-rows"};
+  const std::vector<std::string> all = {"trainscale-registers", "trainscale-two-pass", "trainscale-rows",
+                                        "trainscale-pipelined"};
   for (const char* op : {"rmsnorm_fwd", "rmsnorm_bwd", "fused_add_rmsnorm_fwd", "fused_add_rmsnorm_bwd",
                          "layernorm_fwd", "layernorm_bwd"}) {
     const Case c = r.find_op(op)->make(std::vector<std::int64_t>{64, 512}, DType::kBFloat16);
@@ -541,7 +543,7 @@ TEST(BenchRegistry, NormVariantsAreOptIn) {
       if (impl.name.starts_with("trainscale-")) forced.push_back(impl.name);
     }
     const bool forward = std::string(op).ends_with("_fwd");
-    EXPECT_EQ(forced.size(), forward ? 3u : 2u) << op;
+    EXPECT_EQ(forced.size(), forward ? 4u : 2u) << op;
   }
 }
 

@@ -88,11 +88,12 @@ TEST(BenchGateCuda, NormVariantsPassTheGatesWhenNamed) {
   TS_REQUIRE_GPU();
   RunOptions options = quick_gpu_run({"rmsnorm_fwd", "rmsnorm_bwd", "fused_add_rmsnorm_fwd",
                                       "fused_add_rmsnorm_bwd", "layernorm_fwd", "layernorm_bwd"});
-  options.selection.impls = {"trainscale-registers", "trainscale-two-pass", "trainscale-rows"};
+  options.selection.impls = {"trainscale-registers", "trainscale-two-pass", "trainscale-rows",
+                             "trainscale-pipelined"};
   RunResult result;
   run_cases(Registry::global(), options, result);
-  // 6 ops x (fp32, bf16) x 2 variants, and the rows variant of the 3 forward ops.
-  EXPECT_EQ(result.rows.size(), 12u * 2 + 6);
+  // 6 ops x (fp32, bf16) x 2 variants, and the rows and pipelined variants of the 3 forward ops.
+  EXPECT_EQ(result.rows.size(), 12u * 2 + 6 * 2);
   for (const Row& r : result.rows) {
     SCOPED_TRACE(r.key());
     EXPECT_EQ(r.status, Status::kOk) << r.message;

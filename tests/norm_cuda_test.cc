@@ -2,7 +2,9 @@
 // the reference runs on float64 copies of exactly those values.
 #include <cmath>
 #include <cstring>
+#include <optional>
 
+#include "common/cuda_check.h"
 #include "ops/norm/norm_cuda.h"
 #include "trainscale/norm.h"
 #include "util/gpu_util.h"
@@ -67,23 +69,44 @@ std::int64_t row_vectors(const Shape& s, DType dt) {
   return s.cols % vec == 0 && s.pad % vec == 0 ? s.cols / vec : -1;
 }
 
-// kRows is forward-only: the backward takes it as kAuto.
+// kRows and kPipelined are forward-only: the backward takes them as kAuto.
 std::vector<NormVariant> variants_for(const Shape& s, DType dt) {
   const std::int64_t vecs = row_vectors(s, dt);
   if (vecs > 0 && vecs <= 16384) {
-    return {NormVariant::kRegisters, NormVariant::kTwoPass, NormVariant::kRows};
+    return {NormVariant::kRegisters, NormVariant::kTwoPass, NormVariant::kRows,
+            NormVariant::kPipelined};
   }
   return {NormVariant::kAuto};
 }
 
+// Whether the forward's kPipelined has the shared memory for aligned rows of `cols`: fp32
+// weight (and bias) tables, and two stages of a block's row group (x, and the residual of the
+// fused add); a block takes 256 threads or one row, at 4 vectors per thread for long rows.
+bool pipelined_fits(std::int64_t cols, DType dt, bool layernorm,
+                    std::optional<DType> residual = std::nullopt) {
+  const std::int64_t vecs = cols / (16 / static_cast<std::int64_t>(dtype_size(dt)));
+  std::int64_t threads = 32;
+  while (threads * 4 < vecs) threads *= 2;
+  const std::int64_t rows_per_block = std::max<std::int64_t>(1, 256 / threads);
+  const std::int64_t row_bytes =
+      cols * static_cast<std::int64_t>(dtype_size(dt) + (residual ? dtype_size(*residual) : 0));
+  const std::int64_t bytes = cols * (layernorm ? 8 : 4) + 2 * rows_per_block * row_bytes;
+  const std::int64_t reduction_scratch = 1024 / 32 * 3 * 4;
+  return bytes + reduction_scratch <=
+         static_cast<std::int64_t>(detail::current_device_info().shared_memory_per_block_optin);
+}
+
 // The forward's variant for a backward variant: the forward's register kernels take shorter
-// rows, and kRegisters stages LayerNorm's weight and bias (8 B per column) in shared memory,
-// with no room above about 29000 columns.
-NormVariant forward_variant(const Shape& s, DType dt, NormVariant backward, bool layernorm = false) {
+// rows, kRegisters stages LayerNorm's weight and bias (8 B per column) in shared memory, with no
+// room above about 29000 columns, and kPipelined two row groups besides.
+NormVariant forward_variant(const Shape& s, DType dt, NormVariant backward, bool layernorm = false,
+                            std::optional<DType> residual = std::nullopt) {
   const bool short_enough = row_vectors(s, dt) <= 4096;
-  const bool fits = backward == NormVariant::kRows
-                        ? short_enough
-                        : short_enough && !(layernorm && s.cols > 16384);
+  bool fits = short_enough;
+  if (backward == NormVariant::kRegisters) fits = short_enough && !(layernorm && s.cols > 16384);
+  if (backward == NormVariant::kPipelined) {
+    fits = short_enough && pipelined_fits(s.cols, dt, layernorm, residual);
+  }
   return backward != NormVariant::kTwoPass && !fits ? NormVariant::kAuto : backward;
 }
 
@@ -212,7 +235,8 @@ TEST(NormCuda, FusedAddRMSNormMatchesReference) {
           DeviceTensor d_ws(byte_buffer(workspace_bytes(s.rows, s.cols, dt)), false);
           ops::norm::fused_add_rmsnorm_forward_cuda(d_x.view(), d_r.view(), d_w.view(),
                                                     d_rstd.view(),
-                                                    rms_options(forward_variant(s, dt, variant)),
+                                                    rms_options(forward_variant(s, dt, variant,
+                                                                                false, rdt)),
                                                     nullptr);
           ops::norm::fused_add_rmsnorm_backward_cuda(d_dy.view(), d_dres.view(), d_r.view(),
                                                      d_w.view(), d_rstd.view(), d_dx.view(),
@@ -244,7 +268,8 @@ TEST(NormCuda, FusedAddRMSNormMatchesReference) {
 // weight and bias tables need more than the default 48 KB of shared memory), against two
 // passes and auto. Weight and bias in fp32 or the activation dtype, residual of either for the
 // fused add.
-std::vector<NormVariant> forward_variants(std::int64_t cols, DType dt, bool layer) {
+std::vector<NormVariant> forward_variants(std::int64_t cols, DType dt, bool layer,
+                                          std::optional<DType> residual = std::nullopt) {
   const std::int64_t vec = 16 / static_cast<std::int64_t>(dtype_size(dt));
   std::vector<NormVariant> variants = {NormVariant::kTwoPass, NormVariant::kAuto};
   if (cols / vec > 4096) return variants;
@@ -252,6 +277,7 @@ std::vector<NormVariant> forward_variants(std::int64_t cols, DType dt, bool laye
   // kRegisters stages 4 bytes per column for RMSNorm, 8 for LayerNorm; stay well under any
   // Hopper block's shared-memory limit (227 KB) when forcing it.
   if (cols * (layer ? 8 : 4) <= 160 * 1024) variants.push_back(NormVariant::kRegisters);
+  if (pipelined_fits(cols, dt, layer, residual)) variants.push_back(NormVariant::kPipelined);
   return variants;
 }
 
@@ -261,7 +287,8 @@ void check_long_row_forward(int which) {  // 0 RMSNorm, 1 LayerNorm, 2 fused add
   for (DType dt : kDtypes) {
     for (DType pdt : {dt, DType::kFloat32}) {
       for (const Shape& s : std::vector<Shape>{{3, 16384, 8}, {2, 32768, 0}, {3, 12288, 0}}) {
-        for (NormVariant variant : forward_variants(s.cols, dt, layer)) {
+        const auto residual = which == 2 ? std::optional<DType>(pdt) : std::nullopt;
+        for (NormVariant variant : forward_variants(s.cols, dt, layer, residual)) {
           SCOPED_TRACE(shape_name(dt, s, pdt, variant) + " op " + std::to_string(which));
           const double tol = test::tolerance(dt);
           auto x = HostTensor::random(dt, {s.rows, s.cols}, -2, 2, s.pad);
@@ -327,7 +354,8 @@ TEST(NormCuda, LayerNormVarianceWhenMeanDominates) {
                                              {4, 8192, 0}, {3, 65536, 0}}) {
       for (NormVariant variant : forward_variants(s.cols, dt, true)) {
         if (s.cols % (16 / static_cast<std::int64_t>(dtype_size(dt))) != 0 &&
-            (variant == NormVariant::kRegisters || variant == NormVariant::kRows)) {
+            (variant == NormVariant::kRegisters || variant == NormVariant::kRows ||
+             variant == NormVariant::kPipelined)) {
           continue;
         }
         SCOPED_TRACE(shape_name(dt, s, dt, variant));
@@ -358,9 +386,9 @@ TEST(NormCuda, LayerNormVarianceWhenMeanDominates) {
   }
 }
 
-// Forcing the register kernel on a row whose staged LayerNorm weight and bias (8 bytes per
-// column) exceed a block's shared memory is an error, not a fault; auto takes two passes, and
-// the rows variant, which stages nothing, runs it.
+// Forcing the register kernel (or the pipelined one) on a row whose staged LayerNorm weight and
+// bias (8 bytes per column) exceed a block's shared memory is an error, not a fault; auto takes
+// two passes, and the rows variant, which stages nothing, runs it.
 TEST(NormCuda, LayerNormRegisterVariantRejectsRowsBeyondSharedMemory) {
   TS_REQUIRE_GPU();
   const std::int64_t cols = 32768;
@@ -379,6 +407,11 @@ TEST(NormCuda, LayerNormRegisterVariantRejectsRowsBeyondSharedMemory) {
                                                     layer_options(NormVariant::kRegisters),
                                                     nullptr),
                   "register variant", "shared memory", "32768");
+  TS_EXPECT_ERROR(ops::norm::layernorm_forward_cuda(d_x.view(), d_w.view(), d_b.view(),
+                                                    d_y.view(), d_mean.view(), d_rstd.view(),
+                                                    layer_options(NormVariant::kPipelined),
+                                                    nullptr),
+                  "pipelined variant", "shared memory", "32768");
   ops::norm::layernorm_forward_cuda(d_x.view(), d_w.view(), d_b.view(), d_y.view(),
                                     d_mean.view(), d_rstd.view(), layer_options(NormVariant::kRows),
                                     nullptr);
@@ -391,11 +424,71 @@ TEST(NormCuda, RegisterVariantsRejectUnalignedRows) {
   TS_REQUIRE_GPU();
   auto x = HostTensor::random(DType::kBFloat16, {4, 1001});
   DeviceTensor d_x(x), d_y(HostTensor(DType::kBFloat16, {4, 1001}), false);
-  for (NormVariant variant : {NormVariant::kRegisters, NormVariant::kRows}) {
+  for (NormVariant variant :
+       {NormVariant::kRegisters, NormVariant::kRows, NormVariant::kPipelined}) {
     EXPECT_THROW(rmsnorm_forward(d_x.view(), {}, d_y.view(), {}, rms_options(variant)),
                  UnsupportedVariantError);
     TS_EXPECT_ERROR(rmsnorm_forward(d_x.view(), {}, d_y.view(), {}, rms_options(variant)),
                     "variant", "16-byte aligned");
+  }
+}
+
+// Same values element by element, NaN matching NaN (unwritten outputs stay poisoned).
+::testing::AssertionResult identical(const HostTensor& a, const HostTensor& b) {
+  const auto va = a.values(), vb = b.values();
+  for (std::size_t i = 0; i < va.size(); ++i) {
+    if (va[i] != vb[i] && !(std::isnan(va[i]) && std::isnan(vb[i]))) {
+      return ::testing::AssertionFailure() << "at " << i << ": " << va[i] << " vs " << vb[i];
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// kPipelined with several row groups per block (the tests above have fewer rows than its
+// persistent grid, so the ring's second stage and the pivot carried to the next group run only
+// here), the last group partial: bit-identical to kRegisters, whose arithmetic it shares, for
+// every op and dtype, the fused add's residual write-back included.
+TEST(NormCuda, PipelinedMatchesRegistersOverManyRowGroups) {
+  TS_REQUIRE_GPU();
+  for (DType dt : kDtypes) {
+    for (const Shape& s : std::vector<Shape>{{20011, 1024, 0}, {3001, 4096, 8}, {1201, 8192, 0}}) {
+      for (int which = 0; which < 4; ++which) {  // RMSNorm, LayerNorm, fused add (residual dt, fp32)
+        const DType rdt = which == 3 ? DType::kFloat32 : dt;
+        SCOPED_TRACE(shape_name(dt, s, rdt, NormVariant::kPipelined) + " op " +
+                     std::to_string(which));
+        auto x = HostTensor::random(dt, {s.rows, s.cols}, -2, 2, s.pad);
+        x.set(0, x.at(0) + 3.0);  // a row with a non-zero mean
+        auto r = HostTensor::random(rdt, {s.rows, s.cols}, -2, 2);
+        auto w = HostTensor::random(dt, {s.cols}, 0.5, 1.5);
+        auto b = HostTensor::random(dt, {s.cols}, -0.5, 0.5);
+        std::vector<HostTensor> outputs[2];  // y (x for the fused add), rstd, mean, residual
+        for (int k = 0; k < 2; ++k) {
+          const NormVariant variant = k == 0 ? NormVariant::kRegisters : NormVariant::kPipelined;
+          DeviceTensor d_x(x), d_r(r), d_w(w), d_b(b);
+          DeviceTensor d_y(HostTensor(dt, {s.rows, s.cols}, s.pad), false);
+          DeviceTensor d_mean(HostTensor(DType::kFloat32, {s.rows}), false);
+          DeviceTensor d_rstd(HostTensor(DType::kFloat32, {s.rows}), false);
+          if (which == 0) {
+            ops::norm::rmsnorm_forward_cuda(d_x.view(), d_w.view(), d_y.view(), d_rstd.view(),
+                                            rms_options(variant, 0.25), nullptr);
+          } else if (which == 1) {
+            ops::norm::layernorm_forward_cuda(d_x.view(), d_w.view(), d_b.view(), d_y.view(),
+                                              d_mean.view(), d_rstd.view(),
+                                              layer_options(variant), nullptr);
+          } else {
+            ops::norm::fused_add_rmsnorm_forward_cuda(d_x.view(), d_r.view(), d_w.view(),
+                                                      d_rstd.view(), rms_options(variant, 0.25),
+                                                      nullptr);
+          }
+          outputs[k] = {(which >= 2 ? d_x : d_y).to_host(), d_rstd.to_host(), d_mean.to_host(),
+                        d_r.to_host()};
+        }
+        EXPECT_TRUE(identical(outputs[0][0], outputs[1][0])) << "y";
+        EXPECT_TRUE(identical(outputs[0][1], outputs[1][1])) << "rstd";
+        EXPECT_TRUE(identical(outputs[0][2], outputs[1][2])) << "mean";
+        EXPECT_TRUE(identical(outputs[0][3], outputs[1][3])) << "residual";
+      }
+    }
   }
 }
 
@@ -468,9 +561,13 @@ TEST(NormCuda, NaNPropagatesToItsRowOnly) {
     x.set(1 * cols + 3, NAN);
     DeviceTensor d_x(x), d_y(HostTensor(DType::kBFloat16, {4, cols}), false);
     DeviceTensor d_rstd(HostTensor(DType::kFloat32, {4}), false);
-    // Auto, and the rows variant where it applies (aligned rows of at most 32768 bf16).
+    // Auto, and the rows and pipelined variants where they apply (aligned rows of at most
+    // 32768 bf16; the pipelined ring and tables in shared memory).
     std::vector<NormVariant> variants = {NormVariant::kAuto};
     if (cols % 8 == 0 && cols <= 32768) variants.push_back(NormVariant::kRows);
+    if (cols % 8 == 0 && cols <= 32768 && pipelined_fits(cols, DType::kBFloat16, false)) {
+      variants.push_back(NormVariant::kPipelined);
+    }
     for (NormVariant variant : variants) {
       SCOPED_TRACE(std::to_string(cols) + " variant " + std::to_string(static_cast<int>(variant)));
       rmsnorm_forward(d_x.view(), {}, d_y.view(), d_rstd.view(), rms_options(variant));

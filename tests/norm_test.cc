@@ -698,7 +698,8 @@ TEST_F(ErrorFixture, RMSNormForward) {
                                     {.variant = static_cast<NormVariant>(-1)}),
                   "layernorm_forward", "argument 'options.variant'", "-1");
   // The CPU path ignores a valid variant, forward-only ones included.
-  for (NormVariant v : {NormVariant::kRegisters, NormVariant::kTwoPass, NormVariant::kRows}) {
+  for (NormVariant v : {NormVariant::kRegisters, NormVariant::kTwoPass, NormVariant::kRows,
+                        NormVariant::kPipelined}) {
     rmsnorm_forward(x.view(), w.view(), y.view(), rstd.view(), {.variant = v});
   }
   TS_EXPECT_ERROR(rmsnorm_forward(x.view(), w.view(), x.view(), rstd.view()), "rmsnorm_forward",

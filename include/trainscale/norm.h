@@ -28,6 +28,10 @@ enum class NormVariant {
   kRows,       // forward only (the backward chooses as for kAuto): whole row in registers, one
                // row group per block, weight/bias read from global memory per row; aligned
                // rows of at most 4096 16-byte vectors
+  kPipelined,  // forward only (the backward chooses as for kAuto): kRegisters with the next row
+               // group's loads in flight (cp.async into a two-stage shared-memory ring) during
+               // this group's reduction and stores; needs shared memory for the staged
+               // parameters and two row groups
 };
 
 struct RMSNormOptions {

@@ -1,7 +1,7 @@
 // Norm family: RMSNorm forward / backward, fused residual-add + RMSNorm forward / backward,
 // LayerNorm forward / backward. M rows of N; weight and bias in the activation dtype.
 // Opt-in implementations force a kernel variant (NormVariant): trainscale-registers,
-// trainscale-two-pass, and for the forward ops trainscale-rows.
+// trainscale-two-pass, and for the forward ops trainscale-rows and trainscale-pipelined.
 #include "bench/baselines/cudnn_norm.h"
 #include "bench/cases/case_util.h"
 #include "bench/gate.h"
@@ -173,6 +173,7 @@ const ForcedVariant kForcedVariants[] = {
     {NormVariant::kRegisters, "trainscale-registers", false},
     {NormVariant::kTwoPass, "trainscale-two-pass", false},
     {NormVariant::kRows, "trainscale-rows", true},
+    {NormVariant::kPipelined, "trainscale-pipelined", true},
 };
 
 const Registrar kRegister([](Registry& r) {

@@ -462,7 +462,9 @@ std::int64_t resident_groups(void (*kernel)(BackwardArgs), int block, int cluste
 
 template <class T, class X, Kind kKind>
 Plan plan_backward(const BackwardArgs& a, NormVariant variant, const char* op) {
-  if (variant == NormVariant::kRows) variant = NormVariant::kAuto;  // a forward-only variant
+  if (variant == NormVariant::kRows || variant == NormVariant::kPipelined) {
+    variant = NormVariant::kAuto;  // forward-only variants
+  }
   constexpr int V = detail::kVec16<T>;
   const std::int64_t vecs = (a.cols + V - 1) / V;
   const bool aligned = a.cols % V == 0 && rows_vectorizable(a.dy, a.dy_stride, sizeof(T)) &&

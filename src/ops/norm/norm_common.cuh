@@ -20,9 +20,9 @@ enum class Kind { kRms, kLayer };
 // Threads per row (a power of two, 32 ... 1024) and 16-byte vectors per thread for a row of
 // `vecs` vectors: enough vectors per thread to keep several loads in flight, enough threads to
 // cover the row, and few enough values per thread to stay in registers (the forward: 4).
-// fn(std::integral_constant<int, threads>, std::integral_constant<int, vecs per thread>).
+// Returns fn(std::integral_constant<int, threads>, std::integral_constant<int, vecs per thread>).
 template <int kVecsPerThread, class Fn>
-void with_register_config(std::int64_t vecs, Fn&& fn) {
+auto with_register_config(std::int64_t vecs, Fn&& fn) {
   static_assert(kVecsPerThread == 2 || kVecsPerThread == 4);
   using std::integral_constant;
   using Per = integral_constant<int, kVecsPerThread>;
@@ -55,12 +55,13 @@ inline const char* variant_name(NormVariant variant) {
     case NormVariant::kRegisters: return "register";
     case NormVariant::kTwoPass: return "two-pass";
     case NormVariant::kRows: return "rows";
+    case NormVariant::kPipelined: return "pipelined";
   }
   return "unknown";
 }
 
 // Whether the whole-row register kernels apply: aligned rows and a row short enough. Forcing
-// one (kRegisters, kRows) where it does not apply throws.
+// one (kRegisters, kRows, kPipelined) where it does not apply throws.
 inline bool use_registers(NormVariant variant, bool aligned, std::int64_t vecs,
                           std::int64_t max_vecs) {
   if (variant == NormVariant::kTwoPass) return false;

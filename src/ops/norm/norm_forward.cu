@@ -1,6 +1,7 @@
 // Forward kernels: RMSNorm, fused add + RMSNorm (in place) and LayerNorm share one row kernel.
 #include <limits>
 
+#include "common/async_copy.cuh"
 #include "core/check.h"
 #include "ops/norm/norm_common.cuh"
 
@@ -16,6 +17,9 @@ using detail::from_float;
 using detail::Vec;
 
 constexpr int kForwardBlock = 256;
+// Threads of a block of the register kernels: kThreads per row, several rows when short.
+template <int kThreads>
+constexpr int kBlockFor = kThreads > kForwardBlock ? kThreads : kForwardBlock;
 // The register kernel's static reduction scratch at most (1024 threads, 3 sums), and the
 // shared memory a kernel gets without raising its limit.
 constexpr std::size_t kMaxScratchBytes = 1024 / 32 * 3 * sizeof(float);
@@ -50,6 +54,17 @@ __device__ __forceinline__ float load_shift(const ForwardArgs& a, std::int64_t c
 template <class T, class R>
 using Held = std::conditional_t<std::is_void_v<R>, T, R>;
 
+// x + residual rounded to the residual's dtype, written back to the residual at r_ptr.
+template <class T, class R, int V>
+__device__ __forceinline__ Vec<R, V> add_residual(R* r_ptr, const Vec<T, V>& x,
+                                                  const Vec<R, V>& r) {
+  Vec<R, V> sum;
+#pragma unroll
+  for (int j = 0; j < V; ++j) sum.v[j] = from_float<R>(to_float(x.v[j]) + to_float(r.v[j]));
+  detail::store_raw(r_ptr, sum);
+  return sum;
+}
+
 // x (+ residual, rounded to the residual's dtype and written back) for V elements at col, in
 // its storage type: bf16 rows then take half the registers of floats.
 template <class T, class R, int V>
@@ -60,16 +75,87 @@ __device__ __forceinline__ Vec<Held<T, R>, V> load_input_raw(const ForwardArgs& 
     return detail::load_raw<T, V>(x_ptr);
   } else {
     R* r_ptr = static_cast<R*>(a.residual) + row * a.residual_stride + col;
-    float v[V], r[V];
-    load_floats<T, V>(x_ptr, v);
-    load_floats<R, V>(r_ptr, r);
-    Vec<R, V> sum;
-#pragma unroll
-    for (int j = 0; j < V; ++j) sum.v[j] = from_float<R>(v[j] + r[j]);
-    detail::store_raw(r_ptr, sum);
-    return sum;
+    return add_residual<T, R, V>(r_ptr, detail::load_raw<T, V>(x_ptr),
+                                 detail::load_raw<R, V>(r_ptr));
   }
 }
+
+// 16-byte chunks of a residual vector of V elements (none without a residual).
+template <class R, int V>
+constexpr int residual_chunks() {
+  if constexpr (std::is_void_v<R>) {
+    return 0;
+  } else {
+    return static_cast<int>(sizeof(Vec<R, V>) / 16);
+  }
+}
+
+// kPipelined's ring of two stages in shared memory, each a block's row group, filled by
+// cp.async while the previous group is reduced and written. A thread copies and later reads
+// only its own vectors, so its cp.async.wait_group is all the ordering needed (no barrier), and
+// a stage is refilled only after the thread's values from it were consumed. Layout: 16-byte
+// chunks by [stage][row slot][chunk][vector], chunk 0 x and chunks 1.. the residual (fused
+// add), so a warp's 16-byte shared accesses are consecutive.
+template <class T, class R, int kThreads, int kVecs>
+struct RowRing {
+  static constexpr int V = detail::kVec16<T>;
+  static constexpr int kRowsPerBlock = kBlockFor<kThreads> / kThreads;
+  static constexpr int kResidualChunks = residual_chunks<R, V>();
+  static constexpr int kChunks = 1 + kResidualChunks;
+  uint4* base;
+  int vecs;  // per row
+
+  static std::size_t bytes(std::int64_t vecs) {
+    return static_cast<std::size_t>(2 * kRowsPerBlock * kChunks) * static_cast<std::size_t>(vecs) *
+           sizeof(uint4);
+  }
+
+  __device__ __forceinline__ uint4* chunk(int stage, int slot, int c, int u) const {
+    return base + ((stage * kRowsPerBlock + slot) * kChunks + c) * vecs + u;
+  }
+
+  // Starts the copies of the thread's vectors of `row` into `stage`.
+  __device__ __forceinline__ void fetch(const ForwardArgs& a, std::int64_t row, int slot, int lane,
+                                        int stage) const {
+    const auto* x_row =
+        reinterpret_cast<const uint4*>(static_cast<const T*>(a.x) + row * a.x_stride);
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      const int u = i * kThreads + lane;
+      if (u >= vecs) continue;
+      detail::cp_async_16(chunk(stage, slot, 0, u), x_row + u);
+      if constexpr (kResidualChunks > 0) {
+        const auto* r_row = reinterpret_cast<const uint4*>(static_cast<const R*>(a.residual) +
+                                                           row * a.residual_stride);
+#pragma unroll
+        for (int c = 0; c < kResidualChunks; ++c) {
+          detail::cp_async_16(chunk(stage, slot, 1 + c, u), r_row + u * kResidualChunks + c);
+        }
+      }
+    }
+  }
+
+  // The thread's vector u of `row` from `stage`, as held: x, or with the fused add the rounded
+  // sum, written back to the residual.
+  __device__ __forceinline__ Vec<Held<T, R>, V> take(const ForwardArgs& a, std::int64_t row,
+                                                     int slot, int stage, int u) const {
+    Vec<T, V> x;
+    const uint4 x_raw = *chunk(stage, slot, 0, u);
+    memcpy(&x, &x_raw, sizeof(x));
+    if constexpr (kResidualChunks == 0) {
+      return x;
+    } else {
+      uint4 r_raw[kResidualChunks];
+#pragma unroll
+      for (int c = 0; c < kResidualChunks; ++c) r_raw[c] = *chunk(stage, slot, 1 + c, u);
+      Vec<R, V> r;
+      memcpy(&r, r_raw, sizeof(r));
+      return add_residual<T, R, V>(
+          static_cast<R*>(a.residual) + row * a.residual_stride + static_cast<std::int64_t>(u) * V,
+          x, r);
+    }
+  }
+};
 
 template <class T, class R, int V>
 __device__ __forceinline__ void load_input(const ForwardArgs& a, std::int64_t row,
@@ -220,7 +306,7 @@ struct GlobalParams {
 
 // Dynamic shared memory of the register kernel for rows of `cols` elements.
 template <Kind kKind>
-std::size_t staged_param_bytes(std::int64_t cols) {
+__host__ __device__ std::size_t staged_param_bytes(std::int64_t cols) {
   return static_cast<std::size_t>(cols) * sizeof(float) * kParamTables<kKind>;
 }
 
@@ -256,18 +342,23 @@ __device__ __forceinline__ void stage_params(const ForwardArgs& a,
 //   kRows: one row group per block (the grid covers the rows); weight and bias read from
 //     global memory as stored (GlobalParams, their dtypes W and B; T for kRegisters, which
 //     reads the runtime flags), no shared tables.
+//   kPipelined: kRegisters whose rows arrive through a two-stage RowRing: the next row group's
+//     copies are issued before this group's reduction, so HBM reads continue through its
+//     barriers and stores (in kRegisters a block has no reads in flight then).
 template <class T, class R, class W, class B, Kind kKind, NormVariant kVariant, int kThreads,
           int kVecs>
-__global__ void __launch_bounds__(kThreads > kForwardBlock ? kThreads : kForwardBlock,
-                                  1024 / (kThreads > kForwardBlock ? kThreads : kForwardBlock))
+__global__ void __launch_bounds__(kBlockFor<kThreads>, 1024 / kBlockFor<kThreads>)
     forward_registers_kernel(ForwardArgs a) {
   // The pivot would race with the residual write-back of the row's first vector.
   static_assert(kKind == Kind::kRms || std::is_void_v<R>);
-  static_assert(kVariant == NormVariant::kRegisters || kVariant == NormVariant::kRows);
-  constexpr bool kStaged = kVariant == NormVariant::kRegisters;
+  static_assert(kVariant == NormVariant::kRegisters || kVariant == NormVariant::kRows ||
+                kVariant == NormVariant::kPipelined);
+  constexpr bool kPipelined = kVariant == NormVariant::kPipelined;
+  constexpr bool kStaged = kVariant != NormVariant::kRows;
   using X = Held<T, R>;
+  using Ring = RowRing<T, R, kThreads, kVecs>;
   constexpr int V = detail::kVec16<T>;
-  constexpr int kBlock = kThreads > kForwardBlock ? kThreads : kForwardBlock;
+  constexpr int kBlock = kBlockFor<kThreads>;
   constexpr int kRowsPerBlock = kBlock / kThreads;
   __shared__ float scratch[kThreads > 32 ? kBlock / 32 * kSums<kKind> : 1];
   extern __shared__ float4 staged[];
@@ -275,23 +366,57 @@ __global__ void __launch_bounds__(kThreads > kForwardBlock ? kThreads : kForward
   const int slot = threadIdx.x / kThreads;
   const std::int64_t n = a.cols;
   const StagedParams<kKind, V> staged_params{reinterpret_cast<float*>(staged), n / V};
+  // The ring follows the staged tables (a multiple of 16 bytes: n is a multiple of V >= 4).
+  const Ring ring{reinterpret_cast<uint4*>(staged) + staged_param_bytes<kKind>(n) / sizeof(uint4),
+                  static_cast<int>(n / V)};
+  const std::int64_t first_group = static_cast<std::int64_t>(blockIdx.x) * kRowsPerBlock;
+  const std::int64_t group_stride = static_cast<std::int64_t>(gridDim.x) * kRowsPerBlock;
+
+  // kPipelined: starts the copies of the thread's row of the group at `base` into `stage`, one
+  // commit group per call (empty past the last row, so every thread counts groups alike), and
+  // returns the row's LayerNorm pivot, read now so that it is in a register when needed.
+  const auto prefetch = [&](std::int64_t base, int stage) {
+    const std::int64_t row = base + slot;
+    float pivot = 0.f;
+    if (row < a.rows) {
+      ring.fetch(a, row, slot, lane, stage);
+      if constexpr (kKind == Kind::kLayer) pivot = load_pivot<T, R>(a, row);
+    }
+    detail::cp_async_commit();
+    return pivot;
+  };
+  float next_pivot = 0.f;
+  // The first group's copies overlap the staging of the parameters.
+  if constexpr (kPipelined) next_pivot = prefetch(first_group, 0);
   if constexpr (kStaged) {
     stage_params<T, kKind, kBlock, V>(a, staged_params);
     __syncthreads();
   }
 
   // Every thread of a block runs the same number of iterations: the reductions need them all.
-  for (std::int64_t base = static_cast<std::int64_t>(blockIdx.x) * kRowsPerBlock; base < a.rows;
-       base += static_cast<std::int64_t>(gridDim.x) * kRowsPerBlock) {
+  int stage = 0;
+  for (std::int64_t base = first_group; base < a.rows; base += group_stride, stage ^= 1) {
     const std::int64_t row = base + slot;
     const bool valid = row < a.rows;
     float pivot = 0.f;
-    if constexpr (kKind == Kind::kLayer) pivot = valid ? load_pivot<T, R>(a, row) : 0.f;
+    if constexpr (kPipelined) {
+      pivot = next_pivot;
+      next_pivot = prefetch(base + group_stride, stage ^ 1);
+      detail::cp_async_wait<1>();  // this group's copies (the thread's own) have landed
+    } else if constexpr (kKind == Kind::kLayer) {
+      pivot = valid ? load_pivot<T, R>(a, row) : 0.f;
+    }
     Vec<X, V> held[kVecs];
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
-      const std::int64_t col = (static_cast<std::int64_t>(i) * kThreads + lane) * V;
-      if (valid && col < n) held[i] = load_input_raw<T, R, V>(a, row, col);
+      const int u = i * kThreads + lane;
+      const std::int64_t col = static_cast<std::int64_t>(u) * V;
+      if (!valid || col >= n) continue;
+      if constexpr (kPipelined) {
+        held[i] = ring.take(a, row, slot, stage, u);
+      } else {
+        held[i] = load_input_raw<T, R, V>(a, row, col);
+      }
     }
     if constexpr (!kStaged) {
       if (valid) GlobalParams<T, W, B, kKind, V, kVecs>::prefetch(a, lane, kThreads);
@@ -387,20 +512,34 @@ NormVariant auto_register_variant(std::int64_t cols) {
   return NormVariant::kRegisters;
 }
 
+// Dynamic shared memory of a persistent register variant (kRegisters, kPipelined) for aligned
+// rows of `cols` elements: the staged tables, and kPipelined's ring.
+template <class T, class R, Kind kKind, NormVariant kVariant>
+std::size_t forward_shared_bytes(std::int64_t cols) {
+  std::size_t bytes = staged_param_bytes<kKind>(cols);
+  if constexpr (kVariant == NormVariant::kPipelined) {
+    const std::int64_t vecs = cols / detail::kVec16<T>;
+    bytes += with_register_config<kForwardVecsPerThread>(vecs, [&](auto threads, auto per_thread) {
+      return RowRing<T, R, decltype(threads)::value, decltype(per_thread)::value>::bytes(vecs);
+    });
+  }
+  return bytes;
+}
+
 template <class T, class R, class W, class B, Kind kKind, NormVariant kVariant>
 void launch_registers(const ForwardArgs& a, std::int64_t vecs, cudaStream_t stream,
                       const char* op) {
   with_register_config<kForwardVecsPerThread>(vecs, [&](auto threads, auto per_thread) {
     constexpr int kThreads = decltype(threads)::value;
-    constexpr int kBlock = kThreads > kForwardBlock ? kThreads : kForwardBlock;
+    constexpr int kBlock = kBlockFor<kThreads>;
     constexpr int kRowsPerBlock = kBlock / kThreads;
     const auto kernel = forward_registers_kernel<T, R, W, B, kKind, kVariant, kThreads,
                                                  decltype(per_thread)::value>;
     const std::int64_t row_groups = (a.rows + kRowsPerBlock - 1) / kRowsPerBlock;
     std::size_t smem = 0;
     std::int64_t grid = std::min<std::int64_t>(row_groups, std::numeric_limits<int>::max());
-    if constexpr (kVariant == NormVariant::kRegisters) {
-      smem = staged_param_bytes<kKind>(a.cols);
+    if constexpr (kVariant != NormVariant::kRows) {
+      smem = forward_shared_bytes<T, R, kKind, kVariant>(a.cols);
       if (smem + kMaxScratchBytes > kDefaultSharedBytes) {
         detail::check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                 static_cast<int>(smem)),
@@ -458,6 +597,11 @@ void launch_forward(const ForwardArgs& a, NormVariant variant, cudaStream_t stre
   //     blocks per SM (registers), kRegisters' LayerNorm N = 16384 1 block (128 KB of tables).
   //   kRows: the same threads per row, one row group per block, no tables (any N <= 4096
   //     vectors; 27-64 registers, no spills).
+  //   kPipelined (forced only, for measurement): kRegisters' threads per row, 40-64 registers,
+  //     no spills, plus two row groups in shared memory: 16-bit RMSNorm N = 4096 48 KB per block
+  //     (4 blocks per SM), N = 8192 64 KB (3), LayerNorm N = 8192 96 KB (2), N = 16384 128 /
+  //     192 KB (1 block of 512); the fused add's residual doubles the ring (fp32: triples it).
+  //     No room for 16-bit N = 32768.
   //   kRegisters' LayerNorm 16-bit N > 29008 (tables over the 227 KB per block), any N > 4096
   //   vectors, and unaligned rows: two passes.
   NormVariant chosen = variant == NormVariant::kAuto
@@ -467,20 +611,26 @@ void launch_forward(const ForwardArgs& a, NormVariant variant, cudaStream_t stre
       !use_registers(variant, aligned, vecs, kMaxRegisterVecs<kForwardVecsPerThread>)) {
     chosen = NormVariant::kTwoPass;
   }
-  if (chosen == NormVariant::kRegisters) {
+  if (chosen == NormVariant::kRegisters || chosen == NormVariant::kPipelined) {
+    const bool pipelined = chosen == NormVariant::kPipelined;
+    const std::size_t needed =
+        pipelined ? forward_shared_bytes<T, R, kKind, NormVariant::kPipelined>(a.cols)
+                  : forward_shared_bytes<T, R, kKind, NormVariant::kRegisters>(a.cols);
     const std::size_t shared_limit = detail::current_device_info().shared_memory_per_block_optin;
-    if (staged_param_bytes<kKind>(a.cols) + kMaxScratchBytes > shared_limit) {
-      if (variant == NormVariant::kRegisters) {
+    if (needed + kMaxScratchBytes > shared_limit) {
+      if (variant == chosen) {
         throw UnsupportedVariantError(
-            std::string("trainscale norm: the register variant stages the row's parameters in "
-                        "shared memory, which has no room for ") +
-            std::to_string(a.cols) + " columns");
+            std::string("trainscale norm: the ") + variant_name(chosen) + " variant stages " +
+            (pipelined ? "the row's parameters and two row groups" : "the row's parameters") +
+            " in shared memory, which has no room for " + std::to_string(a.cols) + " columns");
       }
       chosen = NormVariant::kTwoPass;
     }
   }
   if (chosen == NormVariant::kRegisters) {
     launch_registers<T, R, T, T, kKind, NormVariant::kRegisters>(a, vecs, stream, op);
+  } else if (chosen == NormVariant::kPipelined) {
+    launch_registers<T, R, T, T, kKind, NormVariant::kPipelined>(a, vecs, stream, op);
   } else if (chosen == NormVariant::kRows) {
     launch_rows<T, R, kKind>(a, vecs, stream, op);
   } else if (aligned) {
