@@ -480,19 +480,20 @@ __global__ void __launch_bounds__(kTileThreads) tile_kernel(TileArgs a) {
 // ---------------------------------------------------------------------------------------------
 // 1x128 tiles without the transposed copy: 8 lanes per row and kTiles consecutive tiles of it,
 // each lane 16 consecutive elements of every tile (columns (t0 + k) * 128 + l * 16 .. + 15, two
-// chunks), so that its codes leave as one 16-byte store; 32 rows per block. grid.x walks row
-// groups, grid.y tile groups.
+// chunks), so that its codes leave as one 16-byte store; 32 rows per block. grid.x walks tile
+// groups and grid.y row groups, so that blocks scheduled together read consecutive columns of
+// the same rows (with rows first they read 1 KB from each of many rows 16 KB apart).
 template <class T, bool kE4M3, int kTiles>
 __global__ void __launch_bounds__(256) tile_rows_kernel(TileArgs a) {
   constexpr int kLanes = 8, kRowsPerBlock = 256 / kLanes;
   const int lane = threadIdx.x & (kLanes - 1), slot = threadIdx.x / kLanes;
   const T* x = static_cast<const T*>(a.x);
   const std::int64_t last_group = (a.rows - 1) / kRowsPerBlock;
-  for (std::int64_t rb = blockIdx.x; rb <= last_group; rb += gridDim.x) {
+  for (std::int64_t rb = blockIdx.y; rb <= last_group; rb += gridDim.y) {
     const std::int64_t row = rb * kRowsPerBlock + slot;
     const bool valid = row < a.rows;  // every lane group runs the shuffles either way
     const T* x_row = x + row * a.x_stride;
-    for (std::int64_t sb = blockIdx.y; sb * kTiles < a.col_tiles; sb += gridDim.y) {
+    for (std::int64_t sb = blockIdx.x; sb * kTiles < a.col_tiles; sb += gridDim.x) {
       const std::int64_t t0 = sb * kTiles;
       const std::int64_t first = t0 * 128 + lane * 16;  // tile k's chunks: first + k * 128 (+ 8)
       // All 2 * kTiles loads in flight before the first use.
@@ -551,11 +552,11 @@ __global__ void __launch_bounds__(256) tile_rows_kernel(TileArgs a) {
 
 template <class T, bool kE4M3>
 void launch_tile_rows(const TileArgs& a, cudaStream_t stream, const char* op) {
-  const std::int64_t row_groups = std::min<std::int64_t>(kMaxGrid, (a.rows + 31) / 32);
+  const std::int64_t row_groups = std::min<std::int64_t>(65535, (a.rows + 31) / 32);
   auto go = [&](auto tiles) {
     constexpr int kTiles = decltype(tiles)::value;
-    const std::int64_t tile_groups = std::min<std::int64_t>(65535, (a.col_tiles + kTiles - 1) / kTiles);
-    const dim3 grid(static_cast<unsigned>(row_groups), static_cast<unsigned>(tile_groups));
+    const std::int64_t tile_groups = std::min<std::int64_t>(kMaxGrid, (a.col_tiles + kTiles - 1) / kTiles);
+    const dim3 grid(static_cast<unsigned>(tile_groups), static_cast<unsigned>(row_groups));
     tile_rows_kernel<T, kE4M3, kTiles><<<grid, 256, 0, stream>>>(a);
   };
   if (a.col_tiles >= 4) {

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "common/cuda_check.h"
 #include "common/reduce.cuh"
@@ -17,23 +18,22 @@ namespace trainscale::ops::norm {
 
 enum class Kind { kRms, kLayer };
 
-// Threads per row (a power of two, 32 ... 1024) and 16-byte vectors per thread for a row of
-// `vecs` vectors: enough vectors per thread to keep several loads in flight, enough threads to
-// cover the row, and few enough values per thread to stay in registers (the forward: 4).
-// Returns fn(std::integral_constant<int, threads>, std::integral_constant<int, vecs per thread>).
-template <int kVecsPerThread, class Fn>
+// Threads per row (a power of two, 4 ... 1024) and 16-byte vectors per thread for a row of
+// `vecs` vectors: kVecsPerThread vectors per thread, so that each thread keeps that many loads
+// in flight, and as few threads as cover the row. Short rows share a warp (kThreads < 32):
+// with one vector per thread, LayerNorm at bf16 N = 256 was bound by the latency of a row's
+// load and its shuffle chain. Returns fn(std::integral_constant<int, threads>,
+// std::integral_constant<int, vecs per thread>).
+template <int kVecsPerThread, int kThreads = 4, class Fn>
 auto with_register_config(std::int64_t vecs, Fn&& fn) {
   static_assert(kVecsPerThread == 2 || kVecsPerThread == 4);
-  using std::integral_constant;
-  using Per = integral_constant<int, kVecsPerThread>;
-  if (vecs <= 32) return fn(integral_constant<int, 32>{}, integral_constant<int, 1>{});
-  if (vecs <= 64) return fn(integral_constant<int, 32>{}, integral_constant<int, 2>{});
-  if (vecs <= 32 * kVecsPerThread) return fn(integral_constant<int, 32>{}, Per{});
-  if (vecs <= 64 * kVecsPerThread) return fn(integral_constant<int, 64>{}, Per{});
-  if (vecs <= 128 * kVecsPerThread) return fn(integral_constant<int, 128>{}, Per{});
-  if (vecs <= 256 * kVecsPerThread) return fn(integral_constant<int, 256>{}, Per{});
-  if (vecs <= 512 * kVecsPerThread) return fn(integral_constant<int, 512>{}, Per{});
-  return fn(integral_constant<int, 1024>{}, Per{});
+  using Per = std::integral_constant<int, kVecsPerThread>;
+  if constexpr (kThreads == 1024) {
+    return fn(std::integral_constant<int, kThreads>{}, Per{});
+  } else {
+    if (vecs <= kThreads * kVecsPerThread) return fn(std::integral_constant<int, kThreads>{}, Per{});
+    return with_register_config<kVecsPerThread, kThreads * 2>(vecs, std::forward<Fn>(fn));
+  }
 }
 
 // Longest row (in 16-byte vectors) the register kernels take; longer rows use two passes.
@@ -85,6 +85,15 @@ __device__ __forceinline__ float load_scale(const Args& a, std::int64_t col) {
 inline std::int64_t blocks_for(std::int64_t work_items, std::int64_t per_sm) {
   const auto& info = detail::current_device_info();
   return std::max<std::int64_t>(1, std::min<std::int64_t>(work_items, info.sm_count * per_sm));
+}
+
+// A persistent grid of at most one resident wave whose blocks all loop the same number of times
+// (but the last): with the full wave, 32768 rows of 2 per group over 528 blocks take 32 passes
+// of which the last has 32 of 1056 rows, a 3 % tail; 512 blocks take 32 full passes.
+inline std::int64_t balanced_blocks_for(std::int64_t work_items, std::int64_t per_sm) {
+  const std::int64_t wave = blocks_for(work_items, per_sm);
+  const std::int64_t passes = (work_items + wave - 1) / wave;
+  return std::max<std::int64_t>(1, (work_items + passes - 1) / passes);
 }
 
 }  // namespace trainscale::ops::norm

@@ -501,15 +501,13 @@ __global__ void __launch_bounds__(kTwoPassThreads) forward_two_pass_kernel(Forwa
 }
 
 // kAuto's kernel for aligned rows short enough for registers (kRegisters or kRows); kAuto
-// falls back to two passes where it cannot run. Measured on the H100 (bf16, dsv3, llama and
-// quack shapes; docs/perf-notes.md): kRows is 3-4 % faster for the fused add from N = 6144 and
-// 4-30 % for LayerNorm from N = 7168 (it drops the 8 B per column of staged tables), but
-// 2-6 % slower for plain RMSNorm at every N and 2-3x slower below N = 4096.
-template <Kind kKind, bool kFusedAdd>
+// falls back to two passes where it cannot run. Measured on the H100 (bf16, dsv3 and quack
+// shapes, all variants in one run; docs/perf-notes.md, session 4): from N = 6144 kRows is faster
+// for every op (RMSNorm +3-5 %, the fused add +3-4 %, LayerNorm up to +36 % at M = 4096: it
+// drops the staged tables and the persistent grid, whose streaming ceiling is ~2850 GB/s); at
+// N = 4096 and below it is 10-300 % slower (the weights are re-read by every small block).
 NormVariant auto_register_variant(std::int64_t cols) {
-  if constexpr (kKind == Kind::kLayer) return cols > 6144 ? NormVariant::kRows : NormVariant::kRegisters;
-  if constexpr (kFusedAdd) return cols >= 6144 ? NormVariant::kRows : NormVariant::kRegisters;
-  return NormVariant::kRegisters;
+  return cols >= 6144 ? NormVariant::kRows : NormVariant::kRegisters;
 }
 
 // Dynamic shared memory of a persistent register variant (kRegisters, kPipelined) for aligned
@@ -550,7 +548,7 @@ void launch_registers(const ForwardArgs& a, std::int64_t vecs, cudaStream_t stre
       detail::check_cuda(
           cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlock, smem), op,
           "occupancy query");
-      grid = blocks_for(row_groups, std::max(per_sm, 1));
+      grid = balanced_blocks_for(row_groups, std::max(per_sm, 1));
     }
     kernel<<<static_cast<unsigned>(grid), kBlock, smem, stream>>>(a);
   });
@@ -589,7 +587,8 @@ void launch_forward(const ForwardArgs& a, NormVariant variant, cudaStream_t stre
   }
   // Choice per row (H100, ptxas for sm_90a: every register configuration <= 64 registers,
   // no spills, so 4 blocks of 256 threads per SM unless shared memory says fewer):
-  //   16-bit N <= 1024 (fp32 N <= 512): 32 threads per row, 8 rows per block.
+  //   16-bit N <= 1024 (fp32 N <= 512): 4 vectors per thread, 4 ... 32 threads per row, 64 ... 8
+  //     rows per block.
   //   16-bit N 2048 / 4096 / 8192: 64 / 128 / 256 threads per row, 4 vectors each; kRegisters
   //     stages tables of 4 B per column (RMSNorm) or 8 B (LayerNorm): LayerNorm N = 8192 takes
   //     64 KB, so 3 blocks per SM.
@@ -605,7 +604,7 @@ void launch_forward(const ForwardArgs& a, NormVariant variant, cudaStream_t stre
   //   kRegisters' LayerNorm 16-bit N > 29008 (tables over the 227 KB per block), any N > 4096
   //   vectors, and unaligned rows: two passes.
   NormVariant chosen = variant == NormVariant::kAuto
-                           ? auto_register_variant<kKind, !std::is_void_v<R>>(a.cols)
+                           ? auto_register_variant(a.cols)
                            : variant;
   if (chosen != NormVariant::kTwoPass &&
       !use_registers(variant, aligned, vecs, kMaxRegisterVecs<kForwardVecsPerThread>)) {
