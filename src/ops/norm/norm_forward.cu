@@ -199,9 +199,9 @@ __device__ __forceinline__ void accumulate(const float (&v)[V], float pivot,
 }
 
 struct RowStats {
-  float mean;          // saved: from the plain sum, since pivot + shift cancels near mean 0
-  float shifted_mean;  // mean - pivot: y centres x - pivot by it, exact when |mean| >> std
+  float mean;    // saved: from the plain sum, since pivot + shift cancels near mean 0
   float rstd;
+  float offset;  // LayerNorm: -(mean - pivot) * rstd, so x-hat = (x - pivot) * rstd + offset
 };
 
 template <Kind kKind>
@@ -209,21 +209,25 @@ __device__ __forceinline__ RowStats row_stats(const float (&sums)[kSums<kKind>],
                                               float eps) {
   const float inv_n = 1.f / static_cast<float>(n);
   if constexpr (kKind == Kind::kLayer) {
+    // Centred on the pivot, exact when |mean| >> std.
     const float shifted_mean = sums[1] * inv_n;
     const float raw_var = sums[2] * inv_n - shifted_mean * shifted_mean;
     // Clamp the rounding-negative variance without fmaxf, which would turn NaN into 0.
     const float var = raw_var < 0.f ? 0.f : raw_var;
-    return {sums[0] * inv_n, shifted_mean, rsqrtf(var + eps)};
+    const float rstd = rsqrtf(var + eps);
+    return {sums[0] * inv_n, rstd, -shifted_mean * rstd};
   } else {
-    return {0.f, 0.f, rsqrtf(sums[0] * inv_n + eps)};
+    return {0.f, rsqrtf(sums[0] * inv_n + eps), 0.f};
   }
 }
 
+// One FMA per element for LayerNorm's x-hat: the kernel issues about 12 instructions per
+// element and is near the issue limit at bf16 N = 8192.
 template <Kind kKind>
 __device__ __forceinline__ float normalize(float v, float pivot, const RowStats& st, float scale,
                                            float shift) {
   if constexpr (kKind == Kind::kLayer) {
-    return ((v - pivot) - st.shifted_mean) * st.rstd * scale + shift;
+    return fmaf(v - pivot, st.rstd, st.offset) * scale + shift;
   } else {
     return v * st.rstd * scale;
   }
@@ -506,8 +510,11 @@ __global__ void __launch_bounds__(kTwoPassThreads) forward_two_pass_kernel(Forwa
 // for every op (RMSNorm +3-5 %, the fused add +3-4 %, LayerNorm up to +36 % at M = 4096: it
 // drops the staged tables and the persistent grid, whose streaming ceiling is ~2850 GB/s); at
 // N = 4096 and below it is 10-300 % slower (the weights are re-read by every small block).
-NormVariant auto_register_variant(std::int64_t cols) {
-  return cols >= 6144 ? NormVariant::kRows : NormVariant::kRegisters;
+// Up to 256 vectors (bf16 N = 2048) kPipelined: its next row group's loads overlap this group's
+// reduction, which short rows spend most of their time in (+1-5 %, session 4).
+NormVariant auto_register_variant(std::int64_t cols, std::int64_t vecs) {
+  if (cols >= 6144) return NormVariant::kRows;
+  return vecs <= 256 ? NormVariant::kPipelined : NormVariant::kRegisters;
 }
 
 // Dynamic shared memory of a persistent register variant (kRegisters, kPipelined) for aligned
@@ -604,7 +611,7 @@ void launch_forward(const ForwardArgs& a, NormVariant variant, cudaStream_t stre
   //   kRegisters' LayerNorm 16-bit N > 29008 (tables over the 227 KB per block), any N > 4096
   //   vectors, and unaligned rows: two passes.
   NormVariant chosen = variant == NormVariant::kAuto
-                           ? auto_register_variant(a.cols)
+                           ? auto_register_variant(a.cols, vecs)
                            : variant;
   if (chosen != NormVariant::kTwoPass &&
       !use_registers(variant, aligned, vecs, kMaxRegisterVecs<kForwardVecsPerThread>)) {
