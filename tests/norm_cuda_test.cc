@@ -54,6 +54,17 @@ std::string shape_name(DType dt, const Shape& s, DType wdt, NormVariant v) {
   return ::testing::AssertionSuccess();
 }
 
+// Same values element by element, NaN matching NaN (unwritten outputs stay poisoned).
+::testing::AssertionResult identical(const HostTensor& a, const HostTensor& b) {
+  const auto va = a.values(), vb = b.values();
+  for (std::size_t i = 0; i < va.size(); ++i) {
+    if (va[i] != vb[i] && !(std::isnan(va[i]) && std::isnan(vb[i]))) {
+      return ::testing::AssertionFailure() << "at " << i << ": " << va[i] << " vs " << vb[i];
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
 std::vector<Shape> shapes() {
   // 64 and 248: rows of 4 and 8 (bf16) threads sharing a warp, partly filled blocks.
   return {{5, 1, 0},    {9, 7, 1},     {100, 64, 0},  {37, 248, 8},  {33, 127, 0},
@@ -64,8 +75,8 @@ std::vector<Shape> shapes() {
           {560, 65536, 0}};
 }
 
-// Register kernels take aligned rows of at most 4096 (forward) / 16384 (backward: a cluster of
-// 8 blocks) 16-byte vectors.
+// Register kernels take aligned rows of at most 4096 (forward) / 32768 (backward: a cluster of
+// 16 blocks) 16-byte vectors.
 std::int64_t row_vectors(const Shape& s, DType dt) {
   const std::int64_t vec = 16 / static_cast<std::int64_t>(dtype_size(dt));
   return s.cols % vec == 0 && s.pad % vec == 0 ? s.cols / vec : -1;
@@ -74,7 +85,7 @@ std::int64_t row_vectors(const Shape& s, DType dt) {
 // kRows and kPipelined are forward-only: the backward takes them as kAuto.
 std::vector<NormVariant> variants_for(const Shape& s, DType dt) {
   const std::int64_t vecs = row_vectors(s, dt);
-  if (vecs > 0 && vecs <= 16384) {
+  if (vecs > 0 && vecs <= 32768) {
     return {NormVariant::kRegisters, NormVariant::kTwoPass, NormVariant::kRows,
             NormVariant::kPipelined};
   }
@@ -265,6 +276,110 @@ TEST(NormCuda, FusedAddRMSNormMatchesReference) {
   }
 }
 
+// Backward only, on the longest rows: the one-block-per-SM register kernels (4 vectors per
+// thread, clusters of 8 and 16 blocks, the next row prefetched into shared memory) with 1.5-3
+// rows per cluster, strided rows, a row just above the 8-block limit (131072 + 8 bf16: 16
+// blocks of about 8200 columns), fp32 weights (fp32 residual for the fused add), RMSNorm's weight
+// offset and the fused add's d_residual. rstd and mean come from the fp64 reference (as fp32),
+// so the backward alone is under test; outputs start poisoned. dw (and db) must be bitwise the
+// same on a second run, and dx the same computed in place (dx = dy).
+void check_long_row_backward(int which) {  // 0 RMSNorm, 1 LayerNorm, 2 fused add + RMSNorm
+  TS_REQUIRE_GPU();
+  const bool layer = which == 1;
+  for (DType dt : kDtypes) {
+    // fp32 rows reach the 16-block kernel at 131072 (32768 vectors); 262144 is two passes.
+    const std::vector<Shape> long_shapes =
+        dt == DType::kFloat32
+            ? std::vector<Shape>{{24, 131072, 4}, {24, 65536 + 4, 0}, {20, 65536, 0}}
+            : std::vector<Shape>{{24, 262144, 8}, {24, 131072 + 8, 0}, {24, 131072, 8}};
+    for (DType pdt : {dt, DType::kFloat32}) {
+      if (dt == DType::kFloat16 && pdt != dt) continue;  // bf16 covers fp32 parameters
+      for (const Shape& s : long_shapes) {
+        const NormVariant variant =
+            row_vectors(s, dt) <= 32768 ? NormVariant::kRegisters : NormVariant::kAuto;
+        SCOPED_TRACE(shape_name(dt, s, pdt, variant) + " op " + std::to_string(which));
+        // The fused add's input is the saved sum, in the residual's dtype pdt.
+        const DType xdt = which == 2 ? pdt : dt;
+        const DType wdt = which == 2 ? dt : pdt;
+        auto x = HostTensor::random(xdt, {s.rows, s.cols}, -2, 2, which == 2 ? 0 : s.pad);
+        x.set(0, x.at(0) + 3.0);  // a row with a non-zero mean
+        auto w = HostTensor::random(wdt, {s.cols}, 0.5, 1.5);
+        auto dy = HostTensor::random(dt, {s.rows, s.cols}, -1, 1, s.pad);
+        auto dres = which == 2 ? HostTensor::random(xdt, {s.rows, s.cols}, -1, 1)
+                               : HostTensor(xdt, {1, 1});  // the fused add's only
+        auto x64 = as_f64(x), w64 = as_f64(w), dy64 = as_f64(dy), dres64 = as_f64(dres);
+        HostTensor y64(DType::kFloat64, {s.rows, s.cols}), mean64(DType::kFloat64, {s.rows}),
+            rstd64(DType::kFloat64, {s.rows}), dx64(DType::kFloat64, {s.rows, s.cols}),
+            dw64(DType::kFloat64, {s.cols}), db64(DType::kFloat64, {s.cols});
+        const RMSNormOptions rms = rms_options(variant, 0.25);
+        if (layer) {
+          layernorm_forward(x64.view(), w64.view(), {}, y64.view(), mean64.view(), rstd64.view());
+          layernorm_backward(dy64.view(), x64.view(), w64.view(), mean64.view(), rstd64.view(),
+                             dx64.view(), dw64.view(), db64.view(), {});
+        } else {
+          rmsnorm_forward(x64.view(), w64.view(), y64.view(), rstd64.view(), rms);
+          if (which == 0) {
+            rmsnorm_backward(dy64.view(), x64.view(), w64.view(), rstd64.view(), dx64.view(),
+                             dw64.view(), {}, rms);
+          } else {
+            fused_add_rmsnorm_backward(dy64.view(), dres64.view(), x64.view(), w64.view(),
+                                       rstd64.view(), dx64.view(), dw64.view(), {}, rms);
+          }
+        }
+        DeviceTensor d_x(x), d_w(w), d_dy(dy), d_dres(dres);
+        DeviceTensor d_mean(HostTensor::from_values(DType::kFloat32, {s.rows}, mean64.values()));
+        DeviceTensor d_rstd(HostTensor::from_values(DType::kFloat32, {s.rows}, rstd64.values()));
+        DeviceTensor d_ws(byte_buffer(workspace_bytes(s.rows, s.cols, dt)), false);
+        // dx into `dx` (dy's own view when in place), dw and db into fresh poisoned tensors.
+        const auto run = [&](const TensorView& dy_view, const TensorView& dx, HostTensor* dw,
+                             HostTensor* db) {
+          DeviceTensor d_dw(HostTensor(wdt, {s.cols}), false), d_db(HostTensor(wdt, {s.cols}), false);
+          if (layer) {
+            ops::norm::layernorm_backward_cuda(dy_view, d_x.view(), d_w.view(), d_mean.view(),
+                                               d_rstd.view(), dx, d_dw.view(), d_db.view(),
+                                               d_ws.view(), layer_options(variant), nullptr);
+          } else if (which == 0) {
+            ops::norm::rmsnorm_backward_cuda(dy_view, d_x.view(), d_w.view(), d_rstd.view(), dx,
+                                             d_dw.view(), d_ws.view(), rms, nullptr);
+          } else {
+            ops::norm::fused_add_rmsnorm_backward_cuda(dy_view, d_dres.view(), d_x.view(),
+                                                       d_w.view(), d_rstd.view(), dx, d_dw.view(),
+                                                       d_ws.view(), rms, nullptr);
+          }
+          *dw = d_dw.to_host();
+          *db = d_db.to_host();
+        };
+        DeviceTensor d_dx(HostTensor(dt, {s.rows, s.cols}, s.pad), false);
+        HostTensor dw, db, dw_again, db_again;
+        run(d_dy.view(), d_dx.view(), &dw, &db);
+        const HostTensor dx = d_dx.to_host();
+        d_dx.poison();
+        run(d_dy.view(), d_dx.view(), &dw_again, &db_again);
+        DeviceTensor d_in_place(dy);
+        HostTensor unused_dw, unused_db;
+        run(d_in_place.view(), d_in_place.view(), &unused_dw, &unused_db);
+
+        const double tol = test::tolerance(dt);
+        EXPECT_TRUE(gradient_matches(dx.values(), dx64.values(), dy64, rstd64, tol)) << "dx";
+        const double wtol = test::tolerance(wdt) * (wdt == DType::kFloat32 ? 10 : 1);
+        EXPECT_TRUE(test::matches_reference(dw.values(), dw64.values(), wtol)) << "dw";
+        const auto weight_bytes = static_cast<std::size_t>(s.cols) * dtype_size(wdt);
+        if (layer) {
+          EXPECT_TRUE(test::matches_reference(db.values(), db64.values(), wtol)) << "db";
+          EXPECT_EQ(std::memcmp(db.data(), db_again.data(), weight_bytes), 0) << "db again";
+        }
+        EXPECT_EQ(std::memcmp(dw.data(), dw_again.data(), weight_bytes), 0) << "dw again";
+        EXPECT_TRUE(identical(dx, d_dx.to_host())) << "dx again";
+        EXPECT_TRUE(identical(dx, d_in_place.to_host())) << "dx in place";
+      }
+    }
+  }
+}
+
+TEST(NormCuda, RMSNormLongRowsBackward) { check_long_row_backward(0); }
+TEST(NormCuda, LayerNormLongRowsBackward) { check_long_row_backward(1); }
+TEST(NormCuda, FusedAddRMSNormLongRowsBackward) { check_long_row_backward(2); }
+
 // Forward only, on rows longer than shapes() has (the backward's register kernels take
 // shorter rows): the register kernels at 512 and 1024 threads per row (kRegisters' staged
 // weight and bias tables need more than the default 48 KB of shared memory), against two
@@ -435,17 +550,6 @@ TEST(NormCuda, RegisterVariantsRejectUnalignedRows) {
   }
 }
 
-// Same values element by element, NaN matching NaN (unwritten outputs stay poisoned).
-::testing::AssertionResult identical(const HostTensor& a, const HostTensor& b) {
-  const auto va = a.values(), vb = b.values();
-  for (std::size_t i = 0; i < va.size(); ++i) {
-    if (va[i] != vb[i] && !(std::isnan(va[i]) && std::isnan(vb[i]))) {
-      return ::testing::AssertionFailure() << "at " << i << ": " << va[i] << " vs " << vb[i];
-    }
-  }
-  return ::testing::AssertionSuccess();
-}
-
 // kPipelined with several row groups per block (the tests above have fewer rows than its
 // persistent grid, so the ring's second stage and the pivot carried to the next group run only
 // here), the last group partial: bit-identical to kRegisters, whose arithmetic it shares, for
@@ -516,9 +620,10 @@ TEST(NormCuda, PublicEntryPointsDispatchToCuda) {
 
 TEST(NormCuda, WeightGradientIsBitwiseReproducible) {
   TS_REQUIRE_GPU();
-  // Register kernel (one block per row group, and a cluster per row), two-pass kernel.
-  for (std::int64_t cols : {4096, 16384, 5123, 65536}) {
-    const std::int64_t rows = 1500;
+  // Register kernel (one block per row group, a cluster per row, the longest rows' clusters of 8
+  // and 16 blocks with the next row prefetched), two-pass kernel.
+  for (std::int64_t cols : {4096, 16384, 5123, 65536, 131072, 131072 + 8, 262144}) {
+    const std::int64_t rows = cols > 65536 ? 100 : 1500;
     auto x = HostTensor::random(DType::kBFloat16, {rows, cols});
     auto dy = HostTensor::random(DType::kBFloat16, {rows, cols});
     auto w = HostTensor::random(DType::kFloat32, {cols});
@@ -558,11 +663,14 @@ TEST(NormCuda, WeightGradientIsBitwiseReproducible) {
 
 TEST(NormCuda, NaNPropagatesToItsRowOnly) {
   TS_REQUIRE_GPU();
-  for (std::int64_t cols : {4096, 65536, 5123}) {
-    auto x = HostTensor::random(DType::kBFloat16, {4, cols});
-    x.set(1 * cols + 3, NAN);
-    DeviceTensor d_x(x), d_y(HostTensor(DType::kBFloat16, {4, cols}), false);
-    DeviceTensor d_rstd(HostTensor(DType::kFloat32, {4}), false);
+  // Row 11 of 20: with the longest rows (clusters of 8 and 16 blocks) not the first row of its
+  // cluster, so it arrives through the prefetch.
+  constexpr std::int64_t kRows = 20, kNaNRow = 11;
+  for (std::int64_t cols : {4096, 65536, 5123, 131072 + 8, 262144}) {
+    auto x = HostTensor::random(DType::kBFloat16, {kRows, cols});
+    x.set(kNaNRow * cols + 3, NAN);
+    DeviceTensor d_x(x), d_y(HostTensor(DType::kBFloat16, {kRows, cols}), false);
+    DeviceTensor d_rstd(HostTensor(DType::kFloat32, {kRows}), false);
     // Auto, and the rows and pipelined variants where they apply (aligned rows of at most
     // 32768 bf16; the pipelined ring and tables in shared memory).
     std::vector<NormVariant> variants = {NormVariant::kAuto};
@@ -575,18 +683,35 @@ TEST(NormCuda, NaNPropagatesToItsRowOnly) {
       rmsnorm_forward(d_x.view(), {}, d_y.view(), d_rstd.view(), rms_options(variant));
       const auto y = d_y.to_host();
       const auto rstd = d_rstd.to_host();
-      EXPECT_TRUE(std::isnan(rstd.at(1)));
-      EXPECT_TRUE(std::isfinite(rstd.at(0)) && std::isfinite(rstd.at(2)));
-      EXPECT_TRUE(std::isnan(y.at(1 * cols + 100)));
-      EXPECT_TRUE(std::isfinite(y.at(2 * cols + 100)));
+      EXPECT_TRUE(std::isnan(rstd.at(kNaNRow)));
+      EXPECT_TRUE(std::isfinite(rstd.at(kNaNRow - 1)) && std::isfinite(rstd.at(kNaNRow + 1)));
+      EXPECT_TRUE(std::isnan(y.at(kNaNRow * cols + 100)));
+      EXPECT_TRUE(std::isfinite(y.at((kNaNRow + 1) * cols + 100)));
     }
-    // Backward: dx of that row only (dw sums every row, so it is NaN as a whole).
-    DeviceTensor d_dy(HostTensor::random(DType::kBFloat16, {4, cols}));
-    DeviceTensor d_dx(HostTensor(DType::kBFloat16, {4, cols}), false);
+    // Backward, RMSNorm without a weight and LayerNorm with one: dx of that row only (dw and db
+    // sum every row, so they are NaN as a whole).
+    SCOPED_TRACE(std::to_string(cols) + " backward");
+    DeviceTensor d_dy(HostTensor::random(DType::kBFloat16, {kRows, cols}));
+    DeviceTensor d_dx(HostTensor(DType::kBFloat16, {kRows, cols}), false);
+    const auto expect_nan_row_only = [&] {
+      const auto dx = d_dx.to_host();
+      for (std::int64_t row = 0; row < kRows; ++row) {
+        for (std::int64_t col : {std::int64_t{0}, cols / 2 + 1, cols - 1}) {
+          EXPECT_EQ(std::isnan(dx.at(row * cols + col)), row == kNaNRow) << row << ", " << col;
+        }
+      }
+    };
     rmsnorm_backward(d_dy.view(), d_x.view(), {}, d_rstd.view(), d_dx.view(), {}, {});
-    const auto dx = d_dx.to_host();
-    EXPECT_TRUE(std::isnan(dx.at(1 * cols + 100)));
-    EXPECT_TRUE(std::isfinite(dx.at(0 * cols + 100)) && std::isfinite(dx.at(2 * cols + 100)));
+    expect_nan_row_only();
+    DeviceTensor d_w(HostTensor::random(DType::kBFloat16, {cols}, 0.5, 1.5));
+    DeviceTensor d_dw(HostTensor(DType::kBFloat16, {cols}), false);
+    DeviceTensor d_mean(HostTensor(DType::kFloat32, {kRows}), false);
+    DeviceTensor d_ws(byte_buffer(workspace_bytes(kRows, cols, DType::kBFloat16)), false);
+    layernorm_forward(d_x.view(), d_w.view(), {}, d_y.view(), d_mean.view(), d_rstd.view());
+    d_dx.poison();
+    layernorm_backward(d_dy.view(), d_x.view(), d_w.view(), d_mean.view(), d_rstd.view(),
+                       d_dx.view(), d_dw.view(), {}, d_ws.view());
+    expect_nan_row_only();
   }
 }
 

@@ -23,7 +23,7 @@ namespace trainscale {
 enum class NormVariant {
   kAuto,       // by row length, dtype and alignment
   kRegisters,  // whole row in registers; forward: persistent grid, weight/bias staged in shared
-               // memory; aligned rows of at most 4096 (forward) / 16384 (backward) 16-byte vectors
+               // memory; aligned rows of at most 4096 (forward) / 32768 (backward) 16-byte vectors
   kTwoPass,    // any row: one block per row, pass 1 reduces, pass 2 re-reads and writes
   kRows,       // forward only (the backward chooses as for kAuto): whole row in registers, one
                // row group per block, weight/bias read from global memory per row; aligned

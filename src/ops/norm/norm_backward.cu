@@ -7,6 +7,7 @@
 #include <mutex>
 #include <utility>
 
+#include "common/async_copy.cuh"
 #include "core/check.h"
 #include "ops/norm/norm_common.cuh"
 
@@ -68,14 +69,18 @@ __device__ __forceinline__ void add_residual_gradient(const BackwardArgs& a, std
 // Register kernel configuration for rows of `vecs` 16-byte vectors: kThreads threads per row
 // (a power of two, at most 512 so that two blocks share an SM and one block's loads overlap the
 // other's reductions), 2 vectors per thread, and rows longer than one block covers split over a
-// thread-block cluster of kCluster blocks (each owns a contiguous chunk of the columns). The
-// longest rows take 4 vectors per thread: their shared memory (128-192 KB) allows one block
-// per SM anyway, so they may use 128 registers.
+// thread-block cluster of kCluster blocks (each owns an equal share of the row's vectors). The
+// longest rows take 4 vectors per thread: their shared memory (128-224 KB) allows one block per
+// SM anyway, so they may use 128 registers, and the block prefetches its next row (RowStage)
+// since no other block's loads overlap its reductions. Beyond 8 blocks (bf16 N > 131072) the
+// cluster takes 16, a size Hopper allows as non-portable: a cluster of one block per SM then
+// needs 16 free SMs of one GPC.
 // fn(threads, vecs per thread, cluster), each a std::integral_constant<int, ...>.
 template <class Fn>
-void with_backward_config(std::int64_t vecs, Fn&& fn) {
+auto with_backward_config(std::int64_t vecs, Fn&& fn) {
   using std::integral_constant;
   using Two = integral_constant<int, 2>;
+  using Four = integral_constant<int, 4>;
   using One = integral_constant<int, 1>;
   if (vecs <= 32) return fn(integral_constant<int, 32>{}, One{}, One{});
   if (vecs <= 64) return fn(integral_constant<int, 32>{}, Two{}, One{});
@@ -87,14 +92,20 @@ void with_backward_config(std::int64_t vecs, Fn&& fn) {
   if (vecs <= 2048) return fn(Wide{}, Two{}, integral_constant<int, 2>{});
   if (vecs <= 4096) return fn(Wide{}, Two{}, integral_constant<int, 4>{});
   if (vecs <= 8192) return fn(Wide{}, Two{}, integral_constant<int, 8>{});
-  return fn(Wide{}, integral_constant<int, 4>{}, integral_constant<int, 8>{});
+  if (vecs <= 16384) return fn(Wide{}, Four{}, integral_constant<int, 8>{});
+  return fn(Wide{}, Four{}, integral_constant<int, 16>{});
 }
-// Longest row (16-byte vectors) of the register kernel: 8 blocks (the portable cluster size) of
-// 512 threads x 4 vectors; bf16 N <= 131072.
-constexpr std::int64_t kMaxBackwardRegisterVecs = 8 * 512 * 4;
+// Longest row (16-byte vectors) of the register kernel: 16 blocks of 512 threads x 4 vectors;
+// bf16 N <= 262144, fp32 N <= 131072.
+constexpr std::int64_t kMaxBackwardRegisterVecs = 16 * 512 * 4;
+// The largest portable cluster; larger ones need cudaFuncAttributeNonPortableClusterSizeAllowed.
+constexpr int kPortableCluster = 8;
 // Upper bound of resident blocks per SM of every backward kernel (2048 threads / 512): the
 // grid, hence the workspace, never has more than sm_count * this many partial rows.
 constexpr int kMaxBlocksPerSm = 2048 / kBackwardBlock;
+// Dynamic shared memory a block may opt into on Hopper (sm_90: 227 KB) less 1 KB for the
+// kernel's static reduction scratch and cluster exchange; the host checks the device's limit.
+constexpr std::size_t kSharedBytesPerBlock = 227 * 1024 - 1024;
 
 // Per-column fp32 arrays in shared memory (the scale, and the dw/db sums of each row slot).
 // Float quad q of vector i of thread `lane` sits at ((i * kQuads + q) * kThreads + lane) * 4,
@@ -156,31 +167,112 @@ __device__ __forceinline__ void accumulate_shared(float* acc, int i, int lane,
   }
 }
 
-template <class T, Kind kKind, int kThreads, int kVecs>
-constexpr std::size_t register_smem_bytes() {
-  constexpr int kArrays = 1 + (kBackwardBlock / kThreads) * (kKind == Kind::kLayer ? 2 : 1);
-  return static_cast<std::size_t>(kArrays) * kThreads * kVecs * detail::kVec16<T> * sizeof(float);
+// One block's next row in shared memory, for the configurations of one block per SM: the
+// copies (cp.async) of row r + 1 are in flight during row r's reductions and stores. A thread
+// copies and later reads only its own vectors, so its cp.async.wait_group is all the ordering
+// needed, and it refills the stage only after its values from it were consumed (the row sums).
+// Layout: 16-byte chunks by [chunk][vector], chunk 0 dy and chunks 1.. x (two for fp32 x beside
+// 16-bit dy), so a warp's 16-byte shared accesses are consecutive.
+template <class T, class X, int kThreads, int kVecs>
+struct RowStage {
+  static constexpr int V = detail::kVec16<T>;
+  static constexpr int kXChunks = static_cast<int>(sizeof(detail::Vec<X, V>) / 16);
+  static constexpr int kVectors = kThreads * kVecs;
+  static constexpr std::size_t kBytes =
+      static_cast<std::size_t>(1 + kXChunks) * kVectors * sizeof(uint4);
+  uint4* base;
+
+  __device__ __forceinline__ uint4* chunk(int c, int u) const { return base + c * kVectors + u; }
+
+  // Starts the copies of the thread's vectors (u < own_vecs) of `row`, from column first_col.
+  __device__ __forceinline__ void fetch(const BackwardArgs& a, std::int64_t row,
+                                        std::int64_t first_col, int own_vecs, int lane) const {
+    const auto* dy = reinterpret_cast<const uint4*>(static_cast<const T*>(a.dy) +
+                                                    row * a.dy_stride + first_col);
+    const auto* x = reinterpret_cast<const uint4*>(static_cast<const X*>(a.x) + row * a.x_stride +
+                                                   first_col);
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      const int u = i * kThreads + lane;
+      if (u >= own_vecs) continue;
+      detail::cp_async_16(chunk(0, u), dy + u);
+#pragma unroll
+      for (int c = 0; c < kXChunks; ++c) detail::cp_async_16(chunk(1 + c, u), x + u * kXChunks + c);
+    }
+  }
+
+  __device__ __forceinline__ void take(int u, detail::Vec<T, V>& dy, detail::Vec<X, V>& x) const {
+    const uint4 dy_raw = *chunk(0, u);
+    memcpy(&dy, &dy_raw, sizeof(dy));
+    uint4 x_raw[kXChunks];
+#pragma unroll
+    for (int c = 0; c < kXChunks; ++c) x_raw[c] = *chunk(1 + c, u);
+    memcpy(&x, x_raw, sizeof(x));
+  }
+};
+
+// Dynamic shared memory of the register kernel, in this order: the RowStage (one block per SM),
+// the scale, and the dw (and db) sums of each row slot; fp32 arrays of the block's columns. The
+// scale is read from global memory (L1) instead where it does not fit beside the stage (16-bit
+// LayerNorm at 4 vectors per thread: 64 KB stage + 3 x 64 KB arrays).
+template <class T, class X, Kind kKind, int kThreads, int kVecs>
+struct RegisterSmem {
+  static constexpr bool kPrefetch = kVecs > 2;
+  static constexpr int kChunk = kThreads * kVecs * detail::kVec16<T>;  // columns of one block
+  static constexpr std::size_t kArrayBytes = kChunk * sizeof(float);
+  static constexpr std::size_t kStageBytes =
+      kPrefetch ? RowStage<T, X, kThreads, kVecs>::kBytes : 0;
+  static constexpr int kSumArrays = kBackwardBlock / kThreads * (kKind == Kind::kLayer ? 2 : 1);
+  static constexpr bool kStagedScale =
+      kStageBytes + (1 + kSumArrays) * kArrayBytes <= kSharedBytesPerBlock;
+  static constexpr std::size_t kBytes =
+      kStageBytes + ((kStagedScale ? 1 : 0) + kSumArrays) * kArrayBytes;
+  static_assert(kBytes <= kSharedBytesPerBlock);
+};
+
+// Scale of the V columns at col from global memory: every row of a block reads the same
+// columns, so after the first row they come from L1.
+template <class T, Kind kKind, int V>
+__device__ __forceinline__ void load_scale_vector(const BackwardArgs& a, std::int64_t col,
+                                                  float (&scale)[V]) {
+  if (a.weight == nullptr) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) scale[j] = 1.f;
+  } else if (a.weight_f32) {
+    load_floats<float, V, false>(static_cast<const float*>(a.weight) + col, scale);
+  } else {
+    load_floats<T, V, false>(static_cast<const T*>(a.weight) + col, scale);
+  }
+  if constexpr (kKind == Kind::kRms) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) scale[j] += a.weight_offset;
+  }
 }
 
 // dx with the row reductions and dw/db partial sums. The row's dy and x stay in registers as
 // raw 16-byte vectors; the scale and the per-slot dw/db sums live in shared memory (fp32).
 // Partial row g of the workspace belongs to row group g (a block, or a cluster whose blocks
-// each write their chunk of columns).
+// each write their share of the columns). Rows are aligned: N is a multiple of V.
 template <class T, class X, Kind kKind, int kThreads, int kVecs, int kCluster>
 __global__ void __launch_bounds__(kBackwardBlock, kVecs > 2 ? 1 : kBackwardBlocksPerSm)
     backward_registers_kernel(BackwardArgs a) {
+  using Smem = RegisterSmem<T, X, kKind, kThreads, kVecs>;
+  using Stage = RowStage<T, X, kThreads, kVecs>;
   constexpr int V = detail::kVec16<T>;
   static_assert(V % 4 == 0, "shared-memory arrays are accessed in float quads");
   static_assert(kThreads <= kBackwardBlock);
   constexpr int kBlock = kBackwardBlock;
   constexpr int kRowsPerBlock = kBlock / kThreads;
   static_assert(kCluster == 1 || kRowsPerBlock == 1, "a cluster shares one row");
+  constexpr bool kPrefetch = Smem::kPrefetch;
+  static_assert(!kPrefetch || kRowsPerBlock == 1, "the stage holds one row");
   constexpr int kSums = kKind == Kind::kLayer ? 2 : 1;
-  constexpr int kChunk = kThreads * kVecs * V;  // columns of one block
+  constexpr int kChunk = Smem::kChunk;
   extern __shared__ float4 smem_quads[];
-  float* const scale_s = reinterpret_cast<float*>(smem_quads);
-  float* const dw_s = scale_s + kChunk;                // [kRowsPerBlock][kChunk]
-  float* const db_s = dw_s + kRowsPerBlock * kChunk;  // LayerNorm only
+  const Stage stage{reinterpret_cast<uint4*>(smem_quads)};
+  float* const scale_s = reinterpret_cast<float*>(smem_quads) + Smem::kStageBytes / sizeof(float);
+  float* const dw_s = scale_s + (Smem::kStagedScale ? kChunk : 0);  // [kRowsPerBlock][kChunk]
+  float* const db_s = dw_s + kRowsPerBlock * kChunk;                // LayerNorm only
   __shared__ float scratch[kThreads > 32 ? kBlock / 32 * kSums : 1];
   __shared__ float exchange[2][kCluster][kSums];
   int parity = 0;
@@ -189,13 +281,33 @@ __global__ void __launch_bounds__(kBackwardBlock, kVecs > 2 ? 1 : kBackwardBlock
   const int rank = static_cast<int>(blockIdx.x % kCluster);
   const std::int64_t group = blockIdx.x / kCluster;
   const std::int64_t groups = gridDim.x / kCluster;
-  const std::int64_t first_col = static_cast<std::int64_t>(rank) * kChunk;
   const std::int64_t n = a.cols;
+  // The row's vectors split evenly over the cluster's blocks (the last may own fewer).
+  const std::int64_t row_vecs = n / V;
+  const std::int64_t share = (row_vecs + kCluster - 1) / kCluster;
+  const std::int64_t first_col = rank * share * V;
+  const int own_vecs =
+      static_cast<int>(std::max<std::int64_t>(0, std::min(share, row_vecs - rank * share)));
   const bool want_dw = a.partial != nullptr;
 
-  for (int c = threadIdx.x; c < kChunk; c += kBlock) {
-    const std::int64_t col = first_col + c;
-    scale_s[column_index<kThreads, V>(c)] = col < n ? load_scale<T, kKind>(a, col) : 0.f;
+  // kPrefetch: rstd (and mean) of the row whose copies are in flight; the first row's copies
+  // overlap the staging below.
+  float next_rstd = 0.f, next_mean = 0.f;
+  const auto prefetch = [&](std::int64_t row) {
+    if (row < a.rows) {
+      stage.fetch(a, row, first_col, own_vecs, lane);
+      next_rstd = a.rstd[row];
+      if constexpr (kKind == Kind::kLayer) next_mean = a.mean[row];
+    }
+    detail::cp_async_commit();
+  };
+  if constexpr (kPrefetch) prefetch(group);
+
+  if constexpr (Smem::kStagedScale) {
+    for (int c = threadIdx.x; c < kChunk; c += kBlock) {
+      scale_s[column_index<kThreads, V>(c)] =
+          c < own_vecs * V ? load_scale<T, kKind>(a, first_col + c) : 0.f;
+    }
   }
   if (want_dw) {
     const int sums = kRowsPerBlock * kChunk * kSums;
@@ -215,25 +327,42 @@ __global__ void __launch_bounds__(kBackwardBlock, kVecs > 2 ? 1 : kBackwardBlock
   for (std::int64_t base = group * kRowsPerBlock; base < a.rows; base += groups * kRowsPerBlock) {
     const std::int64_t row = base + slot;
     const bool valid = row < a.rows;
-    const float rstd = valid ? a.rstd[row] : 0.f;
-    const float mean = kKind == Kind::kLayer && valid ? a.mean[row] : 0.f;
+    float rstd = 0.f, mean = 0.f;
+    if constexpr (kPrefetch) {
+      rstd = next_rstd;
+      mean = next_mean;
+      detail::cp_async_wait<0>();  // this row's copies (the thread's own) have landed
+    } else if (valid) {
+      rstd = a.rstd[row];
+      if constexpr (kKind == Kind::kLayer) mean = a.mean[row];
+    }
     detail::Vec<T, V> dy_raw[kVecs];
     detail::Vec<X, V> x_raw[kVecs];
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
-      const std::int64_t col = first_col + (i * kThreads + lane) * V;
-      if (valid && col < n) {
-        dy_raw[i] = detail::load_raw<T, V>(static_cast<const T*>(a.dy) + row * a.dy_stride + col);
-        x_raw[i] = detail::load_raw<X, V>(static_cast<const X*>(a.x) + row * a.x_stride + col);
-      } else {
+      const int u = i * kThreads + lane;
+      const std::int64_t col = first_col + static_cast<std::int64_t>(u) * V;
+      if (!valid || u >= own_vecs) {
         dy_raw[i] = {};
         x_raw[i] = {};
+      } else if constexpr (kPrefetch) {
+        stage.take(u, dy_raw[i], x_raw[i]);
+      } else {
+        dy_raw[i] = detail::load_raw<T, V>(static_cast<const T*>(a.dy) + row * a.dy_stride + col);
+        x_raw[i] = detail::load_raw<X, V>(static_cast<const X*>(a.x) + row * a.x_stride + col);
       }
     }
     // Row data as floats: xhat and g = dy * scale (columns past the row: dy = 0, so g = 0).
     auto unpack = [&](int i, float (&dy)[V], float (&xhat)[V], float (&g)[V]) {
       float scale[V];
-      load_shared_floats<kThreads, V>(scale_s, i, lane, scale);
+      if constexpr (Smem::kStagedScale) {
+        load_shared_floats<kThreads, V>(scale_s, i, lane, scale);
+      } else if (const int u = i * kThreads + lane; u < own_vecs) {
+        load_scale_vector<T, kKind, V>(a, first_col + static_cast<std::int64_t>(u) * V, scale);
+      } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) scale[j] = 0.f;  // as staged past the block's columns
+      }
       detail::to_floats(dy_raw[i], dy);
       detail::to_floats(x_raw[i], xhat);
 #pragma unroll
@@ -254,14 +383,16 @@ __global__ void __launch_bounds__(kBackwardBlock, kVecs > 2 ? 1 : kBackwardBlock
       }
     }
     row_sum<kThreads, kSums>(sums, scratch);
+    if constexpr (kPrefetch) prefetch(row + groups);
     if constexpr (kCluster > 1) cluster_row_sum<kCluster, kSums>(sums, exchange, parity);
     const float inv_n = 1.f / static_cast<float>(n);
     const float mean_g = kKind == Kind::kLayer ? sums[0] * inv_n : 0.f;
     const float mean_gx = sums[kSums - 1] * inv_n;
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
-      const std::int64_t col = first_col + (i * kThreads + lane) * V;
-      if (!valid || col >= n) continue;
+      const int u = i * kThreads + lane;
+      if (!valid || u >= own_vecs) continue;
+      const std::int64_t col = first_col + static_cast<std::int64_t>(u) * V;
       float dy[V], xhat[V], g[V], dx[V];
       unpack(i, dy, xhat, g);
       input_gradient<kKind, V>(g, xhat, rstd, mean_g, mean_gx, dx);
@@ -282,7 +413,7 @@ __global__ void __launch_bounds__(kBackwardBlock, kVecs > 2 ? 1 : kBackwardBlock
   __syncthreads();
   float* const dw_out = a.partial + group * n;
   float* const db_out = a.partial + (groups + group) * n;
-  for (int c = threadIdx.x; c < kChunk && first_col + c < n; c += kBlock) {
+  for (int c = threadIdx.x; c < own_vecs * V; c += kBlock) {
     const int at = column_index<kThreads, V>(c);
     float dw = 0.f, db = 0.f;
     for (int s = 0; s < kRowsPerBlock; ++s) {
@@ -400,62 +531,113 @@ struct Plan {
   std::int64_t groups = 0;
 };
 
-// Calls fn(kernel, threads per block, cluster size, dynamic shared memory bytes, rows per group)
-// for the register kernel of this row length.
-template <class T, class X, Kind kKind, class Fn>
-void with_register_kernel(std::int64_t cols, Fn&& fn) {
+// The register kernel of a row length and how it is launched.
+struct RegisterKernel {
+  void (*kernel)(BackwardArgs);
+  int cluster;
+  std::size_t smem;
+  int rows_per_group;
+  bool weight_from_l1;  // not staged in shared memory
+};
+
+template <class T, class X, Kind kKind>
+RegisterKernel register_kernel(std::int64_t cols) {
   constexpr int V = detail::kVec16<T>;
-  with_backward_config((cols + V - 1) / V, [&](auto threads, auto per_thread, auto cluster) {
+  return with_backward_config((cols + V - 1) / V, [](auto threads, auto per_thread, auto cluster) {
     constexpr int kThreads = decltype(threads)::value;
     constexpr int kVecs = decltype(per_thread)::value;
-    fn(backward_registers_kernel<T, X, kKind, kThreads, kVecs, decltype(cluster)::value>,
-       kBackwardBlock, decltype(cluster)::value, register_smem_bytes<T, kKind, kThreads, kVecs>(),
-       kBackwardBlock / kThreads);
+    constexpr int kCluster = decltype(cluster)::value;
+    using Smem = RegisterSmem<T, X, kKind, kThreads, kVecs>;
+    return RegisterKernel{backward_registers_kernel<T, X, kKind, kThreads, kVecs, kCluster>,
+                          kCluster, Smem::kBytes, kBackwardBlock / kThreads,
+                          !Smem::kStagedScale};
   });
 }
 
-// Row groups resident at once on the current device (0: the configuration does not fit it).
-std::int64_t query_resident_groups(void (*kernel)(BackwardArgs), int block, int cluster,
-                                   std::size_t smem, const char* op) {
+// Clusters of k.cluster blocks resident at once on the current device (0: the configuration does
+// not fit it). Sizes beyond the portable 8 are asked for, and a device or driver that refuses
+// them counts as fitting none.
+std::int64_t query_resident_clusters(const RegisterKernel& k, const char* op) {
   const auto& info = detail::current_device_info();
-  if (smem > info.shared_memory_per_block_optin) return 0;
-  detail::check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(smem)),
-                     op, "cudaFuncSetAttribute");
-  int count = 0;
-  if (cluster == 1) {
-    detail::check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&count, kernel, block, smem),
-                       op, "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-    return static_cast<std::int64_t>(info.sm_count) * std::min(count, kMaxBlocksPerSm);
+  const bool non_portable = k.cluster > kPortableCluster;
+  if (non_portable && cudaFuncSetAttribute(k.kernel,
+                                           cudaFuncAttributeNonPortableClusterSizeAllowed,
+                                           1) != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky; check_launch must not see it
+    return 0;
   }
   cudaLaunchConfig_t config{};
   cudaLaunchAttribute attribute{};
   attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = static_cast<unsigned>(cluster);
+  attribute.val.clusterDim.x = static_cast<unsigned>(k.cluster);
   attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
-  config.gridDim = dim3(static_cast<unsigned>(cluster));
-  config.blockDim = dim3(static_cast<unsigned>(block));
-  config.dynamicSmemBytes = smem;
+  config.gridDim = dim3(static_cast<unsigned>(k.cluster));
+  config.blockDim = dim3(static_cast<unsigned>(kBackwardBlock));
+  config.dynamicSmemBytes = k.smem;
   config.attrs = &attribute;
   config.numAttrs = 1;
-  detail::check_cuda(cudaOccupancyMaxActiveClusters(&count, kernel, &config), op,
-                     "cudaOccupancyMaxActiveClusters");
+  int count = 0;
+  const cudaError_t status = cudaOccupancyMaxActiveClusters(&count, k.kernel, &config);
+  if (non_portable && status != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  detail::check_cuda(status, op, "cudaOccupancyMaxActiveClusters");
   return std::min<std::int64_t>(count, static_cast<std::int64_t>(info.sm_count) *
-                                           kMaxBlocksPerSm / cluster);
+                                           kMaxBlocksPerSm / k.cluster);
+}
+
+// Shared memory (of the SM's L1 + shared total) just enough for one block, so that the rest is
+// L1, where the weight stays for every row when the kernel does not stage it; the driver's own
+// choice may take the largest configuration (228 KB: 28 KB of L1 for a 32-64 KB weight chunk).
+void prefer_shared_memory_of_one_block(const RegisterKernel& k, const char* op) {
+  int device = 0, per_sm = 0, reserved = 0;
+  detail::check_cuda(cudaGetDevice(&device), op, "cudaGetDevice");
+  detail::check_cuda(
+      cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device), op,
+      "cudaDeviceGetAttribute");
+  detail::check_cuda(
+      cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device), op,
+      "cudaDeviceGetAttribute");
+  cudaFuncAttributes attributes{};
+  detail::check_cuda(cudaFuncGetAttributes(&attributes, k.kernel), op, "cudaFuncGetAttributes");
+  const std::size_t need = k.smem + attributes.sharedSizeBytes + static_cast<std::size_t>(reserved);
+  // In percent of the SM's shared memory, rounded up (the driver rounds up to a configuration).
+  const auto percent = static_cast<int>(
+      std::min<std::size_t>(100, (need * 100 + static_cast<std::size_t>(per_sm) - 1) /
+                                     static_cast<std::size_t>(per_sm)));
+  detail::check_cuda(
+      cudaFuncSetAttribute(k.kernel, cudaFuncAttributePreferredSharedMemoryCarveout, percent), op,
+      "cudaFuncSetAttribute");
+}
+
+// Row groups resident at once on the current device (0: the configuration does not fit it).
+std::int64_t query_resident_groups(const RegisterKernel& k, const char* op) {
+  const auto& info = detail::current_device_info();
+  if (k.smem > info.shared_memory_per_block_optin) return 0;
+  detail::check_cuda(cudaFuncSetAttribute(k.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(k.smem)),
+                     op, "cudaFuncSetAttribute");
+  if (k.weight_from_l1) prefer_shared_memory_of_one_block(k, op);
+  if (k.cluster > 1) return query_resident_clusters(k, op);
+  int count = 0;
+  detail::check_cuda(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&count, k.kernel, kBackwardBlock, k.smem), op,
+      "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  return static_cast<std::int64_t>(info.sm_count) * std::min(count, kMaxBlocksPerSm);
 }
 
 // query_resident_groups once per (device, kernel): the attribute and occupancy calls cost
 // microseconds of host time per launch otherwise.
-std::int64_t resident_groups(void (*kernel)(BackwardArgs), int block, int cluster,
-                             std::size_t smem, const char* op) {
+std::int64_t resident_groups(const RegisterKernel& k, const char* op) {
   static std::mutex mutex;
   static std::map<std::pair<int, void (*)(BackwardArgs)>, std::int64_t> cache;
   int device = 0;
   detail::check_cuda(cudaGetDevice(&device), op, "cudaGetDevice");
   const std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_pair(device, kernel);
+  const auto key = std::make_pair(device, k.kernel);
   if (const auto it = cache.find(key); it != cache.end()) return it->second;
-  const std::int64_t groups = query_resident_groups(kernel, block, cluster, smem, op);
+  const std::int64_t groups = query_resident_groups(k, op);
   cache.emplace(key, groups);
   return groups;
 }
@@ -471,22 +653,30 @@ Plan plan_backward(const BackwardArgs& a, NormVariant variant, const char* op) {
                        rows_vectorizable(a.dx, a.dx_stride, sizeof(T)) &&
                        rows_vectorizable(a.x, a.x_stride, sizeof(X)) &&
                        rows_vectorizable(a.d_residual, a.d_residual_stride, sizeof(X));
+  const RegisterKernel k = register_kernel<T, X, kKind>(a.cols);
+  // A kernel that reads the weight from L1 reads it as 16-byte vectors too.
+  const bool weight_aligned = !k.weight_from_l1 || rows_vectorizable(a.weight, 0, sizeof(T));
   Plan plan;
   plan.vectorized = aligned;
-  plan.registers = use_registers(variant, aligned, vecs, kMaxBackwardRegisterVecs);
+  plan.registers =
+      use_registers(variant, aligned && weight_aligned, vecs, kMaxBackwardRegisterVecs);
   if (plan.registers) {
-    with_register_kernel<T, X, kKind>(a.cols, [&](auto kernel, int block, int cluster,
-                                                  std::size_t smem, int rows_per_group) {
-      const std::int64_t resident = resident_groups(kernel, block, cluster, smem, op);
-      plan.groups = std::min(resident, (a.rows + rows_per_group - 1) / rows_per_group);
-    });
-    if (plan.groups == 0) {
+    const std::int64_t resident = resident_groups(k, op);
+    // Auto leaves rows to two passes over every SM when the clusters cover less than a quarter
+    // of the SMs (16-block clusters on a GPU of small GPCs, or a MIG slice): at about 25 GB/s
+    // per SM (3000 GB/s over 128), a quarter of the H100's SMs only matches the two-pass kernel
+    // (850 GB/s for RMSNorm).
+    const std::int64_t min_blocks =
+        variant == NormVariant::kAuto ? detail::current_device_info().sm_count / 4 : 1;
+    if (resident == 0 || resident * k.cluster < min_blocks) {
       if (variant == NormVariant::kRegisters) {
         throw UnsupportedVariantError(std::string("trainscale ") + op +
                     ": the register variant does not fit this device for " +
                     std::to_string(a.cols) + " columns");
       }
       plan.registers = false;
+    } else {
+      plan.groups = std::min(resident, (a.rows + k.rows_per_group - 1) / k.rows_per_group);
     }
   }
   if (!plan.registers) plan.groups = blocks_for(a.rows, kMaxBlocksPerSm);
@@ -525,21 +715,19 @@ void launch_backward(BackwardArgs a, const TensorView& dw, const TensorView& db,
   }
   constexpr int V = detail::kVec16<T>;
   if (plan.registers) {
-    with_register_kernel<T, X, kKind>(a.cols, [&](auto kernel, int block, int cluster,
-                                                  std::size_t smem, int) {
-      cudaLaunchConfig_t config{};
-      cudaLaunchAttribute attribute{};
-      attribute.id = cudaLaunchAttributeClusterDimension;
-      attribute.val.clusterDim.x = static_cast<unsigned>(cluster);
-      attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
-      config.gridDim = dim3(static_cast<unsigned>(plan.groups * cluster));
-      config.blockDim = dim3(static_cast<unsigned>(block));
-      config.dynamicSmemBytes = smem;
-      config.stream = stream;
-      config.attrs = &attribute;
-      config.numAttrs = cluster > 1 ? 1 : 0;
-      detail::check_cuda(cudaLaunchKernelEx(&config, kernel, a), op, "cudaLaunchKernelEx");
-    });
+    const RegisterKernel k = register_kernel<T, X, kKind>(a.cols);
+    cudaLaunchConfig_t config{};
+    cudaLaunchAttribute attribute{};
+    attribute.id = cudaLaunchAttributeClusterDimension;
+    attribute.val.clusterDim.x = static_cast<unsigned>(k.cluster);
+    attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
+    config.gridDim = dim3(static_cast<unsigned>(plan.groups * k.cluster));
+    config.blockDim = dim3(static_cast<unsigned>(kBackwardBlock));
+    config.dynamicSmemBytes = k.smem;
+    config.stream = stream;
+    config.attrs = &attribute;
+    config.numAttrs = k.cluster > 1 ? 1 : 0;
+    detail::check_cuda(cudaLaunchKernelEx(&config, k.kernel, a), op, "cudaLaunchKernelEx");
   } else {
     const auto grid = static_cast<unsigned>(plan.groups);
     if (plan.vectorized) {
