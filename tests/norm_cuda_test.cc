@@ -76,7 +76,9 @@ std::vector<Shape> shapes() {
 }
 
 // Register kernels take aligned rows of at most 4096 (forward) / 32768 (backward: a cluster of
-// 16 blocks) 16-byte vectors.
+// 16 blocks) 16-byte vectors; the forward's kRows up to 8 x 4096 (a cluster of up to 8 blocks).
+constexpr std::int64_t kMaxClusterRowVectors = 8 * 4096;
+
 std::int64_t row_vectors(const Shape& s, DType dt) {
   const std::int64_t vec = 16 / static_cast<std::int64_t>(dtype_size(dt));
   return s.cols % vec == 0 && s.pad % vec == 0 ? s.cols / vec : -1;
@@ -110,12 +112,14 @@ bool pipelined_fits(std::int64_t cols, DType dt, bool layernorm,
 }
 
 // The forward's variant for a backward variant: the forward's register kernels take shorter
-// rows, kRegisters stages LayerNorm's weight and bias (8 B per column) in shared memory, with no
-// room above about 29000 columns, and kPipelined two row groups besides.
+// rows (kRows up to 8 x 4096 vectors, split over a cluster beyond 4096), kRegisters stages
+// LayerNorm's weight and bias (8 B per column) in shared memory, with no room above about 29000
+// columns, and kPipelined two row groups besides.
 NormVariant forward_variant(const Shape& s, DType dt, NormVariant backward, bool layernorm = false,
                             std::optional<DType> residual = std::nullopt) {
   const bool short_enough = row_vectors(s, dt) <= 4096;
   bool fits = short_enough;
+  if (backward == NormVariant::kRows) fits = row_vectors(s, dt) <= kMaxClusterRowVectors;
   if (backward == NormVariant::kRegisters) fits = short_enough && !(layernorm && s.cols > 16384);
   if (backward == NormVariant::kPipelined) {
     fits = short_enough && pipelined_fits(s.cols, dt, layernorm, residual);
@@ -380,17 +384,16 @@ TEST(NormCuda, RMSNormLongRowsBackward) { check_long_row_backward(0); }
 TEST(NormCuda, LayerNormLongRowsBackward) { check_long_row_backward(1); }
 TEST(NormCuda, FusedAddRMSNormLongRowsBackward) { check_long_row_backward(2); }
 
-// Forward only, on rows longer than shapes() has (the backward's register kernels take
-// shorter rows): the register kernels at 512 and 1024 threads per row (kRegisters' staged
-// weight and bias tables need more than the default 48 KB of shared memory), against two
-// passes and auto. Weight and bias in fp32 or the activation dtype, residual of either for the
-// fused add.
+// Forward only, on long rows: the register kernels at 512 and 1024 threads per row (kRegisters'
+// staged weight and bias tables need more than the default 48 KB of shared memory) and kRows
+// split over a cluster of 2, 4 or 8 blocks beyond 4096 vectors, against two passes and auto.
+// Weight and bias in fp32 or the activation dtype, residual of either for the fused add.
 std::vector<NormVariant> forward_variants(std::int64_t cols, DType dt, bool layer,
                                           std::optional<DType> residual = std::nullopt) {
   const std::int64_t vec = 16 / static_cast<std::int64_t>(dtype_size(dt));
   std::vector<NormVariant> variants = {NormVariant::kTwoPass, NormVariant::kAuto};
+  if (cols / vec <= kMaxClusterRowVectors) variants.push_back(NormVariant::kRows);
   if (cols / vec > 4096) return variants;
-  variants.push_back(NormVariant::kRows);
   // kRegisters stages 4 bytes per column for RMSNorm, 8 for LayerNorm; stay well under any
   // Hopper block's shared-memory limit (227 KB) when forcing it.
   if (cols * (layer ? 8 : 4) <= 160 * 1024) variants.push_back(NormVariant::kRegisters);
@@ -403,7 +406,17 @@ void check_long_row_forward(int which) {  // 0 RMSNorm, 1 LayerNorm, 2 fused add
   const bool layer = which == 1;
   for (DType dt : kDtypes) {
     for (DType pdt : {dt, DType::kFloat32}) {
-      for (const Shape& s : std::vector<Shape>{{3, 16384, 8}, {2, 32768, 0}, {3, 12288, 0}}) {
+      // Beyond 4096 vectors the cluster sizes and their bounds (bf16: 32776 is 4097 vectors,
+      // 2 blocks of 2049 and 2048; 65536 exactly 2 x 4096; 65544 4 blocks; 131080 8 blocks of
+      // 2049 and the last of 2042; 262144 8 x 4096, fp32 past the cluster: two passes), strided.
+      for (const Shape& s : std::vector<Shape>{{3, 16384, 8},
+                                               {2, 32768, 0},
+                                               {3, 12288, 0},
+                                               {3, 32776, 8},
+                                               {2, 65536, 16},
+                                               {2, 65544, 0},
+                                               {2, 131080, 8},
+                                               {2, 262144, 0}}) {
         const auto residual = which == 2 ? std::optional<DType>(pdt) : std::nullopt;
         for (NormVariant variant : forward_variants(s.cols, dt, layer, residual)) {
           SCOPED_TRACE(shape_name(dt, s, pdt, variant) + " op " + std::to_string(which));
@@ -461,6 +474,66 @@ void check_long_row_forward(int which) {  // 0 RMSNorm, 1 LayerNorm, 2 fused add
 TEST(NormCuda, RMSNormLongRowsForward) { check_long_row_forward(0); }
 TEST(NormCuda, LayerNormLongRowsForward) { check_long_row_forward(1); }
 TEST(NormCuda, FusedAddRMSNormLongRowsForward) { check_long_row_forward(2); }
+
+// The blocks of a cluster each normalize their chunk with the totals ClusterRowSum leaves
+// them, which must be bitwise those of the block that saves rstd: without a weight, RMSNorm's y
+// is x * rstd (times 1), so every element equals its product with the saved rstd rounded to
+// the dtype. Uneven chunks (8193 vectors: 4 blocks of 2049, 2049, 2049, 2046) and even ones
+// (8 x 4096), strided rows.
+TEST(NormCuda, ClusterBlocksNormalizeWithTheSavedStatistics) {
+  TS_REQUIRE_GPU();
+  for (DType dt : {DType::kBFloat16, DType::kFloat32}) {
+    const std::int64_t vec = 16 / static_cast<std::int64_t>(dtype_size(dt));
+    for (std::int64_t vecs : {8193, 32768}) {
+      const Shape s{5, vecs * vec, vec};
+      for (NormVariant variant : {NormVariant::kAuto, NormVariant::kRows}) {
+        SCOPED_TRACE(shape_name(dt, s, dt, variant));
+        auto x = HostTensor::random(dt, {s.rows, s.cols}, -2, 2, s.pad);
+        DeviceTensor d_x(x), d_y(HostTensor(dt, {s.rows, s.cols}, s.pad), false);
+        DeviceTensor d_rstd(HostTensor(DType::kFloat32, {s.rows}), false);
+        rmsnorm_forward(d_x.view(), {}, d_y.view(), d_rstd.view(), rms_options(variant));
+        const auto y = d_y.to_host();
+        const auto rstd = d_rstd.to_host();
+        HostTensor expected(dt, {s.rows, s.cols});
+        for (std::int64_t i = 0; i < x.numel(); ++i) {
+          expected.set(i, static_cast<float>(x.at(i)) * static_cast<float>(rstd.at(i / s.cols)));
+        }
+        std::int64_t mismatches = 0;
+        for (std::int64_t i = 0; i < x.numel(); ++i) mismatches += y.at(i) != expected.at(i);
+        EXPECT_EQ(mismatches, 0);
+      }
+    }
+  }
+}
+
+// kRows takes aligned rows of up to 8 x 4096 vectors (a cluster of 8 blocks); forcing it on
+// longer ones is an UnsupportedVariantError, and auto takes two passes there. kRegisters and
+// kPipelined still stop at 4096 vectors.
+TEST(NormCuda, RowsVariantStopsAtEightBlocksPerRow) {
+  TS_REQUIRE_GPU();
+  const std::int64_t cols = 4 * 32768 + 4;  // fp32: 32769 vectors
+  auto x = HostTensor::random(DType::kFloat32, {2, cols});
+  DeviceTensor d_x(x), d_y(HostTensor(DType::kFloat32, {2, cols}), false);
+  DeviceTensor d_rstd(HostTensor(DType::kFloat32, {2}), false);
+  EXPECT_THROW(rmsnorm_forward(d_x.view(), {}, d_y.view(), d_rstd.view(),
+                               rms_options(NormVariant::kRows)),
+               UnsupportedVariantError);
+  TS_EXPECT_ERROR(rmsnorm_forward(d_x.view(), {}, d_y.view(), d_rstd.view(),
+                                  rms_options(NormVariant::kRows)),
+                  "rows variant", "at most 32768 vectors");
+  rmsnorm_forward(d_x.view(), {}, d_y.view(), d_rstd.view(), rms_options(NormVariant::kAuto));
+  HostTensor y64(DType::kFloat64, {2, cols}), rstd64(DType::kFloat64, {2});
+  auto x64 = as_f64(x);
+  rmsnorm_forward(x64.view(), {}, y64.view(), rstd64.view());
+  EXPECT_TRUE(test::matches_reference(d_y.to_host().values(), y64.values(), 1e-5));
+
+  auto x16 = HostTensor::random(DType::kBFloat16, {2, 32776});  // 4097 vectors
+  DeviceTensor d_x16(x16), d_y16(HostTensor(DType::kBFloat16, {2, 32776}), false);
+  for (NormVariant variant : {NormVariant::kRegisters, NormVariant::kPipelined}) {
+    TS_EXPECT_ERROR(rmsnorm_forward(d_x16.view(), {}, d_y16.view(), {}, rms_options(variant)),
+                    "variant", "at most 4096 vectors");
+  }
+}
 
 // Rows with |mean| >> std (64 +- 1): the variance must not come from E[x^2] - E[x]^2, which
 // cancels to a few bits here; every variant keeps rstd at fp32 accuracy.
@@ -663,34 +736,61 @@ TEST(NormCuda, WeightGradientIsBitwiseReproducible) {
 
 TEST(NormCuda, NaNPropagatesToItsRowOnly) {
   TS_REQUIRE_GPU();
-  // Row 11 of 20: with the longest rows (clusters of 8 and 16 blocks) not the first row of its
-  // cluster, so it arrives through the prefetch.
+  // Row 11 of 20: with the longest rows (backward clusters of 8 and 16 blocks) not the first row
+  // of its cluster, so it arrives through the prefetch. Beyond 4096 vectors (32776, 65536,
+  // 131080, 262144) the forward splits the row over a cluster: the NaN sits in the last block's
+  // chunk and must reach the first's (which writes rstd) and every other.
   constexpr std::int64_t kRows = 20, kNaNRow = 11;
-  for (std::int64_t cols : {4096, 65536, 5123, 131072 + 8, 262144}) {
+  for (std::int64_t cols : {4096, 65536, 5123, 32776, 131072 + 8, 262144}) {
     auto x = HostTensor::random(DType::kBFloat16, {kRows, cols});
-    x.set(kNaNRow * cols + 3, NAN);
+    x.set(kNaNRow * cols + cols - 5, NAN);
+    auto r = HostTensor::random(DType::kFloat32, {kRows, cols});
     DeviceTensor d_x(x), d_y(HostTensor(DType::kBFloat16, {kRows, cols}), false);
+    DeviceTensor d_mean(HostTensor(DType::kFloat32, {kRows}), false);
     DeviceTensor d_rstd(HostTensor(DType::kFloat32, {kRows}), false);
     // Auto, and the rows and pipelined variants where they apply (aligned rows of at most
-    // 32768 bf16; the pipelined ring and tables in shared memory).
+    // 262144 bf16, a cluster beyond 32768; the pipelined ring and tables in shared memory).
     std::vector<NormVariant> variants = {NormVariant::kAuto};
-    if (cols % 8 == 0 && cols <= 32768) variants.push_back(NormVariant::kRows);
+    if (cols % 8 == 0 && cols <= 262144) variants.push_back(NormVariant::kRows);
     if (cols % 8 == 0 && cols <= 32768 && pipelined_fits(cols, DType::kBFloat16, false)) {
       variants.push_back(NormVariant::kPipelined);
     }
     for (NormVariant variant : variants) {
-      SCOPED_TRACE(std::to_string(cols) + " variant " + std::to_string(static_cast<int>(variant)));
-      rmsnorm_forward(d_x.view(), {}, d_y.view(), d_rstd.view(), rms_options(variant));
-      const auto y = d_y.to_host();
-      const auto rstd = d_rstd.to_host();
-      EXPECT_TRUE(std::isnan(rstd.at(kNaNRow)));
-      EXPECT_TRUE(std::isfinite(rstd.at(kNaNRow - 1)) && std::isfinite(rstd.at(kNaNRow + 1)));
-      EXPECT_TRUE(std::isnan(y.at(kNaNRow * cols + 100)));
-      EXPECT_TRUE(std::isfinite(y.at((kNaNRow + 1) * cols + 100)));
+      for (int which = 2; which >= 0; --which) {  // fused add (fp32 residual), LayerNorm, RMSNorm
+        SCOPED_TRACE(std::to_string(cols) + " variant " +
+                     std::to_string(static_cast<int>(variant)) + " op " + std::to_string(which));
+        HostTensor y;
+        if (which == 0) {
+          rmsnorm_forward(d_x.view(), {}, d_y.view(), d_rstd.view(), rms_options(variant));
+          y = d_y.to_host();
+        } else if (which == 1) {
+          layernorm_forward(d_x.view(), {}, {}, d_y.view(), d_mean.view(), d_rstd.view(),
+                            layer_options(variant));
+          y = d_y.to_host();
+          const auto mean = d_mean.to_host();
+          EXPECT_TRUE(std::isnan(mean.at(kNaNRow)));
+          EXPECT_TRUE(std::isfinite(mean.at(kNaNRow - 1)) && std::isfinite(mean.at(kNaNRow + 1)));
+        } else {
+          DeviceTensor d_in(x), d_r(r);
+          fused_add_rmsnorm_forward(d_in.view(), d_r.view(), {}, d_rstd.view(),
+                                    rms_options(variant));
+          y = d_in.to_host();
+        }
+        const auto rstd = d_rstd.to_host();
+        EXPECT_TRUE(std::isnan(rstd.at(kNaNRow)));
+        EXPECT_TRUE(std::isfinite(rstd.at(kNaNRow - 1)) && std::isfinite(rstd.at(kNaNRow + 1)));
+        for (std::int64_t col : {std::int64_t{100}, cols / 2, cols - 1}) {
+          EXPECT_TRUE(std::isnan(y.at(kNaNRow * cols + col))) << col;
+          EXPECT_TRUE(std::isfinite(y.at((kNaNRow - 1) * cols + col)) &&
+                      std::isfinite(y.at((kNaNRow + 1) * cols + col)))
+              << col;
+        }
+      }
     }
-    // Backward, RMSNorm without a weight and LayerNorm with one: dx of that row only (dw and db
-    // sum every row, so they are NaN as a whole).
+    // Backward, RMSNorm without a weight (rstd of its forward) and LayerNorm with one: dx of that
+    // row only (dw and db sum every row, so they are NaN as a whole).
     SCOPED_TRACE(std::to_string(cols) + " backward");
+    rmsnorm_forward(d_x.view(), {}, d_y.view(), d_rstd.view());
     DeviceTensor d_dy(HostTensor::random(DType::kBFloat16, {kRows, cols}));
     DeviceTensor d_dx(HostTensor(DType::kBFloat16, {kRows, cols}), false);
     const auto expect_nan_row_only = [&] {
@@ -705,7 +805,6 @@ TEST(NormCuda, NaNPropagatesToItsRowOnly) {
     expect_nan_row_only();
     DeviceTensor d_w(HostTensor::random(DType::kBFloat16, {cols}, 0.5, 1.5));
     DeviceTensor d_dw(HostTensor(DType::kBFloat16, {cols}), false);
-    DeviceTensor d_mean(HostTensor(DType::kFloat32, {kRows}), false);
     DeviceTensor d_ws(byte_buffer(workspace_bytes(kRows, cols, DType::kBFloat16)), false);
     layernorm_forward(d_x.view(), d_w.view(), {}, d_y.view(), d_mean.view(), d_rstd.view());
     d_dx.poison();

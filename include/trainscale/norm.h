@@ -27,7 +27,9 @@ enum class NormVariant {
   kTwoPass,    // any row: one block per row, pass 1 reduces, pass 2 re-reads and writes
   kRows,       // forward only (the backward chooses as for kAuto): whole row in registers, one
                // row group per block, weight/bias read from global memory per row; aligned
-               // rows of at most 4096 16-byte vectors
+               // rows of at most 4096 16-byte vectors, and up to 8 x 4096 (bf16/fp16 N <=
+               // 262144, fp32 N <= 131072) split over a thread-block cluster of 2, 4 or 8
+               // blocks (kAuto's choice for those rows)
   kPipelined,  // forward only (the backward chooses as for kAuto): kRegisters with the next row
                // group's loads in flight (cp.async into a two-stage shared-memory ring) during
                // this group's reduction and stores; needs shared memory for the staged

@@ -1,9 +1,13 @@
 // Sums across the threads that share a row: lanes of a warp segment, then warps via shared
-// memory, then (cluster_row_sum) the blocks of a thread-block cluster that split the row.
+// memory, then (cluster_row_sum, ClusterRowSum) the blocks of a thread-block cluster that split
+// the row.
 // Each call reduces kCount values at once so one barrier serves all of them.
 #pragma once
 
 #include <cooperative_groups.h>
+#include <cuda/ptx>
+
+#include <cstdint>
 
 namespace trainscale::detail {
 
@@ -73,5 +77,71 @@ __device__ __forceinline__ void cluster_row_sum(float (&v)[kSums],
   }
   parity ^= 1;
 }
+
+// Sums across the blocks of a cluster that share a row, without a cluster barrier per row:
+// each block sends its totals by st.async into a slot of every block's shared memory, which
+// completes that block's mbarrier once all kCluster slots have landed. (cluster.sync(), as in
+// cluster_row_sum, is a cluster-scope release and acquire: it waits for the thread's
+// outstanding global stores and invalidates L1, dropping lines a kernel prefetched there; the
+// mbarrier wait is CTA-scoped.) Lane l of each warp then takes the totals of rank l % kCluster
+// and the lanes add them by a butterfly, so every block and thread holds bitwise the same
+// totals. Two slot buffers and mbarriers alternate by row: block A writes buffer p of block B
+// for row k + 2 only after it received row k + 1 from every block, B included, and B sends a
+// row only after its threads passed row_sum's barriers for it, hence finished reading buffer p
+// for row k. Lives in shared memory; every thread calls start(), then wait_started() before its
+// first sum(), then sum() once per row, the same rows in every block of the cluster.
+template <int kCluster, int kSums>
+struct ClusterRowSum {
+  static_assert(kCluster > 0 && kCluster <= 32 && (kCluster & (kCluster - 1)) == 0);
+  static_assert(kSums <= 4, "a block's totals travel as one 16-byte st.async");
+  float4 slots[2][kCluster];
+  std::uint64_t landed[2];
+
+  // Sets up the mbarriers and arrives on the cluster barrier, without waiting.
+  __device__ __forceinline__ void start() {
+    if (threadIdx.x == 0) {
+      cuda::ptx::mbarrier_init(&landed[0], 1);
+      cuda::ptx::mbarrier_init(&landed[1], 1);
+      cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
+    }
+    cuda::ptx::barrier_cluster_arrive(cuda::ptx::sem_relaxed);
+  }
+
+  // Returns once every block of the cluster has started, so its mbarriers may be signalled.
+  // An acquire at cluster scope (it invalidates L1): call it before prefetching into L1.
+  __device__ __forceinline__ void wait_started() { cuda::ptx::barrier_cluster_wait(); }
+
+  // v: the block's totals in every thread, as row_sum leaves them; replaced by the cluster's.
+  // row: this thread's count of rows summed so far, advanced.
+  __device__ __forceinline__ void sum(float (&v)[kSums], int& row) {
+    const int p = row & 1;
+    const std::uint32_t phase = (row >> 1) & 1;
+    ++row;
+    if (threadIdx.x == 0) {
+      cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta,
+                                           cuda::ptx::space_shared, &landed[p],
+                                           kCluster * sizeof(float4));
+      float totals[4] = {};
+#pragma unroll
+      for (int c = 0; c < kSums; ++c) totals[c] = v[c];
+      cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+      float* const slot = &slots[p][cluster.block_rank()].x;
+      // One destination at a time: unrolled, the remote addresses of all of them were live at
+      // once and spilled at 64 registers.
+#pragma unroll 1
+      for (int r = 0; r < kCluster; ++r) {
+        cuda::ptx::st_async(cluster.map_shared_rank(slot, r), totals,
+                            cluster.map_shared_rank(&landed[p], r));
+      }
+    }
+    while (!cuda::ptx::mbarrier_try_wait_parity(&landed[p], phase)) {
+    }
+    const float4 got = slots[p][threadIdx.x % kCluster];
+    const float lanes[4] = {got.x, got.y, got.z, got.w};
+#pragma unroll
+    for (int c = 0; c < kSums; ++c) v[c] = lanes[c];
+    warp_segment_sum<kCluster, kSums>(v);
+  }
+};
 
 }  // namespace trainscale::detail

@@ -2,6 +2,7 @@
 #include <limits>
 
 #include "common/async_copy.cuh"
+#include "common/cluster_launch.h"
 #include "core/check.h"
 #include "ops/norm/norm_common.cuh"
 
@@ -280,11 +281,15 @@ struct StagedParams {
 // is at its 64-register cap, and parameters held across the reduction spilled.
 template <class T, class W, class B, Kind kKind, int V, int kVecs>
 struct GlobalParams {
-  static __device__ __forceinline__ void prefetch(const ForwardArgs& a, int lane, int threads) {
+  // The thread's columns of a block holding `block_cols` columns from first_col.
+  static __device__ __forceinline__ void prefetch(const ForwardArgs& a, std::int64_t first_col,
+                                                  std::int64_t block_cols, int lane,
+                                                  int threads) {
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
-      const std::int64_t col = (static_cast<std::int64_t>(i) * threads + lane) * V;
-      if (col >= a.cols) continue;
+      const std::int64_t in_block = (static_cast<std::int64_t>(i) * threads + lane) * V;
+      if (in_block >= block_cols) continue;
+      const std::int64_t col = first_col + in_block;
       if (a.weight) detail::prefetch_l1(static_cast<const W*>(a.weight) + col);
       if constexpr (kKind == Kind::kLayer) {
         if (a.bias) detail::prefetch_l1(static_cast<const B*>(a.bias) + col);
@@ -345,18 +350,23 @@ __device__ __forceinline__ void stage_params(const ForwardArgs& a,
 //     (StagedParams), blocks loop over row groups.
 //   kRows: one row group per block (the grid covers the rows); weight and bias read from
 //     global memory as stored (GlobalParams, their dtypes W and B; T for kRegisters, which
-//     reads the runtime flags), no shared tables.
+//     reads the runtime flags), no shared tables. With kCluster > 1, rows longer than a block
+//     holds: a cluster of kCluster blocks per row, each holding a contiguous chunk of its
+//     vectors; the block sums are added across the cluster (ClusterRowSum, bitwise the same
+//     totals in every block), and each block normalizes and stores its chunk.
 //   kPipelined: kRegisters whose rows arrive through a two-stage RowRing: the next row group's
 //     copies are issued before this group's reduction, so HBM reads continue through its
 //     barriers and stores (in kRegisters a block has no reads in flight then).
 template <class T, class R, class W, class B, Kind kKind, NormVariant kVariant, int kThreads,
-          int kVecs>
+          int kVecs, int kCluster>
 __global__ void __launch_bounds__(kBlockFor<kThreads>, 1024 / kBlockFor<kThreads>)
     forward_registers_kernel(ForwardArgs a) {
   // The pivot would race with the residual write-back of the row's first vector.
   static_assert(kKind == Kind::kRms || std::is_void_v<R>);
   static_assert(kVariant == NormVariant::kRegisters || kVariant == NormVariant::kRows ||
                 kVariant == NormVariant::kPipelined);
+  static_assert(kCluster == 1 || (kVariant == NormVariant::kRows && kThreads >= kForwardBlock),
+                "a cluster splits one row per block, its parameters read as kRows reads them");
   constexpr bool kPipelined = kVariant == NormVariant::kPipelined;
   constexpr bool kStaged = kVariant != NormVariant::kRows;
   using X = Held<T, R>;
@@ -365,16 +375,24 @@ __global__ void __launch_bounds__(kBlockFor<kThreads>, 1024 / kBlockFor<kThreads
   constexpr int kBlock = kBlockFor<kThreads>;
   constexpr int kRowsPerBlock = kBlock / kThreads;
   __shared__ float scratch[kThreads > 32 ? kBlock / 32 * kSums<kKind> : 1];
+  __shared__ detail::ClusterRowSum<kCluster, kSums<kKind>> cluster_sums;  // kCluster > 1
   extern __shared__ float4 staged[];
   const int lane = threadIdx.x % kThreads;
   const int slot = threadIdx.x / kThreads;
   const std::int64_t n = a.cols;
+  // The block's columns of each row: all of them, or its rank's chunk of a cluster's row (a
+  // whole number of vectors, as even as the vector count allows).
+  const int rank = static_cast<int>(blockIdx.x % kCluster);
+  const int chunk_cols = (static_cast<int>(n / V) + kCluster - 1) / kCluster * V;
+  const int first_col = rank * chunk_cols;
+  const std::int64_t block_cols =
+      kCluster == 1 ? n : min(chunk_cols, static_cast<int>(n) - first_col);
   const StagedParams<kKind, V> staged_params{reinterpret_cast<float*>(staged), n / V};
   // The ring follows the staged tables (a multiple of 16 bytes: n is a multiple of V >= 4).
   const Ring ring{reinterpret_cast<uint4*>(staged) + staged_param_bytes<kKind>(n) / sizeof(uint4),
                   static_cast<int>(n / V)};
-  const std::int64_t first_group = static_cast<std::int64_t>(blockIdx.x) * kRowsPerBlock;
-  const std::int64_t group_stride = static_cast<std::int64_t>(gridDim.x) * kRowsPerBlock;
+  const std::int64_t first_group = static_cast<std::int64_t>(blockIdx.x / kCluster) * kRowsPerBlock;
+  const std::int64_t group_stride = static_cast<std::int64_t>(gridDim.x / kCluster) * kRowsPerBlock;
 
   // kPipelined: starts the copies of the thread's row of the group at `base` into `stage`, one
   // commit group per call (empty past the last row, so every thread counts groups alike), and
@@ -396,6 +414,8 @@ __global__ void __launch_bounds__(kBlockFor<kThreads>, 1024 / kBlockFor<kThreads
     stage_params<T, kKind, kBlock, V>(a, staged_params);
     __syncthreads();
   }
+  int cluster_rows = 0;
+  if constexpr (kCluster > 1) cluster_sums.start();
 
   // Every thread of a block runs the same number of iterations: the reductions need them all.
   int stage = 0;
@@ -415,45 +435,53 @@ __global__ void __launch_bounds__(kBlockFor<kThreads>, 1024 / kBlockFor<kThreads
     for (int i = 0; i < kVecs; ++i) {
       const int u = i * kThreads + lane;
       const std::int64_t col = static_cast<std::int64_t>(u) * V;
-      if (!valid || col >= n) continue;
+      if (!valid || col >= block_cols) continue;
       if constexpr (kPipelined) {
         held[i] = ring.take(a, row, slot, stage, u);
       } else {
-        held[i] = load_input_raw<T, R, V>(a, row, col);
+        held[i] = load_input_raw<T, R, V>(a, row, first_col + col);
       }
     }
+    // Once the first row's loads are in flight, and before the parameters are prefetched into L1,
+    // which this cluster-scope acquire invalidates.
+    if constexpr (kCluster > 1) {
+      if (base == first_group) cluster_sums.wait_started();
+    }
     if constexpr (!kStaged) {
-      if (valid) GlobalParams<T, W, B, kKind, V, kVecs>::prefetch(a, lane, kThreads);
+      if (valid) {
+        GlobalParams<T, W, B, kKind, V, kVecs>::prefetch(a, first_col, block_cols, lane, kThreads);
+      }
     }
     float sums[kSums<kKind>] = {};
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       const std::int64_t col = (static_cast<std::int64_t>(i) * kThreads + lane) * V;
-      if (!valid || col >= n) continue;
+      if (!valid || col >= block_cols) continue;
       float v[V];
       detail::to_floats(held[i], v);
       accumulate<kKind, V>(v, pivot, sums);
     }
     row_sum<kThreads, kSums<kKind>>(sums, scratch);
+    if constexpr (kCluster > 1) cluster_sums.sum(sums, cluster_rows);
     const RowStats st = row_stats<kKind>(sums, n, a.eps);
     if (!valid) continue;
-    T* y_row = static_cast<T*>(a.y) + row * a.y_stride;
+    T* y_row = static_cast<T*>(a.y) + row * a.y_stride + first_col;
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       const std::int64_t col = (static_cast<std::int64_t>(i) * kThreads + lane) * V;
-      if (col >= n) continue;
+      if (col >= block_cols) continue;
       float v[V], scale[V], shift[V] = {};
       detail::to_floats(held[i], v);
       if constexpr (kStaged) {
         staged_params.scale_shift(a, col, scale, shift);
       } else {
-        GlobalParams<T, W, B, kKind, V, kVecs>::scale_shift(a, col, scale, shift);
+        GlobalParams<T, W, B, kKind, V, kVecs>::scale_shift(a, first_col + col, scale, shift);
       }
 #pragma unroll
       for (int j = 0; j < V; ++j) v[j] = normalize<kKind>(v[j], pivot, st, scale[j], shift[j]);
       store_floats<T, V>(y_row + col, v);
     }
-    if (lane == 0) {
+    if (lane == 0 && rank == 0) {
       if (a.rstd) a.rstd[row] = st.rstd;
       if (a.mean) a.mean[row] = st.mean;
     }
@@ -531,53 +559,96 @@ std::size_t forward_shared_bytes(std::int64_t cols) {
   return bytes;
 }
 
-template <class T, class R, class W, class B, Kind kKind, NormVariant kVariant>
-void launch_registers(const ForwardArgs& a, std::int64_t vecs, cudaStream_t stream,
+// kRows takes rows longer than one block holds (kMaxRegisterVecs) over a cluster of the fewest
+// blocks that hold them: 2, 4 or 8 (the portable cluster maximum), so bf16 N <= 262144 and fp32
+// N <= 131072. fn(std::integral_constant<int, blocks per row>).
+constexpr std::int64_t kBlockVecs = kMaxRegisterVecs<kForwardVecsPerThread>;
+constexpr std::int64_t kMaxClusterVecs = 8 * kBlockVecs;
+
+template <class Fn>
+auto with_row_cluster(std::int64_t vecs, Fn&& fn) {
+  using std::integral_constant;
+  if (vecs <= kBlockVecs) return fn(integral_constant<int, 1>{});
+  if (vecs <= 2 * kBlockVecs) return fn(integral_constant<int, 2>{});
+  if (vecs <= 4 * kBlockVecs) return fn(integral_constant<int, 4>{});
+  return fn(integral_constant<int, 8>{});
+}
+
+// Launches the register kernel for rows of `vecs` vectors, kCluster blocks per row (kRows
+// only). Returns false, launching nothing, where a cluster of that configuration cannot be
+// resident on the device.
+template <class T, class R, class W, class B, Kind kKind, NormVariant kVariant, int kCluster>
+bool launch_registers(const ForwardArgs& a, std::int64_t vecs, cudaStream_t stream,
                       const char* op) {
-  with_register_config<kForwardVecsPerThread>(vecs, [&](auto threads, auto per_thread) {
+  const std::int64_t block_vecs = (vecs + kCluster - 1) / kCluster;
+  return with_register_config<kForwardVecsPerThread>(block_vecs, [&](auto threads,
+                                                                     auto per_thread) {
     constexpr int kThreads = decltype(threads)::value;
+    constexpr int kVecs = decltype(per_thread)::value;
     constexpr int kBlock = kBlockFor<kThreads>;
     constexpr int kRowsPerBlock = kBlock / kThreads;
-    const auto kernel = forward_registers_kernel<T, R, W, B, kKind, kVariant, kThreads,
-                                                 decltype(per_thread)::value>;
     const std::int64_t row_groups = (a.rows + kRowsPerBlock - 1) / kRowsPerBlock;
-    std::size_t smem = 0;
-    std::int64_t grid = std::min<std::int64_t>(row_groups, std::numeric_limits<int>::max());
-    if constexpr (kVariant != NormVariant::kRows) {
-      smem = forward_shared_bytes<T, R, kKind, kVariant>(a.cols);
-      if (smem + kMaxScratchBytes > kDefaultSharedBytes) {
-        detail::check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                static_cast<int>(smem)),
-                           op, "raising the shared-memory limit");
+    if constexpr (kCluster > 1 && 2 * kThreads * kVecs <= kBlockVecs) {
+      // kCluster is the fewest blocks that hold the row, so a block holds over half of
+      // kBlockVecs: configurations for fewer vectors never serve a cluster and are not compiled.
+      return false;
+    } else if constexpr (kCluster > 1) {
+      const auto kernel =
+          forward_registers_kernel<T, R, W, B, kKind, kVariant, kThreads, kVecs, kCluster>;
+      if (detail::max_active_clusters(kernel, kBlock, kCluster, 0, op) == 0) return false;
+      const std::int64_t clusters =
+          std::min<std::int64_t>(row_groups, std::numeric_limits<int>::max() / kCluster);
+      detail::launch_in_clusters(kernel, clusters * kCluster, kBlock, kCluster, 0, stream, op, a);
+      return true;
+    } else {
+      const auto kernel = forward_registers_kernel<T, R, W, B, kKind, kVariant, kThreads, kVecs, 1>;
+      std::size_t smem = 0;
+      std::int64_t grid = std::min<std::int64_t>(row_groups, std::numeric_limits<int>::max());
+      if constexpr (kVariant != NormVariant::kRows) {
+        smem = forward_shared_bytes<T, R, kKind, kVariant>(a.cols);
+        if (smem + kMaxScratchBytes > kDefaultSharedBytes) {
+          detail::check_cuda(cudaFuncSetAttribute(kernel,
+                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                  static_cast<int>(smem)),
+                             op, "raising the shared-memory limit");
+        }
+        // One resident wave: each block stages the parameters once, then loops over rows.
+        int per_sm = 0;
+        detail::check_cuda(
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlock, smem), op,
+            "occupancy query");
+        grid = balanced_blocks_for(row_groups, std::max(per_sm, 1));
       }
-      // One resident wave: each block stages the parameters once, then loops over rows.
-      int per_sm = 0;
-      detail::check_cuda(
-          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlock, smem), op,
-          "occupancy query");
-      grid = balanced_blocks_for(row_groups, std::max(per_sm, 1));
+      kernel<<<static_cast<unsigned>(grid), kBlock, smem, stream>>>(a);
+      return true;
     }
-    kernel<<<static_cast<unsigned>(grid), kBlock, smem, stream>>>(a);
   });
 }
 
-// The rows variant with the parameters' dtypes as template arguments (an absent one as T).
+// The rows variant with the parameters' dtypes as template arguments (an absent one as T), a
+// cluster per row for rows longer than a block holds. False where that cluster cannot be
+// resident (nothing launched).
 template <class T, class R, Kind kKind>
-void launch_rows(const ForwardArgs& a, std::int64_t vecs, cudaStream_t stream, const char* op) {
+bool launch_rows(const ForwardArgs& a, std::int64_t vecs, cudaStream_t stream, const char* op) {
   const auto with_dtype = [](bool f32, auto fn) {
     if (f32 && !std::is_same_v<T, float>) return fn(detail::TypeTag<float>{});
     return fn(detail::TypeTag<T>{});
   };
-  with_dtype(a.weight && a.weight_f32, [&](auto w) {
-    using W = typename decltype(w)::type;
-    if constexpr (kKind == Kind::kRms) {
-      launch_registers<T, R, W, W, kKind, NormVariant::kRows>(a, vecs, stream, op);
-    } else {
-      with_dtype(a.bias && a.bias_f32, [&](auto b) {
-        using B = typename decltype(b)::type;
-        launch_registers<T, R, W, B, kKind, NormVariant::kRows>(a, vecs, stream, op);
-      });
-    }
+  return with_row_cluster(vecs, [&](auto cluster) {
+    constexpr int kCluster = decltype(cluster)::value;
+    return with_dtype(a.weight && a.weight_f32, [&](auto w) {
+      using W = typename decltype(w)::type;
+      if constexpr (kKind == Kind::kRms) {
+        return launch_registers<T, R, W, W, kKind, NormVariant::kRows, kCluster>(a, vecs, stream,
+                                                                                op);
+      } else {
+        return with_dtype(a.bias && a.bias_f32, [&](auto b) {
+          using B = typename decltype(b)::type;
+          return launch_registers<T, R, W, B, kKind, NormVariant::kRows, kCluster>(a, vecs,
+                                                                                  stream, op);
+        });
+      }
+    });
   });
 }
 
@@ -602,19 +673,22 @@ void launch_forward(const ForwardArgs& a, NormVariant variant, cudaStream_t stre
   //   16-bit N 16384 / 32768: 512 / 1024 threads per row (one row per block): RMSNorm 2 / 1
   //     blocks per SM (registers), kRegisters' LayerNorm N = 16384 1 block (128 KB of tables).
   //   kRows: the same threads per row, one row group per block, no tables (any N <= 4096
-  //     vectors; 27-64 registers, no spills).
+  //     vectors; 27-64 registers, no spills). Longer rows (16-bit N <= 262144, fp32 N <=
+  //     131072), and kAuto's choice for them: a cluster of 2 / 4 / 8 blocks of 1024 threads
+  //     per row, one block per SM.
   //   kPipelined (forced only, for measurement): kRegisters' threads per row, 40-64 registers,
   //     no spills, plus two row groups in shared memory: 16-bit RMSNorm N = 4096 48 KB per block
   //     (4 blocks per SM), N = 8192 64 KB (3), LayerNorm N = 8192 96 KB (2), N = 16384 128 /
   //     192 KB (1 block of 512); the fused add's residual doubles the ring (fp32: triples it).
   //     No room for 16-bit N = 32768.
-  //   kRegisters' LayerNorm 16-bit N > 29008 (tables over the 227 KB per block), any N > 4096
-  //   vectors, and unaligned rows: two passes.
+  //   kRegisters' LayerNorm 16-bit N > 29008 (tables over the 227 KB per block), rows beyond
+  //   kRows' cluster or whose cluster cannot be resident, and unaligned rows: two passes.
   NormVariant chosen = variant == NormVariant::kAuto
                            ? auto_register_variant(a.cols, vecs)
                            : variant;
-  if (chosen != NormVariant::kTwoPass &&
-      !use_registers(variant, aligned, vecs, kMaxRegisterVecs<kForwardVecsPerThread>)) {
+  if (variant == NormVariant::kAuto && vecs > kBlockVecs) chosen = NormVariant::kRows;
+  const std::int64_t max_vecs = chosen == NormVariant::kRows ? kMaxClusterVecs : kBlockVecs;
+  if (chosen != NormVariant::kTwoPass && !use_registers(variant, aligned, vecs, max_vecs)) {
     chosen = NormVariant::kTwoPass;
   }
   if (chosen == NormVariant::kRegisters || chosen == NormVariant::kPipelined) {
@@ -633,18 +707,26 @@ void launch_forward(const ForwardArgs& a, NormVariant variant, cudaStream_t stre
       chosen = NormVariant::kTwoPass;
     }
   }
+  if (chosen == NormVariant::kRows && !launch_rows<T, R, kKind>(a, vecs, stream, op)) {
+    if (variant == chosen) {
+      throw UnsupportedVariantError(
+          "trainscale norm: the rows variant's thread-block cluster for " +
+          std::to_string(a.cols) + " columns cannot be resident on this device");
+    }
+    chosen = NormVariant::kTwoPass;
+  }
   if (chosen == NormVariant::kRegisters) {
-    launch_registers<T, R, T, T, kKind, NormVariant::kRegisters>(a, vecs, stream, op);
+    launch_registers<T, R, T, T, kKind, NormVariant::kRegisters, 1>(a, vecs, stream, op);
   } else if (chosen == NormVariant::kPipelined) {
-    launch_registers<T, R, T, T, kKind, NormVariant::kPipelined>(a, vecs, stream, op);
-  } else if (chosen == NormVariant::kRows) {
-    launch_rows<T, R, kKind>(a, vecs, stream, op);
-  } else if (aligned) {
-    forward_two_pass_kernel<T, R, kKind, V>
-        <<<static_cast<unsigned>(blocks_for(a.rows, 4)), kTwoPassThreads, 0, stream>>>(a);
-  } else {
-    forward_two_pass_kernel<T, R, kKind, 1>
-        <<<static_cast<unsigned>(blocks_for(a.rows, 4)), kTwoPassThreads, 0, stream>>>(a);
+    launch_registers<T, R, T, T, kKind, NormVariant::kPipelined, 1>(a, vecs, stream, op);
+  } else if (chosen == NormVariant::kTwoPass) {
+    if (aligned) {
+      forward_two_pass_kernel<T, R, kKind, V>
+          <<<static_cast<unsigned>(blocks_for(a.rows, 4)), kTwoPassThreads, 0, stream>>>(a);
+    } else {
+      forward_two_pass_kernel<T, R, kKind, 1>
+          <<<static_cast<unsigned>(blocks_for(a.rows, 4)), kTwoPassThreads, 0, stream>>>(a);
+    }
   }
   detail::check_launch(op);
 }

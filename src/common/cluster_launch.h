@@ -1,0 +1,72 @@
+// Thread-block clusters from the host: whether a configuration fits the device, and its launch.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string_view>
+#include <tuple>
+#include <utility>
+
+#include "common/cuda_check.h"
+
+namespace trainscale::detail {
+
+// A launch configuration of `grid` blocks (a multiple of `cluster`) in clusters of `cluster`
+// along x; `attribute` must outlive the configuration.
+inline cudaLaunchConfig_t cluster_config(std::int64_t grid, int block, int cluster,
+                                         std::size_t smem, cudaStream_t stream,
+                                         cudaLaunchAttribute& attribute) {
+  attribute = {};
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = static_cast<unsigned>(cluster);
+  attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(grid));
+  config.blockDim = dim3(static_cast<unsigned>(block));
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  return config;
+}
+
+// Clusters of `cluster` blocks of `kernel` resident at once on the current device (0: the
+// configuration does not fit it). Asked once per device and configuration: the occupancy query
+// costs microseconds of host time per launch otherwise. The kernel's dynamic shared-memory
+// limit must already allow `smem`.
+template <class... Params>
+int max_active_clusters(void (*kernel)(Params...), int block, int cluster, std::size_t smem,
+                        std::string_view op) {
+  using Key = std::tuple<int, void (*)(Params...), int, int, std::size_t>;
+  static std::mutex mutex;
+  static std::map<Key, int> cache;
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), op, "cudaGetDevice");
+  const Key key{device, kernel, block, cluster, smem};
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (const auto it = cache.find(key); it != cache.end()) return it->second;
+  cudaLaunchAttribute attribute;
+  const cudaLaunchConfig_t config =
+      cluster_config(cluster, block, cluster, smem, nullptr, attribute);
+  int count = 0;
+  check_cuda(cudaOccupancyMaxActiveClusters(&count, kernel, &config), op,
+             "cudaOccupancyMaxActiveClusters");
+  cache.emplace(key, count);
+  return count;
+}
+
+// Launches `kernel` on `grid` blocks (a multiple of `cluster`) in clusters of `cluster`.
+template <class... Params, class... Args>
+void launch_in_clusters(void (*kernel)(Params...), std::int64_t grid, int block, int cluster,
+                        std::size_t smem, cudaStream_t stream, std::string_view op,
+                        Args&&... args) {
+  cudaLaunchAttribute attribute;
+  const cudaLaunchConfig_t config = cluster_config(grid, block, cluster, smem, stream, attribute);
+  check_cuda(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), op,
+             "cudaLaunchKernelEx");
+}
+
+}  // namespace trainscale::detail
