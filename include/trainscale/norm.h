@@ -33,7 +33,7 @@ enum class NormVariant {
   kPipelined,  // forward only (the backward chooses as for kAuto): kRegisters with the next row
                // group's loads in flight (cp.async into a two-stage shared-memory ring) during
                // this group's reduction and stores; needs shared memory for the staged
-               // parameters and two row groups
+               // parameters and two row groups (kAuto's choice up to 256 vectors per row)
 };
 
 struct RMSNormOptions {

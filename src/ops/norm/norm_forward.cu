@@ -532,14 +532,15 @@ __global__ void __launch_bounds__(kTwoPassThreads) forward_two_pass_kernel(Forwa
   }
 }
 
-// kAuto's kernel for aligned rows short enough for registers (kRegisters or kRows); kAuto
+// kAuto's kernel for aligned rows one block holds (kPipelined, kRegisters or kRows); kAuto
 // falls back to two passes where it cannot run. Measured on the H100 (bf16, dsv3 and quack
 // shapes, all variants in one run; docs/perf-notes.md, session 4): from N = 6144 kRows is faster
 // for every op (RMSNorm +3-5 %, the fused add +3-4 %, LayerNorm up to +36 % at M = 4096: it
 // drops the staged tables and the persistent grid, whose streaming ceiling is ~2850 GB/s); at
-// N = 4096 and below it is 10-300 % slower (the weights are re-read by every small block).
-// Up to 256 vectors (bf16 N = 2048) kPipelined: its next row group's loads overlap this group's
-// reduction, which short rows spend most of their time in (+1-5 %, session 4).
+// N = 4096 and below it is 10 % (N = 4096) to 4x (N = 256) slower: every small block re-reads
+// the weights. Up to 256 vectors (bf16 N = 2048) kPipelined: its next row group's loads overlap
+// this group's reduction, which short rows spend most of their time in (same run as kRegisters:
+// +0-7 %, e.g. rmsnorm 32768x512 2452 vs 2309 GB/s, layernorm 2048 -0.3 %, within noise).
 NormVariant auto_register_variant(std::int64_t cols, std::int64_t vecs) {
   if (cols >= 6144) return NormVariant::kRows;
   return vecs <= 256 ? NormVariant::kPipelined : NormVariant::kRegisters;
@@ -676,7 +677,7 @@ void launch_forward(const ForwardArgs& a, NormVariant variant, cudaStream_t stre
   //     vectors; 27-64 registers, no spills). Longer rows (16-bit N <= 262144, fp32 N <=
   //     131072), and kAuto's choice for them: a cluster of 2 / 4 / 8 blocks of 1024 threads
   //     per row, one block per SM.
-  //   kPipelined (forced only, for measurement): kRegisters' threads per row, 40-64 registers,
+  //   kPipelined (kAuto's choice up to 256 vectors): kRegisters' threads per row, 40-64 registers,
   //     no spills, plus two row groups in shared memory: 16-bit RMSNorm N = 4096 48 KB per block
   //     (4 blocks per SM), N = 8192 64 KB (3), LayerNorm N = 8192 96 KB (2), N = 16384 128 /
   //     192 KB (1 block of 512); the fused add's residual doubles the ring (fp32: triples it).
