@@ -15,7 +15,8 @@
 namespace trainscale::detail {
 
 // A launch configuration of `grid` blocks (a multiple of `cluster`) in clusters of `cluster`
-// along x; `attribute` must outlive the configuration.
+// along x (no cluster attribute when `cluster` is 1: a plain launch); `attribute` must outlive
+// the configuration.
 inline cudaLaunchConfig_t cluster_config(std::int64_t grid, int block, int cluster,
                                          std::size_t smem, cudaStream_t stream,
                                          cudaLaunchAttribute& attribute) {
@@ -29,7 +30,7 @@ inline cudaLaunchConfig_t cluster_config(std::int64_t grid, int block, int clust
   config.dynamicSmemBytes = smem;
   config.stream = stream;
   config.attrs = &attribute;
-  config.numAttrs = 1;
+  config.numAttrs = cluster > 1 ? 1 : 0;
   return config;
 }
 

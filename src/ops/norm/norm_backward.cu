@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "common/async_copy.cuh"
+#include "common/cluster_launch.h"
 #include "core/check.h"
 #include "ops/norm/norm_common.cuh"
 
@@ -566,16 +567,9 @@ std::int64_t query_resident_clusters(const RegisterKernel& k, const char* op) {
     (void)cudaGetLastError();  // not sticky; check_launch must not see it
     return 0;
   }
-  cudaLaunchConfig_t config{};
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = static_cast<unsigned>(k.cluster);
-  attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
-  config.gridDim = dim3(static_cast<unsigned>(k.cluster));
-  config.blockDim = dim3(static_cast<unsigned>(kBackwardBlock));
-  config.dynamicSmemBytes = k.smem;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
+  cudaLaunchAttribute attribute;
+  const cudaLaunchConfig_t config =
+      detail::cluster_config(k.cluster, kBackwardBlock, k.cluster, k.smem, nullptr, attribute);
   int count = 0;
   const cudaError_t status = cudaOccupancyMaxActiveClusters(&count, k.kernel, &config);
   if (non_portable && status != cudaSuccess) {
@@ -716,18 +710,8 @@ void launch_backward(BackwardArgs a, const TensorView& dw, const TensorView& db,
   constexpr int V = detail::kVec16<T>;
   if (plan.registers) {
     const RegisterKernel k = register_kernel<T, X, kKind>(a.cols);
-    cudaLaunchConfig_t config{};
-    cudaLaunchAttribute attribute{};
-    attribute.id = cudaLaunchAttributeClusterDimension;
-    attribute.val.clusterDim.x = static_cast<unsigned>(k.cluster);
-    attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
-    config.gridDim = dim3(static_cast<unsigned>(plan.groups * k.cluster));
-    config.blockDim = dim3(static_cast<unsigned>(kBackwardBlock));
-    config.dynamicSmemBytes = k.smem;
-    config.stream = stream;
-    config.attrs = &attribute;
-    config.numAttrs = k.cluster > 1 ? 1 : 0;
-    detail::check_cuda(cudaLaunchKernelEx(&config, k.kernel, a), op, "cudaLaunchKernelEx");
+    detail::launch_in_clusters(k.kernel, plan.groups * k.cluster, kBackwardBlock, k.cluster,
+                               k.smem, stream, op, a);
   } else {
     const auto grid = static_cast<unsigned>(plan.groups);
     if (plan.vectorized) {

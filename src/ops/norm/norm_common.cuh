@@ -89,7 +89,8 @@ inline std::int64_t blocks_for(std::int64_t work_items, std::int64_t per_sm) {
 
 // A persistent grid of at most one resident wave whose blocks all loop the same number of times
 // (but the last): with the full wave, 32768 rows of 2 per group over 528 blocks take 32 passes
-// of which the last has 32 of 1056 rows, a 3 % tail; 512 blocks take 32 full passes.
+// of which the last has 32 of 1056 rows; 512 blocks take 32 full passes. Measured on the H100:
+// no change (2792 vs 2796 GB/s at 32768x4096), the tail was not the limit; it costs nothing.
 inline std::int64_t balanced_blocks_for(std::int64_t work_items, std::int64_t per_sm) {
   const std::int64_t wave = blocks_for(work_items, per_sm);
   const std::int64_t passes = (work_items + wave - 1) / wave;
