@@ -287,6 +287,7 @@ __global__ void __launch_bounds__(kTileThreads) tile_kernel(TileArgs a) {
   // q and q_t quantize each element with the same scale: q_t is the transpose of q's codes.
   constexpr bool kSameScale = kMode == TileMode::kBlock || kMode == TileMode::kGivenTensor;
   constexpr bool kStage = kTranspose && !kAmaxOnly;
+  constexpr bool kGivenScale = kMode == TileMode::kGivenRow || kMode == TileMode::kGivenTensor;
   constexpr float kMax = kFp8Max<kE4M3>;
 
   __shared__ unsigned col_amax[kColAmax ? kTileThreads / 32 : 1][128];
@@ -302,7 +303,10 @@ __global__ void __launch_bounds__(kTileThreads) tile_kernel(TileArgs a) {
   const T* x = static_cast<const T*>(a.x);
   const std::int64_t tiles = a.row_tiles * a.col_tiles;
 
-  for (std::int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+  for (std::int64_t step = blockIdx.x; step < tiles; step += gridDim.x) {
+    // The quantize pass after a separate amax pass walks the tiles last to first: the amax
+    // pass's last reads are still in L2.
+    const std::int64_t tile = kGivenScale ? tiles - 1 - step : step;
     const std::int64_t bi = tile / a.col_tiles, bj = tile - bi * a.col_tiles;
     const std::int64_t r0 = bi * 128 + rg * 8;  // this thread's rows r0 .. r0 + 7
     const std::int64_t c0 = bj * 128 + cg * 8;  // and columns c0 .. c0 + 7
@@ -323,7 +327,7 @@ __global__ void __launch_bounds__(kTileThreads) tile_kernel(TileArgs a) {
     unsigned ra[8], ca[8];
 #pragma unroll
     for (int k = 0; k < 8; ++k) ra[k] = ca[k] = 0;
-    if constexpr (!(kMode == TileMode::kGivenRow || kMode == TileMode::kGivenTensor)) {
+    if constexpr (!kGivenScale) {
 #pragma unroll
       for (int r = 0; r < 8; ++r) {
 #pragma unroll
