@@ -346,8 +346,9 @@ __device__ __forceinline__ void stage_params(const ForwardArgs& a,
 // per row, kVecs vectors of V elements each; aligned rows of a multiple of V elements.
 // LayerNorm takes its three sums (x, x - pivot, (x - pivot)^2) in one reduction, so every row
 // has a single barrier round trip. kVariant:
-//   kRegisters: a persistent grid; scale and shift staged once per block in shared memory
-//     (StagedParams), blocks loop over row groups.
+//   kRegisters: scale and shift staged once per block in shared memory (StagedParams);
+//     LayerNorm's blocks form a persistent grid looping over row groups, RMSNorm's take one
+//     row group each (launch_registers says why).
 //   kRows: one row group per block (the grid covers the rows); weight and bias read from
 //     global memory as stored (GlobalParams, their dtypes W and B; T for kRegisters, which
 //     reads the runtime flags), no shared tables. With kCluster > 1, rows longer than a block
@@ -541,12 +542,15 @@ __global__ void __launch_bounds__(kTwoPassThreads) forward_two_pass_kernel(Forwa
 // the weights. Up to 256 vectors (bf16 N = 2048) kPipelined: its next row group's loads overlap
 // this group's reduction, which short rows spend most of their time in (same run as kRegisters:
 // +0-7 %, e.g. rmsnorm 32768x512 2452 vs 2309 GB/s, layernorm 2048 -0.3 %, within noise).
-NormVariant auto_register_variant(std::int64_t cols, std::int64_t vecs) {
+// The fused add keeps kPipelined up to 512 vectors (bf16 N = 4096), where with one row group
+// per block its first group's loads overlap the staging (session 5, 32768x4096: 2923 vs 2893
+// GB/s; plain RMSNorm 2899 vs 2911, so kRegisters there).
+NormVariant auto_register_variant(std::int64_t cols, std::int64_t vecs, bool fused_add) {
   if (cols >= 6144) return NormVariant::kRows;
-  return vecs <= 256 ? NormVariant::kPipelined : NormVariant::kRegisters;
+  return vecs <= (fused_add ? 512 : 256) ? NormVariant::kPipelined : NormVariant::kRegisters;
 }
 
-// Dynamic shared memory of a persistent register variant (kRegisters, kPipelined) for aligned
+// Dynamic shared memory of a staged register variant (kRegisters, kPipelined) for aligned
 // rows of `cols` elements: the staged tables, and kPipelined's ring.
 template <class T, class R, Kind kKind, NormVariant kVariant>
 std::size_t forward_shared_bytes(std::int64_t cols) {
@@ -613,12 +617,17 @@ bool launch_registers(const ForwardArgs& a, std::int64_t vecs, cudaStream_t stre
                                                   static_cast<int>(smem)),
                              op, "raising the shared-memory limit");
         }
-        // One resident wave: each block stages the parameters once, then loops over rows.
-        int per_sm = 0;
-        detail::check_cuda(
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlock, smem), op,
-            "occupancy query");
-        grid = balanced_blocks_for(row_groups, std::max(per_sm, 1));
+        // LayerNorm: one resident wave, each block staging its tables (8 B per column) once and
+        // looping over row groups. RMSNorm (4 B per column) streams faster with one row group per
+        // block, the tables staged by every block (H100, bf16 32768x4096: 2911 vs 2793 GB/s;
+        // LayerNorm 2087 vs 2612; docs/perf-notes.md, session 5).
+        if constexpr (kKind == Kind::kLayer) {
+          int per_sm = 0;
+          detail::check_cuda(
+              cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlock, smem), op,
+              "occupancy query");
+          grid = balanced_blocks_for(row_groups, std::max(per_sm, 1));
+        }
       }
       kernel<<<static_cast<unsigned>(grid), kBlock, smem, stream>>>(a);
       return true;
@@ -685,7 +694,7 @@ void launch_forward(const ForwardArgs& a, NormVariant variant, cudaStream_t stre
   //   kRegisters' LayerNorm 16-bit N > 29008 (tables over the 227 KB per block), rows beyond
   //   kRows' cluster or whose cluster cannot be resident, and unaligned rows: two passes.
   NormVariant chosen = variant == NormVariant::kAuto
-                           ? auto_register_variant(a.cols, vecs)
+                           ? auto_register_variant(a.cols, vecs, !std::is_void_v<R>)
                            : variant;
   if (variant == NormVariant::kAuto && vecs > kBlockVecs) chosen = NormVariant::kRows;
   const std::int64_t max_vecs = chosen == NormVariant::kRows ? kMaxClusterVecs : kBlockVecs;
