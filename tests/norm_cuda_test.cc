@@ -1,6 +1,7 @@
 // Norm kernels against the fp64 CPU reference. Inputs are rounded to the kernel's dtype first;
 // the reference runs on float64 copies of exactly those values.
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 
@@ -146,7 +147,19 @@ bool worth_every_dtype(const Shape& s, DType dt, DType second) {
   return s.rows * s.cols <= (1 << 20) || (dt == DType::kBFloat16 && second == dt);
 }
 
-constexpr DType kDtypes[] = {DType::kBFloat16, DType::kFloat16, DType::kFloat32};
+// Every dtype, or those TRAINSCALE_TEST_DTYPES names (e.g. "bfloat16,float32"): a sanitizer
+// run, hundreds of times slower, can then split a test over processes by dtype.
+std::vector<DType> test_dtypes() {
+  std::vector<DType> dtypes;
+  const char* only = std::getenv("TRAINSCALE_TEST_DTYPES");
+  for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+    const std::string name = dtype_name(dt);
+    if (!only || ("," + std::string(only) + ",").find("," + name + ",") != std::string::npos) {
+      dtypes.push_back(dt);
+    }
+  }
+  return dtypes;
+}
 
 std::size_t workspace_bytes(std::int64_t rows, std::int64_t cols, DType dt) {
   return norm_backward_workspace_bytes(rows, cols, dt, Device::cuda(0));
@@ -159,7 +172,7 @@ HostTensor byte_buffer(std::size_t bytes) {
 // Checks one norm (RMS or Layer) forward and backward for every dtype, shape and variant.
 void check_norm(bool layer) {
   TS_REQUIRE_GPU();
-  for (DType dt : kDtypes) {
+  for (DType dt : test_dtypes()) {
     for (DType wdt : {dt, DType::kFloat32}) {
       for (const Shape& s : shapes()) {
         if (!worth_every_dtype(s, dt, wdt)) continue;
@@ -233,7 +246,7 @@ TEST(NormCuda, LayerNormMatchesReference) { check_norm(true); }
 
 TEST(NormCuda, FusedAddRMSNormMatchesReference) {
   TS_REQUIRE_GPU();
-  for (DType dt : kDtypes) {
+  for (DType dt : test_dtypes()) {
     for (DType rdt : {dt, DType::kFloat32}) {
       for (const Shape& s : shapes()) {
         if (!worth_every_dtype(s, dt, rdt)) continue;
@@ -290,7 +303,7 @@ TEST(NormCuda, FusedAddRMSNormMatchesReference) {
 void check_long_row_backward(int which) {  // 0 RMSNorm, 1 LayerNorm, 2 fused add + RMSNorm
   TS_REQUIRE_GPU();
   const bool layer = which == 1;
-  for (DType dt : kDtypes) {
+  for (DType dt : test_dtypes()) {
     // fp32 rows reach the 16-block kernel at 131072 (32768 vectors); 262144 is two passes.
     const std::vector<Shape> long_shapes =
         dt == DType::kFloat32
@@ -404,7 +417,7 @@ std::vector<NormVariant> forward_variants(std::int64_t cols, DType dt, bool laye
 void check_long_row_forward(int which) {  // 0 RMSNorm, 1 LayerNorm, 2 fused add + RMSNorm
   TS_REQUIRE_GPU();
   const bool layer = which == 1;
-  for (DType dt : kDtypes) {
+  for (DType dt : test_dtypes()) {
     for (DType pdt : {dt, DType::kFloat32}) {
       // Beyond 4096 vectors the cluster sizes and their bounds (bf16: 32776 is 4097 vectors,
       // 2 blocks of 2049 and 2048; 65536 exactly 2 x 4096; 65544 4 blocks; 131080 8 blocks of
@@ -539,7 +552,7 @@ TEST(NormCuda, RowsVariantStopsAtEightBlocksPerRow) {
 // cancels to a few bits here; every variant keeps rstd at fp32 accuracy.
 TEST(NormCuda, LayerNormVarianceWhenMeanDominates) {
   TS_REQUIRE_GPU();
-  for (DType dt : kDtypes) {
+  for (DType dt : test_dtypes()) {
     for (const Shape& s : std::vector<Shape>{{33, 1024, 0}, {9, 4096, 8}, {7, 5123, 3},
                                              {4, 8192, 0}, {3, 65536, 0}}) {
       for (NormVariant variant : forward_variants(s.cols, dt, true)) {
@@ -629,7 +642,7 @@ TEST(NormCuda, RegisterVariantsRejectUnalignedRows) {
 // every op and dtype, the fused add's residual write-back included.
 TEST(NormCuda, PipelinedMatchesRegistersOverManyRowGroups) {
   TS_REQUIRE_GPU();
-  for (DType dt : kDtypes) {
+  for (DType dt : test_dtypes()) {
     for (const Shape& s : std::vector<Shape>{{20011, 1024, 0}, {3001, 4096, 8}, {1201, 8192, 0}}) {
       for (int which = 0; which < 4; ++which) {  // RMSNorm, LayerNorm, fused add (residual dt, fp32)
         const DType rdt = which == 3 ? DType::kFloat32 : dt;
