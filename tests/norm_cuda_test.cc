@@ -158,6 +158,7 @@ std::vector<DType> test_dtypes() {
       dtypes.push_back(dt);
     }
   }
+  if (dtypes.empty()) ADD_FAILURE() << "TRAINSCALE_TEST_DTYPES=" << only << " names no dtype";
   return dtypes;
 }
 
