@@ -278,8 +278,15 @@ __device__ __forceinline__ void transpose8x8(const uint2 (&in)[8], uint2 (&out)[
   }
 }
 
+// Left to itself, ptxas fits the 16-bit 128x128 kernel with the transposed copy into 64 registers
+// and spills (16 bytes a thread, 1-byte-per-sector local traffic in ncu); three blocks per SM
+// lets it take 72. 0 leaves the others to ptxas's own choice.
+template <class T, TileMode kMode, bool kTranspose>
+constexpr int kTileMinBlocks = kMode == TileMode::kBlock && kTranspose && sizeof(T) == 2 ? 3 : 0;
+
 template <class T, bool kE4M3, TileMode kMode, bool kTranspose>
-__global__ void __launch_bounds__(kTileThreads) tile_kernel(TileArgs a) {
+__global__ void __launch_bounds__(kTileThreads, (kTileMinBlocks<T, kMode, kTranspose>))
+    tile_kernel(TileArgs a) {
   constexpr bool kAmaxOnly = kMode == TileMode::kAmaxRow;
   constexpr bool kRowAmax = kMode == TileMode::kTile || kMode == TileMode::kAmaxRow;
   constexpr bool kColAmax = kTranspose && kRowAmax;
@@ -291,6 +298,8 @@ __global__ void __launch_bounds__(kTileThreads) tile_kernel(TileArgs a) {
   constexpr float kMax = kFp8Max<kE4M3>;
 
   __shared__ unsigned col_amax[kColAmax ? kTileThreads / 32 : 1][128];
+  // Column jl's scale at (jl % 8) * 16 + jl / 8: the 16 lanes reading column c of their 8 read
+  // 16 consecutive entries (with jl = cg * 8 + c, the plain order is an 8-way bank conflict).
   __shared__ GroupScale col_scale[kMode == TileMode::kTile && kTranspose ? 128 : 1];
   // q_t's 128 x 128 codes: row jl (a column of x) holds 16 chunks of 8 codes (8 rows of x);
   // logical chunk L sits at physical chunk L ^ ((jl / 8) % 16), so that both the 8-byte writes
@@ -389,7 +398,7 @@ __global__ void __launch_bounds__(kTileThreads) tile_kernel(TileArgs a) {
           if (j < a.cols && m != 0) atomicMax(reinterpret_cast<unsigned*>(a.scales_t) + j, m);
         } else {
           const float s = scale_from_amax(m, kMax, a.pow2);
-          col_scale[tid] = group_scale(s);
+          col_scale[(tid & 7) * 16 + (tid >> 3)] = group_scale(s);
           // scales_t is the 1x128 grid of x^T: row j, tile bi.
           if (j < a.cols) a.scales_t[a.m_major ? bi * a.pitch_t + j : j * a.row_tiles + bi] = s;
         }
@@ -452,7 +461,7 @@ __global__ void __launch_bounds__(kTileThreads) tile_kernel(TileArgs a) {
           for (int c = 0; c < 8; ++c) {
             GroupScale s;
             if constexpr (kMode == TileMode::kTile) {
-              s = col_scale[cg * 8 + c];
+              s = col_scale[c * 16 + cg];
             } else {  // kGivenRow
               s = group_scale(c0 + c < a.cols ? a.scales_t[c0 + c] : 1.0f);
             }
