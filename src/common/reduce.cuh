@@ -1,5 +1,5 @@
 // Sums across the threads that share a row: lanes of a warp segment, then warps via shared
-// memory, then (cluster_row_sum, ClusterRowSum) the blocks of a thread-block cluster that split
+// memory, then (ClusterRowSum) the blocks of a thread-block cluster that split
 // the row.
 // Each call reduces kCount values at once so one barrier serves all of them.
 #pragma once
@@ -48,42 +48,12 @@ __device__ __forceinline__ void row_sum(float (&v)[kCount], float* scratch) {
   }
 }
 
-// Sums across the blocks of a cluster that share a row: every block sends its totals to every
-// block, then each adds them in rank order, so all blocks hold bitwise the same totals. Two
-// buffers alternate by row: a block writes buffer p for row r only after every block passed the
-// barrier of row r - 1, hence finished reading buffer p (used by row r - 2). v holds the block's
-// totals in every thread, as row_sum leaves them.
-template <int kCluster, int kSums>
-__device__ __forceinline__ void cluster_row_sum(float (&v)[kSums],
-                                                float (&exchange)[2][kCluster][kSums],
-                                                int& parity) {
-  cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
-  const unsigned rank = cluster.block_rank();
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int r = 0; r < kCluster; ++r) {
-      float* dst = cluster.map_shared_rank(&exchange[parity][rank][0], r);
-#pragma unroll
-      for (int c = 0; c < kSums; ++c) dst[c] = v[c];
-    }
-  }
-  cluster.sync();
-#pragma unroll
-  for (int c = 0; c < kSums; ++c) {
-    float s = 0.f;
-#pragma unroll
-    for (int r = 0; r < kCluster; ++r) s += exchange[parity][r][c];
-    v[c] = s;
-  }
-  parity ^= 1;
-}
-
 // Sums across the blocks of a cluster that share a row, without a cluster barrier per row:
 // each block sends its totals by st.async into a slot of every block's shared memory, which
-// completes that block's mbarrier once all kCluster slots have landed. (cluster.sync(), as in
-// cluster_row_sum, is a cluster-scope release and acquire: it waits for the thread's
-// outstanding global stores and invalidates L1, dropping lines a kernel prefetched there; the
-// mbarrier wait is CTA-scoped.) Lane l of each warp then takes the totals of rank l % kCluster
+// completes that block's mbarrier once all kCluster slots have landed. (A cluster.sync() per row
+// would be a cluster-scope release and acquire: it waits for the thread's outstanding global
+// stores and invalidates L1, dropping lines a kernel prefetched or keeps there, like a weight
+// read through L1; the mbarrier wait is CTA-scoped.) Lane l of each warp then takes the totals of rank l % kCluster
 // and the lanes add them by a butterfly, so every block and thread holds bitwise the same
 // totals. Two slot buffers and mbarriers alternate by row: block A writes buffer p of block B
 // for row k + 2 only after it received row k + 1 from every block, B included, and B sends a

@@ -1,7 +1,6 @@
 // Backward kernels. dx is fused with the row statistics; the weight (and bias) gradients are
 // summed per block into fixed partial rows of the workspace, then reduced over blocks in a
 // fixed order, so they are bitwise identical from run to run.
-#include <cooperative_groups.h>
 
 #include <map>
 #include <mutex>
@@ -17,7 +16,6 @@ namespace {
 
 using detail::load_floats;
 using detail::load_param;
-using detail::cluster_row_sum;
 using detail::row_sum;
 using detail::store_floats;
 
@@ -275,8 +273,8 @@ __global__ void __launch_bounds__(kBackwardBlock, kVecs > 2 ? 1 : kBackwardBlock
   float* const dw_s = scale_s + (Smem::kStagedScale ? kChunk : 0);  // [kRowsPerBlock][kChunk]
   float* const db_s = dw_s + kRowsPerBlock * kChunk;                // LayerNorm only
   __shared__ float scratch[kThreads > 32 ? kBlock / 32 * kSums : 1];
-  __shared__ float exchange[2][kCluster][kSums];
-  int parity = 0;
+  __shared__ detail::ClusterRowSum<kCluster, kSums> cluster_sums;  // kCluster > 1
+  int cluster_rows = 0;
   const int lane = threadIdx.x % kThreads;
   const int slot = threadIdx.x / kThreads;
   const int rank = static_cast<int>(blockIdx.x % kCluster);
@@ -302,6 +300,7 @@ __global__ void __launch_bounds__(kBackwardBlock, kVecs > 2 ? 1 : kBackwardBlock
     }
     detail::cp_async_commit();
   };
+  if constexpr (kCluster > 1) cluster_sums.start();
   if constexpr (kPrefetch) prefetch(group);
 
   if constexpr (Smem::kStagedScale) {
@@ -316,12 +315,8 @@ __global__ void __launch_bounds__(kBackwardBlock, kVecs > 2 ? 1 : kBackwardBlock
       store_shared_quad(dw_s + c, make_float4(0.f, 0.f, 0.f, 0.f));
     }
   }
-  if constexpr (kCluster > 1) {
-    // Also makes sure every block of the cluster runs before its shared memory is written.
-    cooperative_groups::this_cluster().sync();
-  } else {
-    __syncthreads();
-  }
+  __syncthreads();
+  if constexpr (kCluster > 1) cluster_sums.wait_started();
   float* const dw_slot = dw_s + slot * kChunk;
   float* const db_slot = db_s + slot * kChunk;
 
@@ -385,7 +380,7 @@ __global__ void __launch_bounds__(kBackwardBlock, kVecs > 2 ? 1 : kBackwardBlock
     }
     row_sum<kThreads, kSums>(sums, scratch);
     if constexpr (kPrefetch) prefetch(row + groups);
-    if constexpr (kCluster > 1) cluster_row_sum<kCluster, kSums>(sums, exchange, parity);
+    if constexpr (kCluster > 1) cluster_sums.sum(sums, cluster_rows);
     const float inv_n = 1.f / static_cast<float>(n);
     const float mean_g = kKind == Kind::kLayer ? sums[0] * inv_n : 0.f;
     const float mean_gx = sums[kSums - 1] * inv_n;
