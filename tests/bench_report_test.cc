@@ -52,7 +52,7 @@ RunResult sample_run() {
   run.env.git_commit = "abc123";
   run.env.seed = 42;
   run.env.command_line = "trainscale-bench --suite smoke";
-  run.roofline = Roofline{"NVIDIA H100 80GB HBM3", "580.1", 3000, 2935, 782, 4ll << 30, 2ll << 30, 8192,
+  run.roofline = Roofline{"NVIDIA H100 80GB HBM3", "580.1", 3000, 2935, 782, 2.5, 4ll << 30, 2ll << 30, 8192,
                           "2026-11-21T00:00:00Z", "measured"};
   run.rows = {timed_row("rmsnorm_fwd", "trainscale", false, 1.0), timed_row("rmsnorm_fwd", "cudnn", true, 2.0),
               timed_row("softmax_fwd", "trainscale", false, 1.0), timed_row("softmax_fwd", "cudnn", true, 8.0)};
@@ -106,8 +106,8 @@ TEST(BenchJson, MatchesTheDocumentedSchema) {
                           "warmup_min", "flush_l2", "rotate", "batch", "max_throttle_retakes"}) {
     EXPECT_TRUE(j.at("meta").at("timing").contains(key)) << key;
   }
-  for (const char* key : {"gpu", "driver", "copy_gbps", "read_gbps", "gemm_bf16_tflops", "copy_bytes", "read_bytes",
-                          "gemm_n", "measured_at", "source"}) {
+  for (const char* key : {"gpu", "driver", "copy_gbps", "read_gbps", "gemm_bf16_tflops", "empty_kernel_us", "copy_bytes",
+                          "read_bytes", "gemm_n", "measured_at", "source"}) {
     EXPECT_TRUE(j.at("roofline").contains(key)) << key;
   }
   const nlohmann::json& row = j.at("rows").at(0);
@@ -182,6 +182,7 @@ TEST(BenchMarkdown, GeomeanSpeedupOverEachBaseline) {
   EXPECT_NE(md.find("| layernorm_fwd 1024x4096 bfloat16 | trainscale | FAILED |"), std::string::npos) << md;
   EXPECT_NE(md.find("does not fit in device memory"), std::string::npos);
   EXPECT_NE(md.find("`abc123`"), std::string::npos);
+  EXPECT_NE(md.find("bf16 GEMM 782.0 TFLOP/s, empty kernel 2.50 us |"), std::string::npos) << md;
   EXPECT_NE(md.find("- softmax_fwd 1024x4096 bfloat16: gated on the first 16 of 1024 rows (timed on all)\n"),
             std::string::npos)
       << md;

@@ -98,6 +98,13 @@ void launch_read(const void* src, std::size_t bytes, void* sink, cudaStream_t st
   cuda_check(cudaGetLastError(), "read kernel launch");
 }
 
+__global__ void empty_kernel() {}
+
+void launch_empty(cudaStream_t stream) {
+  empty_kernel<<<1, 32, 0, stream>>>();
+  cuda_check(cudaGetLastError(), "empty kernel launch");
+}
+
 void launch_fill_random(void* dst, std::int64_t count, const RandomFill& fill, cudaStream_t stream) {
   if (count <= 0) return;
   const auto launch = [&](auto* typed) {

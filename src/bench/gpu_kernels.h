@@ -20,6 +20,9 @@ void launch_copy(void* dst, const void* src, std::size_t bytes, cudaStream_t str
 // loads cannot be optimized away.
 void launch_read(const void* src, std::size_t bytes, void* sink, cudaStream_t stream);
 
+// A kernel that does nothing: what launching and timing cost by themselves.
+void launch_empty(cudaStream_t stream);
+
 // `count` elements of fill.dtype: element i = random_value(fill, i), as the host fill makes it.
 void launch_fill_random(void* dst, std::int64_t count, const RandomFill& fill, cudaStream_t stream);
 

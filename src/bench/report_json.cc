@@ -219,6 +219,7 @@ json to_json(const Roofline& r) {
           {"copy_gbps", r.copy_gbps},
           {"read_gbps", r.read_gbps},
           {"gemm_bf16_tflops", r.gemm_bf16_tflops},
+          {"empty_kernel_us", r.empty_kernel_us},
           {"copy_bytes", r.copy_bytes},
           {"read_bytes", r.read_bytes},
           {"gemm_n", r.gemm_n},
@@ -233,6 +234,7 @@ Roofline roofline_from_json(const json& j) {
   r.copy_gbps = j.at("copy_gbps").get<double>();
   r.read_gbps = j.at("read_gbps").get<double>();
   r.gemm_bf16_tflops = j.at("gemm_bf16_tflops").get<double>();
+  r.empty_kernel_us = j.value("empty_kernel_us", 0.0);
   r.copy_bytes = j.value("copy_bytes", std::int64_t{0});
   r.read_bytes = j.value("read_bytes", std::int64_t{0});
   r.gemm_n = j.value("gemm_n", std::int64_t{0});

@@ -32,7 +32,11 @@ void write_environment(std::ostream& out, const RunResult& r) {
   if (r.roofline) {
     out << "| Roofline | copy " << format_fixed(r.roofline->copy_gbps, 0) << " GB/s, read "
         << format_fixed(r.roofline->read_gbps, 0) << " GB/s, bf16 GEMM " << format_fixed(r.roofline->gemm_bf16_tflops, 1)
-        << " TFLOP/s |\n";
+        << " TFLOP/s";
+    if (r.roofline->empty_kernel_us > 0) {
+      out << ", empty kernel " << format_fixed(r.roofline->empty_kernel_us, 2) << " us";
+    }
+    out << " |\n";
   }
   out << '\n';
 }

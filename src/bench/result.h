@@ -75,6 +75,7 @@ struct Roofline {
   double copy_gbps = 0;       // bytes read + written / time
   double read_gbps = 0;
   double gemm_bf16_tflops = 0;  // cuBLASLt, 2*n^3 / time
+  double empty_kernel_us = 0;   // an empty kernel timed as rows are; 0: not measured
   std::int64_t copy_bytes = 0, read_bytes = 0;  // buffer sizes used
   std::int64_t gemm_n = 0;
   std::string measured_at;  // UTC ISO
