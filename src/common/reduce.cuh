@@ -1,6 +1,5 @@
 // Sums across the threads that share a row: lanes of a warp segment, then warps via shared
-// memory, then (ClusterRowSum) the blocks of a thread-block cluster that split
-// the row.
+// memory, then (ClusterRowSum) the blocks of a thread-block cluster that split the row.
 // Each call reduces kCount values at once so one barrier serves all of them.
 #pragma once
 
@@ -50,16 +49,17 @@ __device__ __forceinline__ void row_sum(float (&v)[kCount], float* scratch) {
 
 // Sums across the blocks of a cluster that share a row, without a cluster barrier per row:
 // each block sends its totals by st.async into a slot of every block's shared memory, which
-// completes that block's mbarrier once all kCluster slots have landed. (A cluster.sync() per row
-// would be a cluster-scope release and acquire: it waits for the thread's outstanding global
-// stores and invalidates L1, dropping lines a kernel prefetched or keeps there, like a weight
-// read through L1; the mbarrier wait is CTA-scoped.) Lane l of each warp then takes the totals of rank l % kCluster
-// and the lanes add them by a butterfly, so every block and thread holds bitwise the same
-// totals. Two slot buffers and mbarriers alternate by row: block A writes buffer p of block B
-// for row k + 2 only after it received row k + 1 from every block, B included, and B sends a
-// row only after its threads passed row_sum's barriers for it, hence finished reading buffer p
-// for row k. Lives in shared memory; every thread calls start(), then wait_started() before its
-// first sum(), then sum() once per row, the same rows in every block of the cluster.
+// completes that block's mbarrier once all kCluster slots have landed. (A cluster.sync() per
+// row would be a cluster-scope release and acquire: it waits for the thread's outstanding
+// global stores and invalidates L1, dropping lines a kernel prefetched or keeps there, like a
+// weight read through L1; the mbarrier wait is CTA-scoped.) Lane l of each warp then takes the
+// totals of rank l % kCluster and the lanes add them by a butterfly, so every block and thread
+// holds bitwise the same totals. Two slot buffers and mbarriers alternate by row: block A writes
+// buffer p of block B for row k + 2 only after it received row k + 1 from every block, B
+// included, and B sends a row only after its threads passed row_sum's barriers for it, hence
+// finished reading buffer p for row k. Lives in shared memory; every thread calls start(), then
+// wait_started() before its first sum(), then sum() once per row, the same rows in every block
+// of the cluster.
 template <int kCluster, int kSums>
 struct ClusterRowSum {
   static_assert(kCluster > 0 && kCluster <= 32 && (kCluster & (kCluster - 1)) == 0);
