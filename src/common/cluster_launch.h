@@ -34,10 +34,14 @@ inline cudaLaunchConfig_t cluster_config(std::int64_t grid, int block, int clust
   return config;
 }
 
+// The largest portable cluster; larger ones need cudaFuncAttributeNonPortableClusterSizeAllowed.
+inline constexpr int kPortableClusterSize = 8;
+
 // Clusters of `cluster` blocks of `kernel` resident at once on the current device (0: the
-// configuration does not fit it). Asked once per device and configuration: the occupancy query
-// costs microseconds of host time per launch otherwise. The kernel's dynamic shared-memory
-// limit must already allow `smem`.
+// configuration does not fit it; sizes beyond the portable 8 are asked for, and a device or
+// driver that refuses them counts as fitting none). Asked once per device and configuration:
+// the occupancy query costs microseconds of host time per launch otherwise. The kernel's
+// dynamic shared-memory limit must already allow `smem`.
 template <class... Params>
 int max_active_clusters(void (*kernel)(Params...), int block, int cluster, std::size_t smem,
                         std::string_view op) {
@@ -49,12 +53,23 @@ int max_active_clusters(void (*kernel)(Params...), int block, int cluster, std::
   const Key key{device, kernel, block, cluster, smem};
   const std::lock_guard<std::mutex> lock(mutex);
   if (const auto it = cache.find(key); it != cache.end()) return it->second;
-  cudaLaunchAttribute attribute;
-  const cudaLaunchConfig_t config =
-      cluster_config(cluster, block, cluster, smem, nullptr, attribute);
   int count = 0;
-  check_cuda(cudaOccupancyMaxActiveClusters(&count, kernel, &config), op,
-             "cudaOccupancyMaxActiveClusters");
+  const bool non_portable = cluster > kPortableClusterSize;
+  if (non_portable && cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed,
+                                           1) != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky; a later launch check must not see it
+  } else {
+    cudaLaunchAttribute attribute;
+    const cudaLaunchConfig_t config =
+        cluster_config(cluster, block, cluster, smem, nullptr, attribute);
+    const cudaError_t status = cudaOccupancyMaxActiveClusters(&count, kernel, &config);
+    if (non_portable && status != cudaSuccess) {
+      (void)cudaGetLastError();
+      count = 0;
+    } else {
+      check_cuda(status, op, "cudaOccupancyMaxActiveClusters");
+    }
+  }
   cache.emplace(key, count);
   return count;
 }

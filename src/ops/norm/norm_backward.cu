@@ -97,8 +97,6 @@ auto with_backward_config(std::int64_t vecs, Fn&& fn) {
 // Longest row (16-byte vectors) of the register kernel: 16 blocks of 512 threads x 4 vectors;
 // bf16 N <= 262144, fp32 N <= 131072.
 constexpr std::int64_t kMaxBackwardRegisterVecs = 16 * 512 * 4;
-// The largest portable cluster; larger ones need cudaFuncAttributeNonPortableClusterSizeAllowed.
-constexpr int kPortableCluster = 8;
 // Upper bound of resident blocks per SM of every backward kernel (2048 threads / 512): the
 // grid, hence the workspace, never has more than sm_count * this many partial rows.
 constexpr int kMaxBlocksPerSm = 2048 / kBackwardBlock;
@@ -550,32 +548,6 @@ RegisterKernel register_kernel(std::int64_t cols) {
   });
 }
 
-// Clusters of k.cluster blocks resident at once on the current device (0: the configuration does
-// not fit it). Sizes beyond the portable 8 are asked for, and a device or driver that refuses
-// them counts as fitting none.
-std::int64_t query_resident_clusters(const RegisterKernel& k, const char* op) {
-  const auto& info = detail::current_device_info();
-  const bool non_portable = k.cluster > kPortableCluster;
-  if (non_portable && cudaFuncSetAttribute(k.kernel,
-                                           cudaFuncAttributeNonPortableClusterSizeAllowed,
-                                           1) != cudaSuccess) {
-    (void)cudaGetLastError();  // not sticky; check_launch must not see it
-    return 0;
-  }
-  cudaLaunchAttribute attribute;
-  const cudaLaunchConfig_t config =
-      detail::cluster_config(k.cluster, kBackwardBlock, k.cluster, k.smem, nullptr, attribute);
-  int count = 0;
-  const cudaError_t status = cudaOccupancyMaxActiveClusters(&count, k.kernel, &config);
-  if (non_portable && status != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  detail::check_cuda(status, op, "cudaOccupancyMaxActiveClusters");
-  return std::min<std::int64_t>(count, static_cast<std::int64_t>(info.sm_count) *
-                                           kMaxBlocksPerSm / k.cluster);
-}
-
 // Shared memory (of the SM's L1 + shared total) just enough for one block, so that the rest is
 // L1, where the weight stays for every row when the kernel does not stage it; the driver's own
 // choice may take the largest configuration (228 KB: 28 KB of L1 for a 32-64 KB weight chunk).
@@ -608,7 +580,11 @@ std::int64_t query_resident_groups(const RegisterKernel& k, const char* op) {
                                           static_cast<int>(k.smem)),
                      op, "cudaFuncSetAttribute");
   if (k.weight_from_l1) prefer_shared_memory_of_one_block(k, op);
-  if (k.cluster > 1) return query_resident_clusters(k, op);
+  if (k.cluster > 1) {
+    return std::min<std::int64_t>(
+        detail::max_active_clusters(k.kernel, kBackwardBlock, k.cluster, k.smem, op),
+        static_cast<std::int64_t>(info.sm_count) * kMaxBlocksPerSm / k.cluster);
+  }
   int count = 0;
   detail::check_cuda(
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&count, k.kernel, kBackwardBlock, k.smem), op,
