@@ -67,8 +67,10 @@ std::string shape_name(DType dt, const Shape& s, DType wdt, NormVariant v) {
 }
 
 std::vector<Shape> shapes() {
-  // 64 and 248: rows of 4 and 8 (bf16) threads sharing a warp, partly filled blocks.
-  return {{5, 1, 0},    {9, 7, 1},     {100, 64, 0},  {37, 248, 8},  {33, 127, 0},
+  // 8 and 16: rows of 1 and 2 (bf16) threads, 256 and 128 rows per block, the last block
+  // partly filled; 64 and 248: rows of 4 and 8 (bf16) threads sharing a warp.
+  return {{5, 1, 0},    {9, 7, 1},     {300, 8, 0},   {270, 16, 8},  {100, 64, 0},
+          {37, 248, 8}, {33, 127, 0},
           {12, 512, 0}, {17, 1000, 8},
           {64, 4096, 0}, {7, 5123, 3}, {5, 8192, 16}, {6, 16384, 8},  {4, 32768, 0},
           {3, 65536, 0}, {2, 131072, 0}, {2, 262144, 0},

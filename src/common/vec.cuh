@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/dtype.cuh"
 
@@ -63,8 +64,20 @@ namespace trainscale::detail {
 
 template <class T, int N>
 __device__ __forceinline__ void to_floats(const Vec<T, N>& v, float (&out)[N]) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && N % 2 == 0) {
+    // A bf16 is a float's high half: one shift or mask per element from the packed pair,
+    // where __bfloat162float took a byte permute and a shift for every high half.
 #pragma unroll
-  for (int j = 0; j < N; ++j) out[j] = to_float(v.v[j]);
+    for (int j = 0; j < N; j += 2) {
+      std::uint32_t pair;
+      memcpy(&pair, &v.v[j], sizeof(pair));
+      out[j] = __uint_as_float(pair << 16);
+      out[j + 1] = __uint_as_float(pair & 0xffff0000u);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j) out[j] = to_float(v.v[j]);
+  }
 }
 
 template <class T, int N, bool kStreaming = true>

@@ -200,7 +200,10 @@ __device__ __forceinline__ void accumulate(const float (&v)[V], float pivot,
 }
 
 struct RowStats {
-  float mean;    // saved: from the plain sum, since pivot + shift cancels near mean 0
+  // Saved: from the plain sum. pivot + (mean - pivot) loses the mean near 0 on long rows (the
+  // partial sums of x - pivot grow with the row): at bf16 16384x131072 its relative L2 error
+  // was 1e-5, at the fp32 tolerance.
+  float mean;
   float rstd;
   float offset;  // LayerNorm: -(mean - pivot) * rstd, so x-hat = (x - pivot) * rstd + offset
 };
@@ -222,8 +225,8 @@ __device__ __forceinline__ RowStats row_stats(const float (&sums)[kSums<kKind>],
   }
 }
 
-// One FMA per element for LayerNorm's x-hat: the kernel issues about 12 instructions per
-// element and is near the issue limit at bf16 N = 8192.
+// One FMA per element for LayerNorm's x-hat: its kernel issues 26 instructions per element
+// at bf16 N = 8192 (SASS of the whole kernel over a thread's 32 elements), RMSNorm's 18.
 template <Kind kKind>
 __device__ __forceinline__ float normalize(float v, float pivot, const RowStats& st, float scale,
                                            float shift) {
@@ -675,6 +678,8 @@ void launch_forward(const ForwardArgs& a, NormVariant variant, cudaStream_t stre
   }
   // Choice per row (H100, ptxas for sm_90a: every register configuration <= 64 registers,
   // no spills, so 4 blocks of 256 threads per SM unless shared memory says fewer):
+  //   16-bit N <= 32 (fp32 N <= 16): 1 vector per thread, 1 ... 4 threads per row, 256 ... 64
+  //     rows per block.
   //   16-bit N <= 1024 (fp32 N <= 512): 4 vectors per thread, 4 ... 32 threads per row, 64 ... 8
   //     rows per block.
   //   16-bit N 2048 / 4096 / 8192: 64 / 128 / 256 threads per row, 4 vectors each; kRegisters
