@@ -33,7 +33,8 @@ enum class NormVariant {
   kPipelined,  // forward only (the backward chooses as for kAuto): kRegisters with the next row
                // group's loads in flight (cp.async into a two-stage shared-memory ring) during
                // this group's reduction and stores; needs shared memory for the staged
-               // parameters and two row groups (kAuto's choice up to 256 vectors per row)
+               // parameters and two row groups (kAuto's choice up to 256 vectors per row,
+               // 512 for the fused add)
 };
 
 struct RMSNormOptions {

@@ -691,11 +691,11 @@ void launch_forward(const ForwardArgs& a, NormVariant variant, cudaStream_t stre
   //     vectors; 27-64 registers, no spills). Longer rows (16-bit N <= 262144, fp32 N <=
   //     131072), and kAuto's choice for them: a cluster of 2 / 4 / 8 blocks of 1024 threads
   //     per row, one block per SM.
-  //   kPipelined (kAuto's choice up to 256 vectors): kRegisters' threads per row, 40-64 registers,
-  //     no spills, plus two row groups in shared memory: 16-bit RMSNorm N = 4096 48 KB per block
-  //     (4 blocks per SM), N = 8192 64 KB (3), LayerNorm N = 8192 96 KB (2), N = 16384 128 /
-  //     192 KB (1 block of 512); the fused add's residual doubles the ring (fp32: triples it).
-  //     No room for 16-bit N = 32768.
+  //   kPipelined (kAuto's choice up to 256 vectors, the fused add's up to 512): kRegisters'
+  //     threads per row, 40-64 registers, no spills, plus two row groups in shared memory:
+  //     16-bit RMSNorm N = 4096 48 KB per block (4 blocks per SM), N = 8192 64 KB (3),
+  //     LayerNorm N = 8192 96 KB (2), N = 16384 128 / 192 KB (1 block of 512); the fused add's
+  //     residual doubles the ring (fp32: triples it). No room for 16-bit N = 32768.
   //   kRegisters' LayerNorm 16-bit N > 29008 (tables over the 227 KB per block), rows beyond
   //   kRows' cluster or whose cluster cannot be resident, and unaligned rows: two passes.
   NormVariant chosen = variant == NormVariant::kAuto
