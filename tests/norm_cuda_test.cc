@@ -592,6 +592,63 @@ TEST(NormCuda, LayerNormVarianceWhenMeanDominates) {
   }
 }
 
+// An absent weight counts as ones and an absent bias as zeros on every forward path. The rows
+// variant takes a loop without null checks when all parameters are given, and another when one
+// is missing: both must agree with the reference. bf16 (16-byte vectors of 8) and fp32, rows of
+// one warp, of one block and of a cluster, and an unaligned row (two passes).
+TEST(NormCuda, ForwardWithoutWeightOrBias) {
+  TS_REQUIRE_GPU();
+  for (DType dt : {DType::kBFloat16, DType::kFloat32}) {
+    for (const Shape& s : std::vector<Shape>{{37, 248, 8}, {9, 8192, 0}, {3, 65536, 0},
+                                             {5, 5123, 3}}) {
+      for (bool layer : {false, true}) {
+        for (NormVariant variant : forward_variants(s.cols, dt, layer)) {
+          if (row_vectors(s, dt) < 0 && variant != NormVariant::kTwoPass &&
+              variant != NormVariant::kAuto) {
+            continue;
+          }
+          // (weight, bias) given: LayerNorm takes each absence alone and both; RMSNorm has no bias.
+          for (int given : layer ? std::vector<int>{0, 1, 2} : std::vector<int>{0}) {
+            const bool has_w = given == 2, has_b = given == 1;
+            SCOPED_TRACE(shape_name(dt, s, dt, variant) + (layer ? " layer" : " rms") +
+                         " weight " + std::to_string(has_w) + " bias " + std::to_string(has_b));
+            auto x = HostTensor::random(dt, {s.rows, s.cols}, -2, 2, s.pad);
+            auto w = HostTensor::random(dt, {s.cols}, 0.5, 1.5);
+            auto b = HostTensor::random(dt, {s.cols}, -0.5, 0.5);
+            DeviceTensor d_x(x), d_w(w), d_b(b);
+            DeviceTensor d_y(HostTensor(dt, {s.rows, s.cols}, s.pad), false);
+            DeviceTensor d_mean(HostTensor(DType::kFloat32, {s.rows}), false);
+            DeviceTensor d_rstd(HostTensor(DType::kFloat32, {s.rows}), false);
+            auto x64 = as_f64(x), w64 = as_f64(w), b64 = as_f64(b);
+            HostTensor y64(DType::kFloat64, {s.rows, s.cols}), mean64(DType::kFloat64, {s.rows}),
+                rstd64(DType::kFloat64, {s.rows});
+            const TensorView w_ref = has_w ? w64.view() : TensorView{};
+            const TensorView b_ref = has_b ? b64.view() : TensorView{};
+            const TensorView w_dev = has_w ? d_w.view() : TensorView{};
+            const TensorView b_dev = has_b ? d_b.view() : TensorView{};
+            if (layer) {
+              layernorm_forward(x64.view(), w_ref, b_ref, y64.view(), mean64.view(),
+                                rstd64.view());
+              ops::norm::layernorm_forward_cuda(d_x.view(), w_dev, b_dev, d_y.view(),
+                                                d_mean.view(), d_rstd.view(),
+                                                layer_options(variant), nullptr);
+            } else {
+              rmsnorm_forward(x64.view(), w_ref, y64.view(), rstd64.view(), rms_options(variant));
+              ops::norm::rmsnorm_forward_cuda(d_x.view(), w_dev, d_y.view(), d_rstd.view(),
+                                              rms_options(variant, 0.0), nullptr);
+            }
+            EXPECT_TRUE(test::matches_reference(d_y.to_host().values(), y64.values(),
+                                                test::tolerance(dt)))
+                << "y";
+            EXPECT_TRUE(test::matches_reference(d_rstd.to_host().values(), rstd64.values(), 1e-5))
+                << "rstd";
+          }
+        }
+      }
+    }
+  }
+}
+
 // Forcing the register kernel (or the pipelined one) on a row whose staged LayerNorm weight and
 // bias (8 bytes per column) exceed a block's shared memory is an error, not a fault; auto takes
 // two passes, and the rows variant, which stages nothing, runs it.

@@ -251,15 +251,15 @@ template <Kind kKind, int V>
 struct StagedParams {
   static constexpr int kChunks = V / 4;
   float* base;
-  std::int64_t vecs;
+  int vecs;
 
-  __device__ __forceinline__ float* at(int table, std::int64_t col) const {
-    const std::int64_t u = col / V;
-    const int j = static_cast<int>(col % V);
+  __device__ __forceinline__ float* at(int table, int col) const {
+    const int u = col / V;
+    const int j = col % V;
     return base + ((table * kChunks + j / 4) * vecs + u) * 4 + j % 4;
   }
-  __device__ __forceinline__ void load(int table, std::int64_t col, float (&out)[V]) const {
-    const std::int64_t u = col / V;
+  __device__ __forceinline__ void load(int table, int col, float (&out)[V]) const {
+    const int u = col / V;
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
       const float4 q = reinterpret_cast<const float4*>(base)[(table * kChunks + c) * vecs + u];
@@ -270,7 +270,7 @@ struct StagedParams {
     }
   }
   // Scale and shift of the row vector at col.
-  __device__ __forceinline__ void scale_shift(const ForwardArgs&, std::int64_t col, float (&scale)[V],
+  __device__ __forceinline__ void scale_shift(const ForwardArgs&, int col, float (&scale)[V],
                                               float (&shift)[V]) const {
     load(0, col, scale);
     if constexpr (kKind == Kind::kLayer) load(1, col, shift);
@@ -281,27 +281,33 @@ struct StagedParams {
 // T, known at compile time: loads of both kinds behind the runtime flags spilled), 16 bytes
 // per load, L1/L2-resident since every row reads them. Their lines are prefetched into L1
 // before the row's reduction, so the latency overlaps it without holding registers: the kernel
-// is at its 64-register cap, and parameters held across the reduction spilled.
+// is at its 64-register cap, and parameters held across the reduction spilled. kPresent: the
+// caller checked that every parameter is given (the usual case), so no vector tests for null
+// (two 64-bit compares each, which the compiler re-issued per vector).
 template <class T, class W, class B, Kind kKind, int V, int kVecs>
 struct GlobalParams {
+  static __device__ __forceinline__ bool all_present(const ForwardArgs& a) {
+    return a.weight != nullptr && (kKind == Kind::kRms || a.bias != nullptr);
+  }
   // The thread's columns of a block holding `block_cols` columns from first_col.
-  static __device__ __forceinline__ void prefetch(const ForwardArgs& a, std::int64_t first_col,
-                                                  std::int64_t block_cols, int lane,
-                                                  int threads) {
+  template <bool kPresent>
+  static __device__ __forceinline__ void prefetch(const ForwardArgs& a, int first_col,
+                                                  int block_cols, int lane, int threads) {
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
-      const std::int64_t in_block = (static_cast<std::int64_t>(i) * threads + lane) * V;
+      const int in_block = (i * threads + lane) * V;
       if (in_block >= block_cols) continue;
-      const std::int64_t col = first_col + in_block;
-      if (a.weight) detail::prefetch_l1(static_cast<const W*>(a.weight) + col);
+      const int col = first_col + in_block;
+      if (kPresent || a.weight) detail::prefetch_l1(static_cast<const W*>(a.weight) + col);
       if constexpr (kKind == Kind::kLayer) {
-        if (a.bias) detail::prefetch_l1(static_cast<const B*>(a.bias) + col);
+        if (kPresent || a.bias) detail::prefetch_l1(static_cast<const B*>(a.bias) + col);
       }
     }
   }
-  static __device__ __forceinline__ void scale_shift(const ForwardArgs& a, std::int64_t col,
+  template <bool kPresent>
+  static __device__ __forceinline__ void scale_shift(const ForwardArgs& a, int col,
                                                      float (&scale)[V], float (&shift)[V]) {
-    if (a.weight) {
+    if (kPresent || a.weight) {
       load_floats<W, V, false>(static_cast<const W*>(a.weight) + col, scale);
     } else {
 #pragma unroll
@@ -310,7 +316,7 @@ struct GlobalParams {
     if constexpr (kKind == Kind::kRms) {
 #pragma unroll
       for (int j = 0; j < V; ++j) scale[j] += a.weight_offset;
-    } else if (a.bias) {
+    } else if (kPresent || a.bias) {
       load_floats<B, V, false>(static_cast<const B*>(a.bias) + col, shift);
     }
   }
@@ -327,23 +333,38 @@ template <class T, Kind kKind, int kBlock, int V>
 __device__ __forceinline__ void stage_params(const ForwardArgs& a,
                                              const StagedParams<kKind, V>& p) {
   constexpr int kBatch = 8;
-  for (std::int64_t base = threadIdx.x; base < a.cols; base += kBlock * kBatch) {
+  const int n = static_cast<int>(a.cols);
+  for (int base = threadIdx.x; base < n; base += kBlock * kBatch) {
     float scale[kBatch], shift[kBatch];
 #pragma unroll
     for (int k = 0; k < kBatch; ++k) {
-      const std::int64_t col = base + k * kBlock;
-      scale[k] = col < a.cols ? load_scale<T, kKind>(a, col) : 0.f;
-      if constexpr (kKind == Kind::kLayer) shift[k] = col < a.cols ? load_shift<T>(a, col) : 0.f;
+      const int col = base + k * kBlock;
+      scale[k] = col < n ? load_scale<T, kKind>(a, col) : 0.f;
+      if constexpr (kKind == Kind::kLayer) shift[k] = col < n ? load_shift<T>(a, col) : 0.f;
     }
 #pragma unroll
     for (int k = 0; k < kBatch; ++k) {
-      const std::int64_t col = base + k * kBlock;
-      if (col >= a.cols) break;
+      const int col = base + k * kBlock;
+      if (col >= n) break;
       *p.at(0, col) = scale[k];
       if constexpr (kKind == Kind::kLayer) *p.at(1, col) = shift[k];
     }
   }
 }
+
+// Blocks per SM the register kernel is compiled for: 5 blocks of 256 threads (48 registers)
+// where ptxas fits them without spilling, which keeps a fifth row group in flight per SM:
+// RMSNorm without the residual, and bf16 LayerNorm with bf16 weight and bias. The others (fp16
+// LayerNorm, fp32 parameters, the fused add's residual) spill 4-24 bytes at 48 registers and
+// keep 4 (64 registers). H100, bf16, 65536x8192: rmsnorm at 53 registers (4 blocks per SM)
+// 2902 GB/s; the build before at 48 (5 blocks) 2993.
+template <class T, class R, class W, class B, Kind kKind, int kBlock>
+constexpr int kMinBlocksPerSm =
+    kBlock == 256 && std::is_void_v<R> &&
+            (kKind == Kind::kRms || (std::is_same_v<T, __nv_bfloat16> &&
+                                     std::is_same_v<W, T> && std::is_same_v<B, T>))
+        ? 5
+        : 1024 / kBlock;
 
 // Whole row in registers (as stored: 16 bytes per vector for 16-bit inputs): kThreads threads
 // per row, kVecs vectors of V elements each; aligned rows of a multiple of V elements.
@@ -363,7 +384,8 @@ __device__ __forceinline__ void stage_params(const ForwardArgs& a,
 //     barriers and stores (in kRegisters a block has no reads in flight then).
 template <class T, class R, class W, class B, Kind kKind, NormVariant kVariant, int kThreads,
           int kVecs, int kCluster>
-__global__ void __launch_bounds__(kBlockFor<kThreads>, 1024 / kBlockFor<kThreads>)
+__global__ void __launch_bounds__(kBlockFor<kThreads>,
+                                  kMinBlocksPerSm<T, R, W, B, kKind, kBlockFor<kThreads>>)
     forward_registers_kernel(ForwardArgs a) {
   // The pivot would race with the residual write-back of the row's first vector.
   static_assert(kKind == Kind::kRms || std::is_void_v<R>);
@@ -383,18 +405,21 @@ __global__ void __launch_bounds__(kBlockFor<kThreads>, 1024 / kBlockFor<kThreads
   extern __shared__ float4 staged[];
   const int lane = threadIdx.x % kThreads;
   const int slot = threadIdx.x / kThreads;
-  const std::int64_t n = a.cols;
+  // Columns as int: the register kernels take rows of at most 8 x 4096 vectors. 32-bit bounds
+  // checks are one compare each, 64-bit ones two.
+  const int n = static_cast<int>(a.cols);
   // The block's columns of each row: all of them, or its rank's chunk of a cluster's row (a
   // whole number of vectors, as even as the vector count allows).
   const int rank = static_cast<int>(blockIdx.x % kCluster);
-  const int chunk_cols = (static_cast<int>(n / V) + kCluster - 1) / kCluster * V;
+  const int chunk_cols = (n / V + kCluster - 1) / kCluster * V;
   const int first_col = rank * chunk_cols;
-  const std::int64_t block_cols =
-      kCluster == 1 ? n : min(chunk_cols, static_cast<int>(n) - first_col);
+  const int block_cols = kCluster == 1 ? n : min(chunk_cols, n - first_col);
   const StagedParams<kKind, V> staged_params{reinterpret_cast<float*>(staged), n / V};
   // The ring follows the staged tables (a multiple of 16 bytes: n is a multiple of V >= 4).
   const Ring ring{reinterpret_cast<uint4*>(staged) + staged_param_bytes<kKind>(n) / sizeof(uint4),
                   static_cast<int>(n / V)};
+  using Params = GlobalParams<T, W, B, kKind, V, kVecs>;  // kRows
+  const bool params_present = Params::all_present(a);
   const std::int64_t first_group = static_cast<std::int64_t>(blockIdx.x / kCluster) * kRowsPerBlock;
   const std::int64_t group_stride = static_cast<std::int64_t>(gridDim.x / kCluster) * kRowsPerBlock;
 
@@ -438,7 +463,7 @@ __global__ void __launch_bounds__(kBlockFor<kThreads>, 1024 / kBlockFor<kThreads
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       const int u = i * kThreads + lane;
-      const std::int64_t col = static_cast<std::int64_t>(u) * V;
+      const int col = u * V;
       if (!valid || col >= block_cols) continue;
       if constexpr (kPipelined) {
         held[i] = ring.take(a, row, slot, stage, u);
@@ -453,13 +478,17 @@ __global__ void __launch_bounds__(kBlockFor<kThreads>, 1024 / kBlockFor<kThreads
     }
     if constexpr (!kStaged) {
       if (valid) {
-        GlobalParams<T, W, B, kKind, V, kVecs>::prefetch(a, first_col, block_cols, lane, kThreads);
+        if (params_present) {
+          Params::template prefetch<true>(a, first_col, block_cols, lane, kThreads);
+        } else {
+          Params::template prefetch<false>(a, first_col, block_cols, lane, kThreads);
+        }
       }
     }
     float sums[kSums<kKind>] = {};
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
-      const std::int64_t col = (static_cast<std::int64_t>(i) * kThreads + lane) * V;
+      const int col = (i * kThreads + lane) * V;
       if (!valid || col >= block_cols) continue;
       float v[V];
       detail::to_floats(held[i], v);
@@ -470,20 +499,28 @@ __global__ void __launch_bounds__(kBlockFor<kThreads>, 1024 / kBlockFor<kThreads
     const RowStats st = row_stats<kKind>(sums, n, a.eps);
     if (!valid) continue;
     T* y_row = static_cast<T*>(a.y) + row * a.y_stride + first_col;
+    const auto normalize_row = [&](auto present) {
 #pragma unroll
-    for (int i = 0; i < kVecs; ++i) {
-      const std::int64_t col = (static_cast<std::int64_t>(i) * kThreads + lane) * V;
-      if (col >= block_cols) continue;
-      float v[V], scale[V], shift[V] = {};
-      detail::to_floats(held[i], v);
-      if constexpr (kStaged) {
-        staged_params.scale_shift(a, col, scale, shift);
-      } else {
-        GlobalParams<T, W, B, kKind, V, kVecs>::scale_shift(a, first_col + col, scale, shift);
+      for (int i = 0; i < kVecs; ++i) {
+        const int col = (i * kThreads + lane) * V;
+        if (col >= block_cols) continue;
+        float v[V], scale[V], shift[V] = {};
+        detail::to_floats(held[i], v);
+        if constexpr (kStaged) {
+          staged_params.scale_shift(a, col, scale, shift);
+        } else {
+          Params::template scale_shift<decltype(present)::value>(a, first_col + col, scale,
+                                                                  shift);
+        }
+#pragma unroll
+        for (int j = 0; j < V; ++j) v[j] = normalize<kKind>(v[j], pivot, st, scale[j], shift[j]);
+        store_floats<T, V>(y_row + col, v);
       }
-#pragma unroll
-      for (int j = 0; j < V; ++j) v[j] = normalize<kKind>(v[j], pivot, st, scale[j], shift[j]);
-      store_floats<T, V>(y_row + col, v);
+    };
+    if (kStaged || params_present) {
+      normalize_row(std::true_type{});
+    } else {
+      normalize_row(std::false_type{});
     }
     if (lane == 0 && rank == 0) {
       if (a.rstd) a.rstd[row] = st.rstd;
@@ -573,6 +610,13 @@ std::size_t forward_shared_bytes(std::int64_t cols) {
 constexpr std::int64_t kBlockVecs = kMaxRegisterVecs<kForwardVecsPerThread>;
 constexpr std::int64_t kMaxClusterVecs = 8 * kBlockVecs;
 
+// Row groups each cluster takes in turn (the grid has a quarter as many clusters as row
+// groups). One per cluster paid every cluster's launch, its cluster barrier and its first L1
+// misses on the weights once per row; H100, bf16, same run, GB/s at 1 / 4 / 16 groups:
+// rmsnorm 32768x65536 2768 / 2925 / 2850, 16384x131072 2585 / 2791 / 2742; layernorm
+// 32768x65536 2589 / 2746 / 2726; the fused add 16384x131072 2621 / 2847 / 2828.
+constexpr std::int64_t kClusterRowGroups = 4;
+
 template <class Fn>
 auto with_row_cluster(std::int64_t vecs, Fn&& fn) {
   using std::integral_constant;
@@ -605,7 +649,8 @@ bool launch_registers(const ForwardArgs& a, std::int64_t vecs, cudaStream_t stre
           forward_registers_kernel<T, R, W, B, kKind, kVariant, kThreads, kVecs, kCluster>;
       if (detail::max_active_clusters(kernel, kBlock, kCluster, 0, op) == 0) return false;
       const std::int64_t clusters =
-          std::min<std::int64_t>(row_groups, std::numeric_limits<int>::max() / kCluster);
+          std::min<std::int64_t>((row_groups + kClusterRowGroups - 1) / kClusterRowGroups,
+                                 std::numeric_limits<int>::max() / kCluster);
       detail::launch_in_clusters(kernel, clusters * kCluster, kBlock, kCluster, 0, stream, op, a);
       return true;
     } else {
@@ -677,7 +722,8 @@ void launch_forward(const ForwardArgs& a, NormVariant variant, cudaStream_t stre
     aligned = aligned && rows_vectorizable(a.residual, a.residual_stride, sizeof(R));
   }
   // Choice per row (H100, ptxas for sm_90a: every register configuration <= 64 registers,
-  // no spills, so 4 blocks of 256 threads per SM unless shared memory says fewer):
+  // no spills, so 4 blocks of 256 threads per SM, 5 where kMinBlocksPerSm asks 48 registers,
+  // unless shared memory says fewer):
   //   16-bit N <= 32 (fp32 N <= 16): 1 vector per thread, 1 ... 4 threads per row, 256 ... 64
   //     rows per block.
   //   16-bit N <= 1024 (fp32 N <= 512): 4 vectors per thread, 4 ... 32 threads per row, 64 ... 8
