@@ -352,19 +352,16 @@ __device__ __forceinline__ void stage_params(const ForwardArgs& a,
   }
 }
 
-// Blocks per SM the register kernel is compiled for: 5 blocks of 256 threads (48 registers)
-// where ptxas fits them without spilling, which keeps a fifth row group in flight per SM:
-// RMSNorm without the residual, and bf16 LayerNorm with bf16 weight and bias. The others (fp16
-// LayerNorm, fp32 parameters, the fused add's residual) spill 4-24 bytes at 48 registers and
-// keep 4 (64 registers). H100, bf16, 65536x8192: rmsnorm at 53 registers (4 blocks per SM)
-// 2902 GB/s; the build before at 48 (5 blocks) 2993.
-template <class T, class R, class W, class B, Kind kKind, int kBlock>
+// Blocks per SM the register kernel is compiled for: RMSNorm without the residual takes 5
+// blocks of 256 threads (48 registers, no spills), so a fifth row group is in flight per SM.
+// H100, bf16, same build otherwise: rmsnorm 65536x8192 2902 GB/s at 53 registers (4 blocks per
+// SM) -> 2993 at 48, 4096x8192 2607 -> 2683, 32768x1024 2565 -> 2608. bf16 LayerNorm (48
+// registers without spills too) was slower at 5 blocks: 4096x8192 2358 -> 2296, 32768x1024
+// 2424 -> 2327, 65536x8192 2736 -> 2724. The fused add (fp16, or an fp32 residual) and
+// LayerNorm with fp32 parameters spill at 48.
+template <class R, Kind kKind, int kBlock>
 constexpr int kMinBlocksPerSm =
-    kBlock == 256 && std::is_void_v<R> &&
-            (kKind == Kind::kRms || (std::is_same_v<T, __nv_bfloat16> &&
-                                     std::is_same_v<W, T> && std::is_same_v<B, T>))
-        ? 5
-        : 1024 / kBlock;
+    kBlock == 256 && std::is_void_v<R> && kKind == Kind::kRms ? 5 : 1024 / kBlock;
 
 // Whole row in registers (as stored: 16 bytes per vector for 16-bit inputs): kThreads threads
 // per row, kVecs vectors of V elements each; aligned rows of a multiple of V elements.
@@ -385,7 +382,7 @@ constexpr int kMinBlocksPerSm =
 template <class T, class R, class W, class B, Kind kKind, NormVariant kVariant, int kThreads,
           int kVecs, int kCluster>
 __global__ void __launch_bounds__(kBlockFor<kThreads>,
-                                  kMinBlocksPerSm<T, R, W, B, kKind, kBlockFor<kThreads>>)
+                                  kMinBlocksPerSm<R, kKind, kBlockFor<kThreads>>)
     forward_registers_kernel(ForwardArgs a) {
   // The pivot would race with the residual write-back of the row's first vector.
   static_assert(kKind == Kind::kRms || std::is_void_v<R>);
@@ -722,8 +719,8 @@ void launch_forward(const ForwardArgs& a, NormVariant variant, cudaStream_t stre
     aligned = aligned && rows_vectorizable(a.residual, a.residual_stride, sizeof(R));
   }
   // Choice per row (H100, ptxas for sm_90a: every register configuration <= 64 registers,
-  // no spills, so 4 blocks of 256 threads per SM, 5 where kMinBlocksPerSm asks 48 registers,
-  // unless shared memory says fewer):
+  // no spills, so 4 blocks of 256 threads per SM, 5 for RMSNorm (kMinBlocksPerSm), unless
+  // shared memory says fewer):
   //   16-bit N <= 32 (fp32 N <= 16): 1 vector per thread, 1 ... 4 threads per row, 256 ... 64
   //     rows per block.
   //   16-bit N <= 1024 (fp32 N <= 512): 4 vectors per thread, 4 ... 32 threads per row, 64 ... 8
