@@ -225,8 +225,10 @@ __device__ __forceinline__ RowStats row_stats(const float (&sums)[kSums<kKind>],
   }
 }
 
-// One FMA per element for LayerNorm's x-hat: its kernel issues 26 instructions per element
-// at bf16 N = 8192 (SASS of the whole kernel over a thread's 32 elements), RMSNorm's 18.
+// One FMA per element for LayerNorm's x-hat. The bf16 kRows kernel at N = 8192 issues 21
+// instructions per element with every parameter given (SASS of the whole kernel over a
+// thread's 32 elements), RMSNorm's 15; fewer instructions did not make LayerNorm faster
+// (docs/perf-notes.md, session 8).
 template <Kind kKind>
 __device__ __forceinline__ float normalize(float v, float pivot, const RowStats& st, float scale,
                                            float shift) {
