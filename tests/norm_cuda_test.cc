@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <utility>
 
 #include "common/cuda_check.h"
 #include "ops/norm/norm_cuda.h"
@@ -74,6 +75,9 @@ std::vector<Shape> shapes() {
           {12, 512, 0}, {17, 1000, 8},
           {64, 4096, 0}, {7, 5123, 3}, {5, 8192, 16}, {6, 16384, 8},  {4, 32768, 0},
           {3, 65536, 0}, {2, 131072, 0}, {2, 262144, 0},
+          // kPipelined's one vector per thread (16-bit: 5 vectors, 8 threads per row) over more
+          // row groups than LayerNorm's persistent grid.
+          {26000, 40, 0},
           // More rows than any grid: blocks and clusters take several rows each.
           {560, 65536, 0}};
 }
@@ -417,6 +421,45 @@ std::vector<NormVariant> forward_variants(std::int64_t cols, DType dt, bool laye
   return variants;
 }
 
+// Whether a forced variant applies to the shape: the register kernels take aligned rows only.
+bool variant_applies(const Shape& s, DType dt, NormVariant variant) {
+  return row_vectors(s, dt) > 0 || variant == NormVariant::kTwoPass ||
+         variant == NormVariant::kAuto;
+}
+
+// LayerNorm forward on the device and in the fp64 reference over the same inputs (x uniform in
+// [x_lo, x_hi], strided as the shape says; weight and bias of dtype dt unless absent).
+struct LayerNormForwardRun {
+  HostTensor y, mean, rstd;           // device
+  HostTensor y64, mean64, rstd64;     // reference
+};
+
+LayerNormForwardRun run_layernorm_forward(DType dt, const Shape& s, NormVariant variant,
+                                          double x_lo = -2, double x_hi = 2, bool has_w = true,
+                                          bool has_b = true) {
+  auto x = HostTensor::random(dt, {s.rows, s.cols}, x_lo, x_hi, s.pad);
+  auto w = HostTensor::random(dt, {s.cols}, 0.5, 1.5);
+  auto b = HostTensor::random(dt, {s.cols}, -0.5, 0.5);
+  DeviceTensor d_x(x), d_w(w), d_b(b);
+  DeviceTensor d_y(HostTensor(dt, {s.rows, s.cols}, s.pad), false);
+  DeviceTensor d_mean(HostTensor(DType::kFloat32, {s.rows}), false);
+  DeviceTensor d_rstd(HostTensor(DType::kFloat32, {s.rows}), false);
+  auto x64 = as_f64(x), w64 = as_f64(w), b64 = as_f64(b);
+  LayerNormForwardRun run{{}, {}, {}, HostTensor(DType::kFloat64, {s.rows, s.cols}),
+                          HostTensor(DType::kFloat64, {s.rows}),
+                          HostTensor(DType::kFloat64, {s.rows})};
+  layernorm_forward(x64.view(), has_w ? w64.view() : TensorView{},
+                    has_b ? b64.view() : TensorView{}, run.y64.view(), run.mean64.view(),
+                    run.rstd64.view());
+  ops::norm::layernorm_forward_cuda(d_x.view(), has_w ? d_w.view() : TensorView{},
+                                    has_b ? d_b.view() : TensorView{}, d_y.view(), d_mean.view(),
+                                    d_rstd.view(), layer_options(variant), nullptr);
+  run.y = d_y.to_host();
+  run.mean = d_mean.to_host();
+  run.rstd = d_rstd.to_host();
+  return run;
+}
+
 void check_long_row_forward(int which) {  // 0 RMSNorm, 1 LayerNorm, 2 fused add + RMSNorm
   TS_REQUIRE_GPU();
   const bool layer = which == 1;
@@ -559,33 +602,15 @@ TEST(NormCuda, LayerNormVarianceWhenMeanDominates) {
     for (const Shape& s : std::vector<Shape>{{33, 1024, 0}, {9, 4096, 8}, {7, 5123, 3},
                                              {4, 8192, 0}, {3, 65536, 0}}) {
       for (NormVariant variant : forward_variants(s.cols, dt, true)) {
-        if (s.cols % (16 / static_cast<std::int64_t>(dtype_size(dt))) != 0 &&
-            (variant == NormVariant::kRegisters || variant == NormVariant::kRows ||
-             variant == NormVariant::kPipelined)) {
-          continue;
-        }
+        if (!variant_applies(s, dt, variant)) continue;
         SCOPED_TRACE(shape_name(dt, s, dt, variant));
-        auto x = HostTensor::random(dt, {s.rows, s.cols}, 63, 65, s.pad);
-        auto w = HostTensor::random(dt, {s.cols}, 0.5, 1.5);
-        auto b = HostTensor::random(dt, {s.cols}, -0.5, 0.5);
-        DeviceTensor d_x(x), d_w(w), d_b(b);
-        DeviceTensor d_y(HostTensor(dt, {s.rows, s.cols}, s.pad), false);
-        DeviceTensor d_mean(HostTensor(DType::kFloat32, {s.rows}), false);
-        DeviceTensor d_rstd(HostTensor(DType::kFloat32, {s.rows}), false);
-        auto x64 = as_f64(x), w64 = as_f64(w), b64 = as_f64(b);
-        HostTensor y64(DType::kFloat64, {s.rows, s.cols}), mean64(DType::kFloat64, {s.rows}),
-            rstd64(DType::kFloat64, {s.rows});
-        layernorm_forward(x64.view(), w64.view(), b64.view(), y64.view(), mean64.view(),
-                          rstd64.view());
-        ops::norm::layernorm_forward_cuda(d_x.view(), d_w.view(), d_b.view(), d_y.view(),
-                                          d_mean.view(), d_rstd.view(), layer_options(variant),
-                                          nullptr);
-        EXPECT_TRUE(test::matches_reference(d_y.to_host().values(), y64.values(),
-                                            test::tolerance(dt)))
+        const auto run = run_layernorm_forward(dt, s, variant, 63, 65);
+        EXPECT_TRUE(
+            test::matches_reference(run.y.values(), run.y64.values(), test::tolerance(dt)))
             << "y";
-        EXPECT_TRUE(test::matches_reference(d_rstd.to_host().values(), rstd64.values(), 1e-5))
+        EXPECT_TRUE(test::matches_reference(run.rstd.values(), run.rstd64.values(), 1e-5))
             << "rstd";
-        EXPECT_TRUE(test::matches_reference(d_mean.to_host().values(), mean64.values(), 1e-6))
+        EXPECT_TRUE(test::matches_reference(run.mean.values(), run.mean64.values(), 1e-6))
             << "mean";
       }
     }
@@ -602,29 +627,12 @@ TEST(NormCuda, LayerNormSavedMeanAtFp32Accuracy) {
   for (const Shape& s : std::vector<Shape>{{512, 8192, 0}, {64, 65536, 0}, {16, 262144, 0},
                                            {97, 5123, 3}}) {
     for (NormVariant variant : forward_variants(s.cols, dt, true)) {
-      if (row_vectors(s, dt) < 0 && variant != NormVariant::kTwoPass &&
-          variant != NormVariant::kAuto) {
-        continue;
-      }
+      if (!variant_applies(s, dt, variant)) continue;
       SCOPED_TRACE(shape_name(dt, s, dt, variant));
-      auto x = HostTensor::random(dt, {s.rows, s.cols}, -2, 2, s.pad);
-      auto w = HostTensor::random(dt, {s.cols}, 0.5, 1.5);
-      auto b = HostTensor::random(dt, {s.cols}, -0.5, 0.5);
-      DeviceTensor d_x(x), d_w(w), d_b(b);
-      DeviceTensor d_y(HostTensor(dt, {s.rows, s.cols}, s.pad), false);
-      DeviceTensor d_mean(HostTensor(DType::kFloat32, {s.rows}), false);
-      DeviceTensor d_rstd(HostTensor(DType::kFloat32, {s.rows}), false);
-      auto x64 = as_f64(x), w64 = as_f64(w), b64 = as_f64(b);
-      HostTensor y64(DType::kFloat64, {s.rows, s.cols}), mean64(DType::kFloat64, {s.rows}),
-          rstd64(DType::kFloat64, {s.rows});
-      layernorm_forward(x64.view(), w64.view(), b64.view(), y64.view(), mean64.view(),
-                        rstd64.view());
-      ops::norm::layernorm_forward_cuda(d_x.view(), d_w.view(), d_b.view(), d_y.view(),
-                                        d_mean.view(), d_rstd.view(), layer_options(variant),
-                                        nullptr);
-      EXPECT_TRUE(test::matches_reference(d_mean.to_host().values(), mean64.values(), 1e-5))
+      const auto run = run_layernorm_forward(dt, s, variant);
+      EXPECT_TRUE(test::matches_reference(run.mean.values(), run.mean64.values(), 1e-5))
           << "mean";
-      EXPECT_TRUE(test::matches_reference(d_rstd.to_host().values(), rstd64.values(), 1e-5))
+      EXPECT_TRUE(test::matches_reference(run.rstd.values(), run.rstd64.values(), 1e-5))
           << "rstd";
     }
   }
@@ -639,49 +647,36 @@ TEST(NormCuda, ForwardWithoutWeightOrBias) {
   for (DType dt : {DType::kBFloat16, DType::kFloat32}) {
     for (const Shape& s : std::vector<Shape>{{37, 248, 8}, {9, 8192, 0}, {3, 65536, 0},
                                              {5, 5123, 3}}) {
-      for (bool layer : {false, true}) {
-        for (NormVariant variant : forward_variants(s.cols, dt, layer)) {
-          if (row_vectors(s, dt) < 0 && variant != NormVariant::kTwoPass &&
-              variant != NormVariant::kAuto) {
-            continue;
-          }
-          // (weight, bias) given: LayerNorm takes each absence alone and both; RMSNorm has no bias.
-          for (int given : layer ? std::vector<int>{0, 1, 2} : std::vector<int>{0}) {
-            const bool has_w = given == 2, has_b = given == 1;
-            SCOPED_TRACE(shape_name(dt, s, dt, variant) + (layer ? " layer" : " rms") +
-                         " weight " + std::to_string(has_w) + " bias " + std::to_string(has_b));
-            auto x = HostTensor::random(dt, {s.rows, s.cols}, -2, 2, s.pad);
-            auto w = HostTensor::random(dt, {s.cols}, 0.5, 1.5);
-            auto b = HostTensor::random(dt, {s.cols}, -0.5, 0.5);
-            DeviceTensor d_x(x), d_w(w), d_b(b);
-            DeviceTensor d_y(HostTensor(dt, {s.rows, s.cols}, s.pad), false);
-            DeviceTensor d_mean(HostTensor(DType::kFloat32, {s.rows}), false);
-            DeviceTensor d_rstd(HostTensor(DType::kFloat32, {s.rows}), false);
-            auto x64 = as_f64(x), w64 = as_f64(w), b64 = as_f64(b);
-            HostTensor y64(DType::kFloat64, {s.rows, s.cols}), mean64(DType::kFloat64, {s.rows}),
-                rstd64(DType::kFloat64, {s.rows});
-            const TensorView w_ref = has_w ? w64.view() : TensorView{};
-            const TensorView b_ref = has_b ? b64.view() : TensorView{};
-            const TensorView w_dev = has_w ? d_w.view() : TensorView{};
-            const TensorView b_dev = has_b ? d_b.view() : TensorView{};
-            if (layer) {
-              layernorm_forward(x64.view(), w_ref, b_ref, y64.view(), mean64.view(),
-                                rstd64.view());
-              ops::norm::layernorm_forward_cuda(d_x.view(), w_dev, b_dev, d_y.view(),
-                                                d_mean.view(), d_rstd.view(),
-                                                layer_options(variant), nullptr);
-            } else {
-              rmsnorm_forward(x64.view(), w_ref, y64.view(), rstd64.view(), rms_options(variant));
-              ops::norm::rmsnorm_forward_cuda(d_x.view(), w_dev, d_y.view(), d_rstd.view(),
-                                              rms_options(variant, 0.0), nullptr);
-            }
-            EXPECT_TRUE(test::matches_reference(d_y.to_host().values(), y64.values(),
-                                                test::tolerance(dt)))
-                << "y";
-            EXPECT_TRUE(test::matches_reference(d_rstd.to_host().values(), rstd64.values(), 1e-5))
-                << "rstd";
-          }
+      for (NormVariant variant : forward_variants(s.cols, dt, true)) {
+        if (!variant_applies(s, dt, variant)) continue;
+        // LayerNorm: each absence alone and both.
+        for (auto [has_w, has_b] : {std::pair{false, true}, {true, false}, {false, false}}) {
+          SCOPED_TRACE(shape_name(dt, s, dt, variant) + " layer weight " +
+                       std::to_string(has_w) + " bias " + std::to_string(has_b));
+          const auto run = run_layernorm_forward(dt, s, variant, -2, 2, has_w, has_b);
+          EXPECT_TRUE(
+              test::matches_reference(run.y.values(), run.y64.values(), test::tolerance(dt)))
+              << "y";
+          EXPECT_TRUE(test::matches_reference(run.rstd.values(), run.rstd64.values(), 1e-5))
+              << "rstd";
         }
+      }
+      for (NormVariant variant : forward_variants(s.cols, dt, false)) {
+        if (!variant_applies(s, dt, variant)) continue;
+        SCOPED_TRACE(shape_name(dt, s, dt, variant) + " rms without weight");
+        auto x = HostTensor::random(dt, {s.rows, s.cols}, -2, 2, s.pad);
+        DeviceTensor d_x(x), d_y(HostTensor(dt, {s.rows, s.cols}, s.pad), false);
+        DeviceTensor d_rstd(HostTensor(DType::kFloat32, {s.rows}), false);
+        auto x64 = as_f64(x);
+        HostTensor y64(DType::kFloat64, {s.rows, s.cols}), rstd64(DType::kFloat64, {s.rows});
+        rmsnorm_forward(x64.view(), {}, y64.view(), rstd64.view(), rms_options(variant));
+        ops::norm::rmsnorm_forward_cuda(d_x.view(), {}, d_y.view(), d_rstd.view(),
+                                        rms_options(variant), nullptr);
+        EXPECT_TRUE(test::matches_reference(d_y.to_host().values(), y64.values(),
+                                            test::tolerance(dt)))
+            << "y";
+        EXPECT_TRUE(test::matches_reference(d_rstd.to_host().values(), rstd64.values(), 1e-5))
+            << "rstd";
       }
     }
   }

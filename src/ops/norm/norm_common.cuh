@@ -18,25 +18,26 @@ namespace trainscale::ops::norm {
 
 enum class Kind { kRms, kLayer };
 
-// Threads per row (a power of two, 1 ... 1024) and 16-byte vectors per thread for a row of
-// `vecs` vectors: kVecsPerThread vectors per thread, so that each thread keeps that many loads
-// in flight, and as few threads as cover the row. Short rows share a warp (kThreads < 32):
-// with one vector per thread, LayerNorm at bf16 N = 256 was bound by the latency of a row's
-// load and its shuffle chain. Rows of at most 4 vectors take one thread per vector: a block
-// then covers 256 / kThreads rows, and 131072 rows of 8 bf16 fit in one wave (4 threads per
-// row took four waves, 8.4 us; one thread 3.1 us on the H100; one thread holding 2-4 vectors
-// was slower than a thread per vector). Returns fn(std::integral_constant<int, threads>,
-// std::integral_constant<int, vecs per thread>).
-template <int kVecsPerThread, int kThreads = 1, class Fn>
+// Threads per row (a power of two, 1 ... kMaxThreads) and 16-byte vectors per thread for a row
+// of `vecs` vectors (at most kMaxThreads * kVecsPerThread): kVecsPerThread vectors per thread,
+// so that each thread keeps that many loads in flight, and as few threads as cover the row.
+// Short rows share a warp (kThreads < 32): with one vector per thread, LayerNorm at bf16 N =
+// 256 was bound by the latency of a row's load and its shuffle chain. Rows of at most 4
+// vectors take one thread per vector: a block then covers 256 / kThreads rows, and 131072 rows
+// of 8 bf16 fit in one wave (4 threads per row took four waves, 8.4 us; one thread 3.1 us on
+// the H100; one thread holding 2-4 vectors was slower than a thread per vector). Returns
+// fn(std::integral_constant<int, threads>, std::integral_constant<int, vecs per thread>).
+template <int kVecsPerThread, int kMaxThreads = 1024, int kThreads = 1, class Fn>
 auto with_register_config(std::int64_t vecs, Fn&& fn) {
-  static_assert(kVecsPerThread == 2 || kVecsPerThread == 4);
+  static_assert(kVecsPerThread == 1 || kVecsPerThread == 2 || kVecsPerThread == 4);
   constexpr int kPerThread = kThreads < 4 ? 1 : kVecsPerThread;
   using Per = std::integral_constant<int, kPerThread>;
-  if constexpr (kThreads == 1024) {
+  if constexpr (kThreads == kMaxThreads) {
     return fn(std::integral_constant<int, kThreads>{}, Per{});
   } else {
     if (vecs <= kThreads * kPerThread) return fn(std::integral_constant<int, kThreads>{}, Per{});
-    return with_register_config<kVecsPerThread, kThreads * 2>(vecs, std::forward<Fn>(fn));
+    return with_register_config<kVecsPerThread, kMaxThreads, kThreads * 2>(vecs,
+                                                                           std::forward<Fn>(fn));
   }
 }
 

@@ -589,14 +589,37 @@ NormVariant auto_register_variant(std::int64_t cols, std::int64_t vecs, bool fus
   return vecs <= (fused_add ? 512 : 256) ? NormVariant::kPipelined : NormVariant::kRegisters;
 }
 
+// Small rows, all in one wave (at most kOneVectorMaxThreads vectors per row and
+// kOneVectorMaxVecs in all: 528 blocks of 256 threads on the H100), take kPipelined with one
+// vector per thread: more threads per row, fewer unrolled steps per thread. H100, bf16, same
+// run, us (4 vectors per thread / 1): layernorm 4096x32 2.84 / 2.62, 8192x32 2.94 / 2.75,
+// 4096x64 3.00 / 2.78, 4096x128 3.32 / 3.09; rmsnorm 32768x32 2.99 / 2.80, 8192x128 3.05 /
+// 2.97 (docs/perf-notes.md, session 8).
+constexpr int kOneVectorMaxThreads = 64;
+constexpr std::int64_t kOneVectorMaxVecs = 131072;
+
+bool one_vector_per_thread(NormVariant chosen, std::int64_t rows, std::int64_t vecs) {
+  return chosen == NormVariant::kPipelined && vecs <= kOneVectorMaxThreads &&
+         rows * vecs <= kOneVectorMaxVecs;
+}
+
+// The register kernels' row split (with_register_config) for kVecsPerThread vectors per thread:
+// one vector per thread only for the short rows above.
+template <int kVecsPerThread, class Fn>
+auto with_row_split(std::int64_t vecs, Fn&& fn) {
+  static_assert(kVecsPerThread == 1 || kVecsPerThread == kForwardVecsPerThread);
+  constexpr int kMaxThreads = kVecsPerThread == 1 ? kOneVectorMaxThreads : 1024;
+  return with_register_config<kVecsPerThread, kMaxThreads>(vecs, std::forward<Fn>(fn));
+}
+
 // Dynamic shared memory of a staged register variant (kRegisters, kPipelined) for aligned
 // rows of `cols` elements: the staged tables, and kPipelined's ring.
-template <class T, class R, Kind kKind, NormVariant kVariant>
+template <class T, class R, Kind kKind, NormVariant kVariant, int kVecsPerThread>
 std::size_t forward_shared_bytes(std::int64_t cols) {
   std::size_t bytes = staged_param_bytes<kKind>(cols);
   if constexpr (kVariant == NormVariant::kPipelined) {
     const std::int64_t vecs = cols / detail::kVec16<T>;
-    bytes += with_register_config<kForwardVecsPerThread>(vecs, [&](auto threads, auto per_thread) {
+    bytes += with_row_split<kVecsPerThread>(vecs, [&](auto threads, auto per_thread) {
       return RowRing<T, R, decltype(threads)::value, decltype(per_thread)::value>::bytes(vecs);
     });
   }
@@ -626,14 +649,14 @@ auto with_row_cluster(std::int64_t vecs, Fn&& fn) {
 }
 
 // Launches the register kernel for rows of `vecs` vectors, kCluster blocks per row (kRows
-// only). Returns false, launching nothing, where a cluster of that configuration cannot be
-// resident on the device.
-template <class T, class R, class W, class B, Kind kKind, NormVariant kVariant, int kCluster>
+// only), kVecsPerThread vectors per thread (with_row_split). Returns false, launching nothing,
+// where a cluster of that configuration cannot be resident on the device.
+template <class T, class R, class W, class B, Kind kKind, NormVariant kVariant, int kCluster,
+          int kVecsPerThread = kForwardVecsPerThread>
 bool launch_registers(const ForwardArgs& a, std::int64_t vecs, cudaStream_t stream,
                       const char* op) {
   const std::int64_t block_vecs = (vecs + kCluster - 1) / kCluster;
-  return with_register_config<kForwardVecsPerThread>(block_vecs, [&](auto threads,
-                                                                     auto per_thread) {
+  return with_row_split<kVecsPerThread>(block_vecs, [&](auto threads, auto per_thread) {
     constexpr int kThreads = decltype(threads)::value;
     constexpr int kVecs = decltype(per_thread)::value;
     constexpr int kBlock = kBlockFor<kThreads>;
@@ -657,7 +680,7 @@ bool launch_registers(const ForwardArgs& a, std::int64_t vecs, cudaStream_t stre
       std::size_t smem = 0;
       std::int64_t grid = std::min<std::int64_t>(row_groups, std::numeric_limits<int>::max());
       if constexpr (kVariant != NormVariant::kRows) {
-        smem = forward_shared_bytes<T, R, kKind, kVariant>(a.cols);
+        smem = forward_shared_bytes<T, R, kKind, kVariant, kVecsPerThread>(a.cols);
         if (smem + kMaxScratchBytes > kDefaultSharedBytes) {
           detail::check_cuda(cudaFuncSetAttribute(kernel,
                                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -726,7 +749,8 @@ void launch_forward(const ForwardArgs& a, NormVariant variant, cudaStream_t stre
   //   16-bit N <= 32 (fp32 N <= 16): 1 vector per thread, 1 ... 4 threads per row, 256 ... 64
   //     rows per block.
   //   16-bit N <= 1024 (fp32 N <= 512): 4 vectors per thread, 4 ... 32 threads per row, 64 ... 8
-  //     rows per block.
+  //     rows per block; kPipelined with 16-bit N <= 512 and at most 131072 vectors in all: 1
+  //     vector per thread, 4 ... 64 threads per row (one_vector_per_thread).
   //   16-bit N 2048 / 4096 / 8192: 64 / 128 / 256 threads per row, 4 vectors each; kRegisters
   //     stages tables of 4 B per column (RMSNorm) or 8 B (LayerNorm): LayerNorm N = 8192 takes
   //     64 KB, so 3 blocks per SM.
@@ -751,11 +775,14 @@ void launch_forward(const ForwardArgs& a, NormVariant variant, cudaStream_t stre
   if (chosen != NormVariant::kTwoPass && !use_registers(variant, aligned, vecs, max_vecs)) {
     chosen = NormVariant::kTwoPass;
   }
+  const bool one_vector = one_vector_per_thread(chosen, a.rows, vecs);
   if (chosen == NormVariant::kRegisters || chosen == NormVariant::kPipelined) {
     const bool pipelined = chosen == NormVariant::kPipelined;
+    constexpr int kWide = kForwardVecsPerThread;
     const std::size_t needed =
-        pipelined ? forward_shared_bytes<T, R, kKind, NormVariant::kPipelined>(a.cols)
-                  : forward_shared_bytes<T, R, kKind, NormVariant::kRegisters>(a.cols);
+        !pipelined ? forward_shared_bytes<T, R, kKind, NormVariant::kRegisters, kWide>(a.cols)
+        : one_vector ? forward_shared_bytes<T, R, kKind, NormVariant::kPipelined, 1>(a.cols)
+                     : forward_shared_bytes<T, R, kKind, NormVariant::kPipelined, kWide>(a.cols);
     const std::size_t shared_limit = detail::current_device_info().shared_memory_per_block_optin;
     if (needed + kMaxScratchBytes > shared_limit) {
       if (variant == chosen) {
@@ -777,6 +804,8 @@ void launch_forward(const ForwardArgs& a, NormVariant variant, cudaStream_t stre
   }
   if (chosen == NormVariant::kRegisters) {
     launch_registers<T, R, T, T, kKind, NormVariant::kRegisters, 1>(a, vecs, stream, op);
+  } else if (chosen == NormVariant::kPipelined && one_vector) {
+    launch_registers<T, R, T, T, kKind, NormVariant::kPipelined, 1, 1>(a, vecs, stream, op);
   } else if (chosen == NormVariant::kPipelined) {
     launch_registers<T, R, T, T, kKind, NormVariant::kPipelined, 1>(a, vecs, stream, op);
   } else if (chosen == NormVariant::kTwoPass) {
