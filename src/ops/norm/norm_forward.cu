@@ -591,11 +591,12 @@ NormVariant auto_register_variant(std::int64_t cols, std::int64_t vecs, bool fus
 
 // Small rows, all in one wave (at most kOneVectorMaxThreads vectors per row and
 // kOneVectorMaxVecs in all: 528 blocks of 256 threads on the H100), take kPipelined with one
-// vector per thread: more threads per row, fewer unrolled steps per thread. H100, bf16, same
-// run, us (4 vectors per thread / 1): layernorm 4096x32 2.84 / 2.62, 8192x32 2.94 / 2.75,
-// 4096x64 3.00 / 2.78, 4096x128 3.32 / 3.09; rmsnorm 32768x32 2.99 / 2.80, 8192x128 3.05 /
-// 2.97 (docs/perf-notes.md, session 8).
-constexpr int kOneVectorMaxThreads = 64;
+// vector per thread: more threads per row, fewer unrolled steps per thread. H100, bf16, us (4
+// vectors per thread, 90cffd9 / 1, aa601cd): layernorm 4096x32 2.84 / 2.62, 8192x32 2.93 /
+// 2.76, 4096x64 3.00 / 2.79, 4096x128 3.32 / 3.08; rmsnorm 32768x32 3.00 / 2.83, 8192x128
+// 3.09 / 2.96. At 32 vectors it lost (layernorm 4096x256 3.69 / 3.87; docs/perf-notes.md,
+// session 9).
+constexpr int kOneVectorMaxThreads = 16;
 constexpr std::int64_t kOneVectorMaxVecs = 131072;
 
 bool one_vector_per_thread(NormVariant chosen, std::int64_t rows, std::int64_t vecs) {
@@ -749,8 +750,8 @@ void launch_forward(const ForwardArgs& a, NormVariant variant, cudaStream_t stre
   //   16-bit N <= 32 (fp32 N <= 16): 1 vector per thread, 1 ... 4 threads per row, 256 ... 64
   //     rows per block.
   //   16-bit N <= 1024 (fp32 N <= 512): 4 vectors per thread, 4 ... 32 threads per row, 64 ... 8
-  //     rows per block; kPipelined with 16-bit N <= 512 and at most 131072 vectors in all: 1
-  //     vector per thread, 4 ... 64 threads per row (one_vector_per_thread).
+  //     rows per block; kPipelined with 16-bit N <= 128 and at most 131072 vectors in all: 1
+  //     vector per thread, 4 ... 16 threads per row (one_vector_per_thread).
   //   16-bit N 2048 / 4096 / 8192: 64 / 128 / 256 threads per row, 4 vectors each; kRegisters
   //     stages tables of 4 B per column (RMSNorm) or 8 B (LayerNorm): LayerNorm N = 8192 takes
   //     64 KB, so 3 blocks per SM.
