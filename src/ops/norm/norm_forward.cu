@@ -589,9 +589,10 @@ NormVariant auto_register_variant(std::int64_t cols, std::int64_t vecs, bool fus
   return vecs <= (fused_add ? 512 : 256) ? NormVariant::kPipelined : NormVariant::kRegisters;
 }
 
-// Small rows, all in one wave (at most kOneVectorMaxThreads vectors per row and
-// kOneVectorMaxVecs in all: 528 blocks of 256 threads on the H100), take kPipelined with one
-// vector per thread: more threads per row, fewer unrolled steps per thread. H100, bf16, us (4
+// Small rows in about one wave take kPipelined with one vector per thread: more threads per
+// row, fewer unrolled steps per thread. At most kOneVectorMaxThreads vectors per row and
+// kOneVectorMaxVecs in all: 512 blocks of 256 threads when a row's vectors are a power of two,
+// up to twice that otherwise (the H100 holds 528 at 4 blocks per SM). H100, bf16, us (4
 // vectors per thread, 90cffd9 / 1, aa601cd): layernorm 4096x32 2.84 / 2.62, 8192x32 2.93 /
 // 2.76, 4096x64 3.00 / 2.79, 4096x128 3.32 / 3.08; rmsnorm 32768x32 3.00 / 2.83, 8192x128
 // 3.09 / 2.96. At 32 vectors it lost (layernorm 4096x256 3.69 / 3.87; docs/perf-notes.md,
