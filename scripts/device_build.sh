@@ -4,6 +4,7 @@
 # torch imports — and stage the Python package in build/pypkg (put it on PYTHONPATH).
 # A carried .whl/nvidia_cudnn_frontend-*.whl enables the cuDNN baselines (docs/benchmarking.md).
 # Sourced by device_check.sh and device_bench.sh; a second call reuses the build.
+# TRAINSCALE_BUILD_TARGET=<target> builds only that target (e.g. trainscale-bench).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/trainscale-out}
@@ -24,7 +25,7 @@ if [ ! -f build/build.ninja ]; then
   cmake -S . -B build "${cmake_args[@]}" >"$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
 fi
 start=$SECONDS
-cmake --build build -j "$(nproc)" >"$OUT/build.log" 2>&1 || { grep -E "error" -A3 "$OUT/build.log" | head -40; exit 1; }
+cmake --build build -j "$(nproc)" ${TRAINSCALE_BUILD_TARGET:+--target "$TRAINSCALE_BUILD_TARGET"} >"$OUT/build.log" 2>&1 || { grep -E "error" -A3 "$OUT/build.log" | head -40; exit 1; }
 echo "build: $((SECONDS - start)) s; $(grep -h 'cuDNN baselines' "$OUT/configure.log" 2>/dev/null)"
 if [ -f build/python/_C.so ]; then
   rm -rf build/pypkg && mkdir -p build/pypkg/trainscale

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "common/async_copy.cuh"
+#include "common/carveout.h"
 #include "common/cluster_launch.h"
 #include "core/check.h"
 #include "ops/norm/norm_common.cuh"
@@ -548,30 +549,6 @@ RegisterKernel register_kernel(std::int64_t cols) {
   });
 }
 
-// Shared memory (of the SM's L1 + shared total) just enough for one block, so that the rest is
-// L1, where the weight stays for every row when the kernel does not stage it; the driver's own
-// choice may take the largest configuration (228 KB: 28 KB of L1 for a 32-64 KB weight chunk).
-void prefer_shared_memory_of_one_block(const RegisterKernel& k, const char* op) {
-  int device = 0, per_sm = 0, reserved = 0;
-  detail::check_cuda(cudaGetDevice(&device), op, "cudaGetDevice");
-  detail::check_cuda(
-      cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device), op,
-      "cudaDeviceGetAttribute");
-  detail::check_cuda(
-      cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device), op,
-      "cudaDeviceGetAttribute");
-  cudaFuncAttributes attributes{};
-  detail::check_cuda(cudaFuncGetAttributes(&attributes, k.kernel), op, "cudaFuncGetAttributes");
-  const std::size_t need = k.smem + attributes.sharedSizeBytes + static_cast<std::size_t>(reserved);
-  // In percent of the SM's shared memory, rounded up (the driver rounds up to a configuration).
-  const auto percent = static_cast<int>(
-      std::min<std::size_t>(100, (need * 100 + static_cast<std::size_t>(per_sm) - 1) /
-                                     static_cast<std::size_t>(per_sm)));
-  detail::check_cuda(
-      cudaFuncSetAttribute(k.kernel, cudaFuncAttributePreferredSharedMemoryCarveout, percent), op,
-      "cudaFuncSetAttribute");
-}
-
 // Row groups resident at once on the current device (0: the configuration does not fit it).
 std::int64_t query_resident_groups(const RegisterKernel& k, const char* op) {
   const auto& info = detail::current_device_info();
@@ -579,7 +556,9 @@ std::int64_t query_resident_groups(const RegisterKernel& k, const char* op) {
   detail::check_cuda(cudaFuncSetAttribute(k.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(k.smem)),
                      op, "cudaFuncSetAttribute");
-  if (k.weight_from_l1) prefer_shared_memory_of_one_block(k, op);
+  // One block's shared memory and the rest L1, where the weight stays for every row when the
+  // kernel does not stage it (a 32-64 KB weight chunk).
+  if (k.weight_from_l1) detail::prefer_l1_carveout(k.kernel, 1, k.smem, op);
   if (k.cluster > 1) {
     return std::min<std::int64_t>(
         detail::max_active_clusters(k.kernel, kBackwardBlock, k.cluster, k.smem, op),

@@ -2,6 +2,7 @@
 #include <limits>
 
 #include "common/async_copy.cuh"
+#include "common/carveout.h"
 #include "common/cluster_launch.h"
 #include "core/check.h"
 #include "ops/norm/norm_common.cuh"
@@ -672,6 +673,7 @@ bool launch_registers(const ForwardArgs& a, std::int64_t vecs, cudaStream_t stre
       const auto kernel =
           forward_registers_kernel<T, R, W, B, kKind, kVariant, kThreads, kVecs, kCluster>;
       if (detail::max_active_clusters(kernel, kBlock, kCluster, 0, op) == 0) return false;
+      detail::prefer_l1_at_full_occupancy(kernel, kBlock, 0, op);  // weight and bias from L1
       const std::int64_t clusters =
           std::min<std::int64_t>((row_groups + kClusterRowGroups - 1) / kClusterRowGroups,
                                  std::numeric_limits<int>::max() / kCluster);
@@ -681,7 +683,9 @@ bool launch_registers(const ForwardArgs& a, std::int64_t vecs, cudaStream_t stre
       const auto kernel = forward_registers_kernel<T, R, W, B, kKind, kVariant, kThreads, kVecs, 1>;
       std::size_t smem = 0;
       std::int64_t grid = std::min<std::int64_t>(row_groups, std::numeric_limits<int>::max());
-      if constexpr (kVariant != NormVariant::kRows) {
+      if constexpr (kVariant == NormVariant::kRows) {
+        detail::prefer_l1_at_full_occupancy(kernel, kBlock, 0, op);  // weight and bias from L1
+      } else {
         smem = forward_shared_bytes<T, R, kKind, kVariant, kVecsPerThread>(a.cols);
         if (smem + kMaxScratchBytes > kDefaultSharedBytes) {
           detail::check_cuda(cudaFuncSetAttribute(kernel,
