@@ -1,8 +1,9 @@
 // The split of an SM's unified L1 / shared memory (256 KB on an H100) asked for a kernel.
-// Without a preference the driver may keep the configuration of what ran before when it fits
-// (after a GEMM with 227 KB of shared memory: 28 KB of L1), so a kernel that re-reads its
-// parameters from L1 would run at a speed set by the process's history rather than by its own
-// launch (H100, LayerNorm forward 4096x7168: docs/perf-notes.md, session 10).
+// Without a preference the driver picks the split, and its pick varies with the process: a
+// kernel that re-reads its parameters from L1 then runs at a speed set by whatever else the
+// process did (H100, bf16 LayerNorm forward, weight and bias from L1: 9-16 % slower inside
+// trainscale-bench than in a standalone program, 3-9 % once it asked; docs/perf-notes.md,
+// session 10).
 #pragma once
 
 #include <cuda_runtime.h>
