@@ -10,8 +10,8 @@
 
 #include <algorithm>
 #include <cstddef>
-#include <map>
 #include <mutex>
+#include <set>
 #include <string_view>
 #include <utility>
 
@@ -49,15 +49,17 @@ template <class... Params>
 void prefer_l1_at_full_occupancy(void (*kernel)(Params...), int block, std::size_t dynamic_smem,
                                  std::string_view op) {
   static std::mutex mutex;
-  static std::map<std::pair<int, void (*)(Params...)>, bool> done;
+  static std::set<std::pair<int, void (*)(Params...)>> done;
   int device = 0;
   check_cuda(cudaGetDevice(&device), op, "cudaGetDevice");
   const std::lock_guard<std::mutex> lock(mutex);
-  if (!done.emplace(std::make_pair(device, kernel), true).second) return;
+  const auto key = std::make_pair(device, kernel);
+  if (done.contains(key)) return;  // per launch: a lookup, no allocation
   int blocks = 0;
   check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, block, dynamic_smem), op,
              "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   prefer_l1_carveout(kernel, std::max(blocks, 1), dynamic_smem, op);
+  done.insert(key);  // only once it took: a failure is reported again at the next launch
 }
 
 }  // namespace trainscale::detail
