@@ -2,8 +2,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <functional>
+#include <memory>
+#include <thread>
 
 #include "bench/engine.h"
 #include "bench/gate.h"
@@ -134,44 +138,134 @@ TEST_F(EngineFixture, UnsupportedIsReportedNotFailed) {
   EXPECT_FALSE(result.any_failed());
 }
 
-// An op that has only its CPU reference, on a device it has no kernel for (a GPU run): our row
-// is UNSUPPORTED with the entry point's reason, and the baseline is still gated and timed and
-// shown against it, without a speedup. The engine treats every device alike, so this runs on
-// the CPU with an entry point that throws what a CPU-only op throws for CUDA tensors.
-TEST_F(EngineFixture, BaselineIsTimedWhenOursHasNoKernelForTheDevice) {
-  registry.add_op({"reference_only", "test", "M x N", [](std::span<const std::int64_t> s, DType d) {
-                     Case c = doubling_case(s, d, 1.0, false);
-                     c.op = "reference_only";
-                     c.entry = [](Views, cudaStream_t) { detail::throw_no_cuda_kernel("reference_only"); };
-                     return c;
-                   }});
-  registry.add_configs("smoke", "reference_only", {{8, 16}}, {DType::kFloat32});
+// An op that has only its CPU reference, on a device it has no kernel for (a GPU run): the case
+// is listed as "CPU reference only", its baselines are not run and its reference is never
+// computed (a host reference can take minutes at a real shape). Named alone, the baseline is still
+// gated and timed. The engine treats every device alike, so this runs on the CPU with an entry
+// point that throws what a CPU-only op throws for CUDA tensors.
+struct ReferenceOnlyFixture : EngineFixture {
+  std::shared_ptr<std::atomic<int>> reference_calls = std::make_shared<std::atomic<int>>(0);
+  void SetUp() override {
+    EngineFixture::SetUp();
+    auto calls = reference_calls;
+    registry.add_op({"reference_only", "test", "M x N", [calls](std::span<const std::int64_t> s, DType d) {
+                       Case c = doubling_case(s, d, 1.0, false);
+                       c.op = "reference_only";
+                       c.entry = [](Views, cudaStream_t) { detail::throw_no_cuda_kernel("reference_only"); };
+                       auto reference = c.reference;
+                       c.reference = [calls, reference](Views t) {
+                         ++*calls;
+                         reference(t);
+                       };
+                       return c;
+                     }});
+    registry.add_configs("smoke", "reference_only", {{8, 16}}, {DType::kFloat32});
+    registry.add_baseline(
+        "reference_only", "vendor",
+        [](const Case& c) -> std::optional<Implementation> {
+          Implementation impl;
+          impl.baseline = true;
+          impl.run = doubling_case(c.shape, c.dtype, 1.0, false).entry;
+          return impl;
+        },
+        /*on_gpu=*/false);
+  }
+};
+
+TEST_F(ReferenceOnlyFixture, CaseIsListedAndNeitherBaselineNorReferenceRuns) {
+  run_cases(registry, options, result);
+  EXPECT_TRUE(result.rows.empty());
+  ASSERT_EQ(result.skipped.size(), 1u);
+  EXPECT_EQ(result.skipped[0].case_name, "reference_only 8x16 float32");
+  EXPECT_EQ(result.skipped[0].reason, kCpuReferenceOnly);
+  EXPECT_EQ(reference_calls->load(), 0);
+  EXPECT_FALSE(result.any_failed());
+  const std::vector<std::string> summary = summary_lines(result);
+  EXPECT_NE(std::find(summary.begin(), summary.end(), "CPU reference only (not run on the GPU): reference_only"),
+            summary.end());
+}
+
+TEST_F(ReferenceOnlyFixture, BaselineNamedAloneIsGatedAndTimed) {
+  options.selection.impls = {"vendor"};
+  run_cases(registry, options, result);
+  ASSERT_EQ(result.rows.size(), 1u);
+  const Row& vendor = result.rows[0];
+  EXPECT_TRUE(vendor.baseline);
+  EXPECT_EQ(vendor.status, Status::kOk) << vendor.message;
+  EXPECT_GE(vendor.ms.count, 1);
+  EXPECT_EQ(reference_calls->load(), 1);
+}
+
+// A baseline that fails its gate is reported FAILED, but only our failures fail the run.
+TEST_F(EngineFixture, FailingBaselineDoesNotFailTheRun) {
+  add("op", 1.0);
   registry.add_baseline(
-      "reference_only", "vendor",
+      "op", "wrong-vendor",
       [](const Case& c) -> std::optional<Implementation> {
         Implementation impl;
-        impl.run = doubling_case(c.shape, c.dtype, 1.0, false).entry;
+        impl.baseline = true;
+        impl.run = doubling_case(c.shape, c.dtype, 1.1, false).entry;
         return impl;
       },
       /*on_gpu=*/false);
   run_cases(registry, options, result);
   ASSERT_EQ(result.rows.size(), 2u);
-  const Row& ours = result.rows[0];
-  const Row& vendor = result.rows[1];
-  EXPECT_FALSE(ours.baseline);
-  EXPECT_EQ(ours.status, Status::kUnsupported);
-  EXPECT_NE(ours.message.find("has only its CPU reference so far"), std::string::npos) << ours.message;
-  EXPECT_EQ(ours.ms.count, 0);
-  EXPECT_TRUE(vendor.baseline);
-  EXPECT_EQ(vendor.impl, "vendor");
-  EXPECT_EQ(vendor.status, Status::kOk) << vendor.message;
-  EXPECT_GE(vendor.ms.count, 1);
+  EXPECT_EQ(result.rows[0].status, Status::kOk);
+  EXPECT_EQ(result.rows[1].status, Status::kFailed);
   EXPECT_FALSE(result.any_failed());
-  const std::vector<Pairing> pairs = pair_rows(result.rows);
-  ASSERT_EQ(pairs.size(), 1u);
-  EXPECT_EQ(format_ms(pairs[0].ours), "UNSUPPORTED");
-  EXPECT_EQ(pairs[0].base, &vendor);
-  EXPECT_EQ(pairs[0].speedup(), 0.0);
+  result.rows[0].status = Status::kFailed;
+  EXPECT_TRUE(result.any_failed());
+}
+
+// Ctrl-C while a slow host reference runs: the engine stops waiting within a poll interval,
+// keeps what it has, and leaves the reference to finish on its own thread.
+TEST_F(EngineFixture, InterruptStopsTheWaitForASlowReference) {
+  auto finish = std::make_shared<std::atomic<bool>>(false);
+  registry.add_op({"slow", "test", "M x N", [finish](std::span<const std::int64_t> s, DType d) {
+                     Case c = doubling_case(s, d, 1.0, false);
+                     c.op = "slow";
+                     auto reference = c.reference;
+                     c.reference = [finish, reference](Views t) {
+                       const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+                       while (!finish->load() && std::chrono::steady_clock::now() < until) {
+                         std::this_thread::sleep_for(std::chrono::milliseconds(5));
+                       }
+                       reference(t);
+                     };
+                     return c;
+                   }});
+  registry.add_configs("smoke", "slow", {{8, 16}}, {DType::kFloat32});
+  add("after", 1.0);
+  std::thread ctrl_c([] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    request_interrupt();
+  });
+  const auto start = std::chrono::steady_clock::now();
+  run_cases(registry, options, result);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ctrl_c.join();
+  clear_interrupt();
+  EXPECT_LT(seconds, 2.0);
+  EXPECT_TRUE(result.interrupted);
+  ASSERT_EQ(result.rows.size(), 1u);
+  EXPECT_EQ(result.rows[0].status, Status::kInterrupted);
+  EXPECT_TRUE(abandoned_references_running());
+  finish->store(true);
+  for (int i = 0; i < 200 && abandoned_references_running(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_FALSE(abandoned_references_running());
+  ASSERT_EQ(result.skipped.size(), 1u);
+  EXPECT_EQ(result.skipped[0].reason, "not run: interrupted");
+}
+
+// A batch of launches stays cold when each launch's set was last used 2x the L2's bytes ago.
+TEST(BenchEngine, ColdInputSets) {
+  constexpr std::int64_t kL2 = 50 << 20;
+  EXPECT_EQ(cold_input_sets(32 << 20, kL2, 32), 5);    // 4 others move 128 MiB >= 100 MiB
+  EXPECT_EQ(cold_input_sets(1 << 20, kL2, 40), 40);    // never more sets than launches
+  EXPECT_EQ(cold_input_sets(200 << 20, kL2, 8), 2);    // one other set already flushes it
+  EXPECT_EQ(cold_input_sets(1, kL2, 200), 200);
 }
 
 // Opt-in implementations (forced kernel variants) run only when the selection names them, are
@@ -366,6 +460,31 @@ TEST(BenchGate, CoupledRowsOfALargeCaseAreGatedOnAPrefixProblem) {
   EXPECT_EQ(GateData(c, 9, {.prefix_elements = 64 * 16}).coverage(), RowCoverage::kAll);
   const Case independent = doubling_case(shape, DType::kFloat32, 1.0, false);
   EXPECT_EQ(GateData(independent, 9, limits).coverage(), RowCoverage::kAll);
+}
+
+// Attention splits into kv-head groups: above the FLOP limit the gate checks a run of them, and
+// still catches an implementation that is wrong there.
+TEST(BenchGate, ComputeBoundCasesAreGatedOnARunOfIndependentGroups) {
+  const OpInfo* op = Registry::global().find_op("attention_fwd");
+  ASSERT_NE(op, nullptr);
+  const std::vector<std::int64_t> shape = {2, 8, 4, 48, 16, 1};  // B Hq Hkv S D causal
+  const Case c = op->make(shape, DType::kFloat32);
+  EXPECT_EQ(c.groups, 4);
+  GateLimits limits;
+  limits.group_flops = c.flops / 2;  // two of the four groups
+  const GateData gate(c, 11, limits);
+  EXPECT_EQ(gate.coverage(), RowCoverage::kGroups);
+  const GateResult right = gate_on_cpu(c, gate, c.entry);
+  EXPECT_TRUE(right.passed) << right.message;
+  EXPECT_EQ(right.rows_checked, 2);
+  EXPECT_EQ(right.rows_total, 4);
+  const GateResult wrong = gate_on_cpu(c, gate, [&](Views t, cudaStream_t s) {
+    c.entry(t, s);
+    auto* out = static_cast<float*>(t[3].data);
+    for (std::int64_t i = 0; i < t[3].numel(); ++i) out[i] *= 1.01f;
+  });
+  EXPECT_FALSE(wrong.passed);
+  EXPECT_NE(wrong.message.find("groups"), std::string::npos) << wrong.message;
 }
 
 TEST(BenchGate, RowWiseTensorsWithOtherRowCountsAreCheckedWhole) {

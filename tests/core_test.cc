@@ -1,4 +1,6 @@
+#include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 
 #include "core/check.h"
@@ -182,6 +184,20 @@ TEST(HostDType, FastPathsAgreeWithTheGeneralCodec) {
   }
   EXPECT_EQ(detail::double_to_bf16(3.3895313892515355e38), 0x7F7F);  // largest bf16
   EXPECT_EQ(detail::double_to_bf16(3.4028234663852886e38), 0x7F80);  // FLT_MAX rounds to inf
+}
+
+// Every entry point's OpChecker opens and closes an NVTX range. Without a profiler attached that
+// must cost nothing next to a kernel launch (a few microseconds): well under 0.2 us a pair.
+TEST(OpChecker, ProfilerRangeCostsNothingWithoutAProfiler) {
+  constexpr int kCalls = 200000;
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < kCalls; ++i) {
+    detail::OpChecker c("rmsnorm_forward");
+    ASSERT_EQ(c.op()[0], 'r');
+  }
+  const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count() / kCalls;
+  std::printf("OpChecker with its NVTX range: %.1f ns per entry point\n", ns);
+  EXPECT_LT(ns, 200.0);
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <chrono>
 #include <map>
 #include <memory>
 #include <sstream>
@@ -156,10 +157,10 @@ py::dict time_callable(const py::function& fn, int device, const py::dict& timin
   auto timed = gpu.make_source([&](int, cudaStream_t stream) {
     OnEngineStream on(stream, device);
     call();
-  }, options);
+  }, options, 1);
   samples = tb::collect_samples(*timed.source, options, &gpu.clock_monitor());
   gpu.synchronize();
-  return summary_dict(samples, timed.timer);
+  return summary_dict(samples, timed.timer());
 #else
   arg_error("time_callable", "device", "this build of trainscale has no CUDA support");
 #endif
@@ -352,6 +353,7 @@ std::string run_bench(const std::vector<std::string>& suites, const std::vector<
   options.timing = timing_from(timing, fn);
   options.seed = seed;
 
+  const auto started = std::chrono::steady_clock::now();
   tb::RunResult result;
   result.suite = join(suites);
   result.timing = options.timing;
@@ -360,19 +362,22 @@ std::string run_bench(const std::vector<std::string>& suites, const std::vector<
   result.env.command_line = command_line;
   if (use_gpu && roofline) result.roofline = tb::load_or_measure_roofline(result.env, options.timing, false);
   tb::clear_interrupt();
+  // Ctrl-C only sets Python's flag while C++ runs: the engine asks for it while it waits.
+  tb::set_interrupt_poll([] {
+    if (PyErr_CheckSignals() == 0) return false;
+    PyErr_Clear();
+    return true;
+  });
   {
+    struct ClearPoll {
+      ~ClearPoll() { tb::set_interrupt_poll(nullptr); }
+    } clear_poll;
     tb::ProgressLine line(progress);
     tb::run_cases(registry, options, result,
-                  [&](std::size_t i, std::size_t n, const std::string& name) {
-                    // Ctrl-C only sets Python's flag while C++ runs; the next case sees it here.
-                    if (PyErr_CheckSignals() != 0) {
-                      PyErr_Clear();
-                      tb::request_interrupt();
-                    }
-                    line.update(i, n, name);
-                  });
+                  [&](std::size_t i, std::size_t n, const std::string& name) { line.update(i, n, name); });
   }
   tb::clear_interrupt();
+  result.wall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   return tb::to_json(result).dump(2);
 }
 

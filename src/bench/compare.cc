@@ -43,8 +43,8 @@ bool timed(const Row* r) { return r && r->status == Status::kOk && r->ms.median 
 double uncertainty_ms(const Row& r) {
   constexpr double kEventResolutionMs = 0.5e-3;
   double resolution = 0;
-  if (r.timer == "cuda-events") resolution = kEventResolutionMs;
-  if (r.timer == "cuda-graph") resolution = kEventResolutionMs / std::max(r.batch, 1);
+  if (r.timer.starts_with("cuda-events")) resolution = kEventResolutionMs;
+  if (r.timer.starts_with("cuda-graph")) resolution = kEventResolutionMs / std::max(r.batch, 1);
   return std::max(r.ms.rel_noise * r.ms.median, resolution);
 }
 

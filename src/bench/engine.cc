@@ -41,6 +41,12 @@ std::uint64_t case_seed(std::uint64_t seed, const std::string& case_name) {
   return seed ^ h;
 }
 
+int cold_input_sets(std::int64_t set_bytes, std::int64_t l2_bytes, int batch) {
+  const std::int64_t bytes = std::max<std::int64_t>(set_bytes, 1);
+  const std::int64_t others = (2 * l2_bytes + bytes - 1) / bytes;
+  return static_cast<int>(std::min<std::int64_t>(batch, others + 1));
+}
+
 std::optional<double> percent_of_roofline(const std::optional<Roofline>& roofline, Bound bound, double gbps,
                                           double tflops) {
   if (!roofline) return std::nullopt;
@@ -60,6 +66,10 @@ bool is_unsupported(const std::exception& e) {
   const std::string what = e.what();
   return what.find("has only its CPU reference so far") != std::string::npos ||
          what.find("has no CUDA support") != std::string::npos;
+}
+
+bool is_cpu_reference_only(const Row& row) {
+  return row.status == Status::kUnsupported && row.message.find("has only its CPU reference so far") != std::string::npos;
 }
 
 std::int64_t case_bytes(const Case& c) {
@@ -198,6 +208,10 @@ struct Runner {
         row.message = check.message;
         return row;
       }
+    } catch (const GateInterrupted& e) {
+      row.status = Status::kInterrupted;
+      row.message = e.what();
+      return row;
     } catch (const std::exception& e) {
       row.status = is_unsupported(e) ? Status::kUnsupported : Status::kFailed;
       row.message = e.what();
@@ -205,29 +219,45 @@ struct Runner {
     }
 
     try {
-      for (int s = 1; s < options.timing.rotate; ++s) {
-        sets.push_back(allocate_set(c, device));
-        gate.load_inputs(sets.back());
-      }
+      TimingOptions timing = options.timing;
       std::vector<std::vector<TensorView>> set_views;
-      for (const auto& set : sets) set_views.push_back(views_of(set));
-      row.cold = impl.on_gpu && options.timing.flush_l2;
+      const auto add_sets = [&](int count) {
+        while (static_cast<int>(sets.size()) < count) {
+          sets.push_back(allocate_set(c, device));
+          gate.load_inputs(sets.back());
+        }
+        set_views.clear();
+        for (const auto& set : sets) set_views.push_back(views_of(set));
+      };
+      add_sets(timing.rotate);
+      row.cold = impl.on_gpu && timing.flush_l2;
       SampleSet samples;
 #if TRAINSCALE_HAVE_CUDA
       if (impl.on_gpu) {
-        TimingOptions timing = options.timing;
         if (!impl.capturable) timing.batch = 1;
-        auto timed = gpu->make_source(
-            [&](int set, cudaStream_t stream) { impl.run(set_views[set], stream); }, timing);
-        row.timer = timed.timer;
+        const GpuLaunch launch = [&](int set, cudaStream_t stream) { impl.run(set_views[set], stream); };
+        const int batch = gpu->choose_batch(launch, timing);
+        if (batch > 1 && timing.flush_l2) {
+          // Only a replay's first launch follows the flush: the others must each find their own
+          // inputs and outputs evicted, so consecutive launches cycle through enough sets.
+          timing.rotate = std::max(timing.rotate, cold_input_sets(case_bytes(c), gpu->l2_bytes(), batch));
+          if (static_cast<double>(case_bytes(c)) * timing.rotate > 0.9 * static_cast<double>(free_device_memory())) {
+            throw std::runtime_error("the " + std::to_string(timing.rotate) +
+                                     " input sets that keep every launch of a batch cold do not fit in device memory");
+          }
+          add_sets(timing.rotate);
+        }
+        row.rotate = timing.rotate;
+        auto timed = gpu->make_source(launch, timing, batch);
+        samples = collect_samples(*timed.source, timing, &gpu->clock_monitor());
+        row.timer = timed.timer();
         row.batch = timed.batch;
-        samples = collect_samples(*timed.source, options.timing, &gpu->clock_monitor());
       }
 #endif
       if (!impl.on_gpu) {
-        HostSampleSource source([&](int set) { impl.run(set_views[set], nullptr); }, options.timing.rotate);
+        HostSampleSource source([&](int set) { impl.run(set_views[set], nullptr); }, timing.rotate);
         row.timer = "host";
-        samples = collect_samples(source, options.timing, nullptr);
+        samples = collect_samples(source, timing, nullptr);
       }
       fill_timing(row, samples, roofline);
     } catch (const std::exception& e) {
@@ -332,7 +362,13 @@ void run_cases(const Registry& registry, const RunOptions& options, RunResult& r
         result.rows.push_back(std::move(row));
         continue;
       }
-      result.rows.push_back(runner.run(*c, impl, *gate_impl, *gate));
+      Row row = runner.run(*c, impl, *gate_impl, *gate);
+      if (!impl.baseline && is_cpu_reference_only(row)) {
+        // No kernel of ours to compare: the baselines are not run (nor the reference computed).
+        result.skipped.push_back({label, kCpuReferenceOnly});
+        break;
+      }
+      result.rows.push_back(std::move(row));
       if (interrupt_requested()) break;
     }
     result.interrupted = result.interrupted || interrupt_requested();

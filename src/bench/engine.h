@@ -17,6 +17,8 @@ namespace trainscale::bench {
 
 inline constexpr const char* kOursGpu = "trainscale";
 inline constexpr const char* kOursCpu = "cpu-ref";
+// The reason a GPU run lists a case under `skipped` when the op has no CUDA kernel of ours yet.
+inline constexpr const char* kCpuReferenceOnly = "CPU reference only";
 
 struct Selection {
   std::vector<std::string> suites = {"smoke"};       // configs of each, duplicates once
@@ -48,6 +50,11 @@ void run_cases(const Registry& registry, const RunOptions& options, RunResult& r
 
 // Per-case seed: the run's seed mixed with the case name, so filters do not change the data.
 std::uint64_t case_seed(std::uint64_t seed, const std::string& case_name);
+
+// Input sets that the launches of a CUDA-graph batch cycle through so that every launch, not only
+// the first after the L2 flush, runs cold: between two uses of a set the others move at least
+// twice the L2's bytes (at most `batch` sets).
+int cold_input_sets(std::int64_t set_bytes, std::int64_t l2_bytes, int batch);
 
 // % of the measured ceiling `bound` selects (nullopt without a roofline).
 std::optional<double> percent_of_roofline(const std::optional<Roofline>& roofline, Bound bound, double gbps,

@@ -1,10 +1,19 @@
 #include "bench/gate.h"
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
+#include <cstddef>
+#include <cstring>
+#include <mutex>
+#include <thread>
 #include <random>
 #include <set>
 #include <sstream>
+
+#include "bench/interrupt.h"
 
 namespace trainscale::bench {
 
@@ -56,6 +65,33 @@ std::int64_t numel_of(const std::vector<std::int64_t>& shape) {
   for (auto d : shape) n *= d;
   return n;
 }
+
+// Slices [first, first + count) of a contiguous host tensor along `dim`, as a contiguous tensor.
+OwnedTensor slice_along(const TensorView& src, int dim, std::int64_t first, std::int64_t count) {
+  std::vector<std::int64_t> shape(src.shape.begin(), src.shape.begin() + src.ndim);
+  const std::int64_t extent = shape[dim];
+  shape[dim] = count;
+  OwnedTensor dst(src.dtype, shape, Device::cpu());
+  std::int64_t outer = 1, inner = static_cast<std::int64_t>(dtype_size(src.dtype));
+  for (int d = 0; d < dim; ++d) outer *= shape[d];
+  for (int d = dim + 1; d < src.ndim; ++d) inner *= shape[d];
+  const auto* from = static_cast<const std::byte*>(src.data);
+  auto* to = static_cast<std::byte*>(dst.view().data);
+  for (std::int64_t o = 0; o < outer; ++o) {
+    std::memcpy(to + o * count * inner, from + (o * extent + first) * inner, static_cast<std::size_t>(count * inner));
+  }
+  return dst;
+}
+
+// A tensor's slices of groups [first, first + count) (Case::groups) when it has a group dim.
+struct GroupRun {
+  std::int64_t groups = 0, first = 0, count = 0;
+  bool cuts(const TensorSpec& spec) const { return count > 0 && spec.group_dim >= 0; }
+  std::int64_t width(const TensorSpec& spec) const { return spec.shape[spec.group_dim] / groups; }
+  OwnedTensor cut(const TensorSpec& spec, const TensorView& host) const {
+    return slice_along(host, spec.group_dim, first * width(spec), count * width(spec));
+  }
+};
 
 }  // namespace
 
@@ -124,7 +160,15 @@ GateData::GateData(const Case& c, std::uint64_t seed, const GateLimits& limits) 
     if (spec.shape[0] > 0) largest_row = std::max(largest_row, numel_of(spec.shape) / spec.shape[0]);
   }
   rows_checked_ = rows_total_;
-  if (have_rows && same_rows) {
+  if (c.groups > 0 && c.flops > limits.group_flops) {
+    coverage_ = RowCoverage::kGroups;
+    group_count_ = std::clamp<std::int64_t>(
+        static_cast<std::int64_t>(limits.group_flops / (c.flops / static_cast<double>(c.groups))), 1, c.groups);
+    std::mt19937_64 rng(seed ^ 0x6A0Bu);
+    first_group_ = std::uniform_int_distribution<std::int64_t>(0, c.groups - group_count_)(rng);
+    rows_total_ = c.groups;
+    rows_checked_ = group_count_;
+  } else if (have_rows && same_rows) {
     if (c.rows_independent && largest > limits.full_check_elements && rows_total_ > limits.sampled_rows) {
       coverage_ = RowCoverage::kSample;
       std::mt19937_64 rng(seed ^ 0x5A17u);
@@ -146,30 +190,104 @@ GateData::GateData(const Case& c, std::uint64_t seed, const GateLimits& limits) 
       }
     }
   }
+}
+
+// The reference job: it owns copies of everything it reads, so an abandoned job (Ctrl-C) can
+// finish or run on after the GateData that started it is gone.
+struct GateData::Reference {
+  Case gated;
+  std::vector<RandomFill> fills;
+  std::vector<std::int64_t> sampled_rows;
+  RowCoverage coverage = RowCoverage::kAll;
+  GroupRun group_run;  // kGroups only
+  std::vector<std::vector<double>> values;  // per output tensor (empty for inputs)
+  std::exception_ptr error;
+  std::mutex mutex;
+  std::condition_variable cv;
+  bool done = false;
+  bool abandoned = false;  // Ctrl-C: nobody waits for it any more
 
   // The reference on float64 copies of the rows it checks, made on the host from their indices.
-  const Case& gated = gated_case();
-  std::vector<OwnedTensor> ref_tensors;
-  std::vector<TensorView> ref_views;
-  for (std::size_t i = 0; i < gated.tensors.size(); ++i) {
-    const TensorSpec& spec = gated.tensors[i];
-    const bool sample = coverage_ == RowCoverage::kSample && spec.row_wise;
-    std::vector<std::int64_t> shape = spec.shape;
-    if (sample) shape[0] = static_cast<std::int64_t>(sampled_rows_.size());
-    ref_tensors.emplace_back(reference_dtype(spec), shape, Device::cpu());
-    const TensorView& dst = ref_tensors.back().view();
-    if (has_input_data(spec.role)) {
-      fill_random(dst, fills_[i], sample ? std::span<const std::int64_t>(sampled_rows_) : std::span<const std::int64_t>());
-    } else {
-      poison(dst);
+  void compute() {
+    std::vector<OwnedTensor> ref_tensors;
+    std::vector<TensorView> ref_views;
+    for (std::size_t i = 0; i < gated.tensors.size(); ++i) {
+      const TensorSpec& spec = gated.tensors[i];
+      const bool sample = coverage == RowCoverage::kSample && spec.row_wise;
+      std::vector<std::int64_t> shape = spec.shape;
+      if (sample) shape[0] = static_cast<std::int64_t>(sampled_rows.size());
+      if (group_run.cuts(spec)) {
+        // Made whole (the fill is by element index), then cut to the groups checked.
+        OwnedTensor whole(reference_dtype(spec), shape, Device::cpu());
+        if (has_input_data(spec.role)) fill_random(whole.view(), fills[i]);
+        ref_tensors.push_back(group_run.cut(spec, whole.view()));
+        if (!has_input_data(spec.role)) poison(ref_tensors.back().view());
+        ref_views.push_back(ref_tensors.back().view());
+        continue;
+      }
+      ref_tensors.emplace_back(reference_dtype(spec), shape, Device::cpu());
+      const TensorView& dst = ref_tensors.back().view();
+      if (has_input_data(spec.role)) {
+        fill_random(dst, fills[i], sample ? std::span<const std::int64_t>(sampled_rows) : std::span<const std::int64_t>());
+      } else {
+        poison(dst);
+      }
+      ref_views.push_back(dst);
     }
-    ref_views.push_back(dst);
+    gated.reference(ref_views);
+    values.resize(gated.tensors.size());
+    for (std::size_t i = 0; i < gated.tensors.size(); ++i) {
+      if (is_checked_output(gated.tensors[i].role)) values[i] = to_doubles(ref_views[i]);
+    }
   }
-  gated.reference(ref_views);
-  reference_.resize(gated.tensors.size());
-  for (std::size_t i = 0; i < gated.tensors.size(); ++i) {
-    if (is_checked_output(gated.tensors[i].role)) reference_[i] = to_doubles(ref_views[i]);
+};
+
+namespace {
+std::atomic<int> g_abandoned_running{0};
+}  // namespace
+
+bool abandoned_references_running() { return g_abandoned_running.load() > 0; }
+
+const std::vector<std::vector<double>>& GateData::reference() const {
+  if (!reference_) {
+    auto job = std::make_shared<Reference>();
+    job->gated = gated_case();
+    job->fills = fills_;
+    job->sampled_rows = sampled_rows_;
+    job->coverage = coverage_;
+    if (coverage_ == RowCoverage::kGroups) job->group_run = {case_.groups, first_group_, group_count_};
+    std::thread([job] {
+      try {
+        job->compute();
+      } catch (...) {
+        job->error = std::current_exception();
+      }
+      std::lock_guard<std::mutex> lock(job->mutex);
+      job->done = true;
+      if (job->abandoned) --g_abandoned_running;
+      job->cv.notify_all();
+    }).detach();
+    reference_ = job;
   }
+  const std::shared_ptr<Reference> job = reference_;
+  std::unique_lock<std::mutex> lock(job->mutex);
+  while (!job->done) {
+    job->cv.wait_for(lock, std::chrono::milliseconds(50));
+    if (!job->done && interrupt_requested()) {
+      job->abandoned = true;  // the thread finishes on its own copy
+      ++g_abandoned_running;
+      reference_.reset();
+      throw GateInterrupted();
+    }
+  }
+  if (job->error) {
+    try {
+      std::rethrow_exception(job->error);
+    } catch (const std::exception& e) {
+      throw std::runtime_error(std::string("reference failed: ") + e.what());
+    }
+  }
+  return job->values;
 }
 
 void GateData::load_inputs(const std::vector<OwnedTensor>& tensors) const {
@@ -205,10 +323,18 @@ GateResult GateData::check(const std::vector<OwnedTensor>& tensors) const {
     const TensorSpec& spec = case_.tensors[i];
     if (!is_checked_output(spec.role)) continue;
     const bool sampled = coverage_ == RowCoverage::kSample && spec.row_wise;
-    const std::vector<double> out =
-        checked_values(views[i], sampled ? std::span<const std::int64_t>(sampled_rows_) : std::span<const std::int64_t>());
+    const GroupRun groups = coverage_ == RowCoverage::kGroups ? GroupRun{case_.groups, first_group_, group_count_}
+                                                              : GroupRun{};
+    std::vector<double> out;
+    if (groups.cuts(spec)) {
+      OwnedTensor host(spec.dtype, spec.shape, Device::cpu());
+      copy_tensor(host.view(), views[i]);
+      out = to_doubles(groups.cut(spec, host.view()).view());
+    } else {
+      out = checked_values(views[i], sampled ? std::span<const std::int64_t>(sampled_rows_) : std::span<const std::int64_t>());
+    }
     const double tol = tolerance_of(spec);
-    const ValueCheck v = check_values(out, reference_[i], tol);
+    const ValueCheck v = check_values(out, reference()[i], tol);
     if (v.rel_l2 >= result.rel_l2) {
       result.rel_l2 = v.rel_l2;
       result.tolerance = tol;
@@ -220,6 +346,9 @@ GateResult GateData::check(const std::vector<OwnedTensor>& tensors) const {
       if (coverage_ == RowCoverage::kPrefix) {
         result.message += " [prefix problem: the first " + std::to_string(rows_checked_) + " of " +
                           std::to_string(rows_total_) + " rows]";
+      } else if (coverage_ == RowCoverage::kGroups) {
+        result.message += " [groups " + std::to_string(first_group_) + " to " +
+                          std::to_string(first_group_ + group_count_ - 1) + " of " + std::to_string(rows_total_) + "]";
       }
     }
   }

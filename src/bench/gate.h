@@ -1,13 +1,18 @@
 // The correctness gate: every implementation, before it is timed, runs on fresh random inputs
 // with NaN-poisoned outputs, and each output is compared with the fp64 reference computed on
-// float64 copies of the same inputs. Inputs are made where they live (random_fill.h: the device
+// float64 copies of the same inputs. The reference runs when the first implementation is checked
+// (an implementation that cannot run the case never waits for it), on a worker thread that
+// Ctrl-C abandons. Inputs are made where they live (random_fill.h: the device
 // fills its tensors, the host makes only the rows the reference needs). Small cases are checked
 // whole; large ones on a random sample of rows when their rows are independent, else on a prefix
-// problem: the first rows only, the implementation called on views of those rows.
+// problem: the first rows only, the implementation called on views of those rows. Compute-bound
+// cases that split into independent groups (attention heads) are checked on a run of groups.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -17,7 +22,8 @@
 
 namespace trainscale::bench {
 
-// DESIGN.md: relative L2 fp32 1e-5, fp16 2e-3, bf16 1e-2 (fp64 1e-12); fp8 and integers exact.
+// docs/contract.md: relative L2 fp32 1e-5, fp16 2e-3, bf16 1e-2 (fp64 1e-12); fp8 and integers
+// exact.
 double default_tolerance(DType dtype);
 double tolerance_of(const TensorSpec& spec);
 
@@ -51,7 +57,20 @@ struct GateLimits {
   // row-wise tensor, check the prefix problem with as many rows as keep each row-wise tensor
   // within it (at least one row). 2^26 elements: 512 MiB per float64 copy.
   std::int64_t prefix_elements = std::int64_t{1} << 26;
+  // Cases with independent groups (Case::groups): above this many FLOPs, check as many
+  // consecutive groups as stay within it (at least one). 2e10: seconds of fp64 on a few cores.
+  double group_flops = 2e10;
 };
+
+// Thrown by GateData::check when Ctrl-C came while the reference was computed.
+class GateInterrupted : public std::runtime_error {
+ public:
+  GateInterrupted() : std::runtime_error("interrupted while the reference was computed") {}
+};
+
+// Whether a reference abandoned by Ctrl-C is still computing (the process should then end
+// without running static destructors under it).
+bool abandoned_references_running();
 
 // Inputs and the reference answer of one case, shared by all its implementations.
 class GateData {
@@ -68,7 +87,8 @@ class GateData {
   void load_inputs(const std::vector<OwnedTensor>& tensors) const;
   // The views the gated call takes: `tensors`, row-wise ones cut to the prefix rows.
   std::vector<TensorView> gated_views(const std::vector<OwnedTensor>& tensors) const;
-  // Compares the outputs in `tensors` (after the gated call) with the reference.
+  // Compares the outputs in `tensors` (after the gated call) with the reference, computing the
+  // reference first if no earlier check did. Throws GateInterrupted on Ctrl-C.
   GateResult check(const std::vector<OwnedTensor>& tensors) const;
 
  private:
@@ -77,8 +97,11 @@ class GateData {
   std::vector<RandomFill> fills_;  // per tensor (used for inputs)
   RowCoverage coverage_ = RowCoverage::kAll;
   std::vector<std::int64_t> sampled_rows_;  // sorted; kSample only
+  std::int64_t first_group_ = 0, group_count_ = 0;  // kGroups only
   std::int64_t rows_total_ = 0, rows_checked_ = 0;
-  std::vector<std::vector<double>> reference_;  // per output tensor (empty for inputs)
+  struct Reference;  // computed on a worker thread, which owns it with this object
+  const std::vector<std::vector<double>>& reference() const;
+  mutable std::shared_ptr<Reference> reference_;
 };
 
 }  // namespace trainscale::bench

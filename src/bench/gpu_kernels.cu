@@ -98,6 +98,25 @@ void launch_read(const void* src, std::size_t bytes, void* sink, cudaStream_t st
   cuda_check(cudaGetLastError(), "read kernel launch");
 }
 
+__global__ void hold_stream_kernel(const volatile int* release, int* timed_out, unsigned long long timeout_ns) {
+  unsigned long long t0 = 0, t = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  while (*release == 0) {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    if (t - t0 > timeout_ns) {
+      *timed_out = 1;
+      return;
+    }
+    __nanosleep(256);
+  }
+}
+
+void launch_hold_stream(const int* release_device, int* timed_out_device, unsigned long long timeout_ns,
+                        cudaStream_t stream) {
+  hold_stream_kernel<<<1, 1, 0, stream>>>(release_device, timed_out_device, timeout_ns);
+  cuda_check(cudaGetLastError(), "stream hold kernel launch");
+}
+
 __global__ void empty_kernel() {}
 
 void launch_empty(cudaStream_t stream) {

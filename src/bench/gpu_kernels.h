@@ -20,6 +20,13 @@ void launch_copy(void* dst, const void* src, std::size_t bytes, cudaStream_t str
 // loads cannot be optimized away.
 void launch_read(const void* src, std::size_t bytes, void* sink, cudaStream_t stream);
 
+// Holds `stream` until the host writes a non-zero value to `*release` (host-mapped memory seen
+// through `release_device`), so that the work queued behind it runs back to back however long
+// the host takes to queue it; gives up after `timeout_ns` and writes 1 to `*timed_out_device`
+// (the host queued work that waits for this stream, which would otherwise deadlock).
+void launch_hold_stream(const int* release_device, int* timed_out_device, unsigned long long timeout_ns,
+                        cudaStream_t stream);
+
 // A kernel that does nothing: what launching and timing cost by themselves.
 void launch_empty(cudaStream_t stream);
 

@@ -1,6 +1,11 @@
 // CUDA timing: events per sample on the implementation's stream, L2 flushed before cold
 // samples (a device buffer of 2x the L2 size cleared with cudaMemsetAsync, outside the timed
 // events), and a batch mode that captures K launches in a CUDA graph and times replays.
+// Device time only: before each sample a kernel holds the stream until the host has queued the
+// start event, the launches and the stop event, so host work inside the call (a PyTorch
+// callable's Python, Dynamo's guards) does not fall between the events. A call that waits for
+// its own stream (it would deadlock behind the hold) is detected by the hold's timeout and then
+// timed unheld, which its row's timer says ("cuda-events-unheld").
 #pragma once
 
 #if TRAINSCALE_HAVE_CUDA
@@ -33,14 +38,28 @@ class GpuContext {
   ClockMonitor& clock_monitor() { return *monitor_; }
   const char* clock_source() const;
 
-  struct Timed {
+  std::int64_t l2_bytes() const { return static_cast<std::int64_t>(flush_bytes_ / 2); }
+
+  // Launches per sample: options.batch, or when it is 0, a batch when one launch takes under
+  // 20 us (timed on input set 0).
+  int choose_batch(const GpuLaunch& launch, const TimingOptions& options);
+
+  class Timed {
+   public:
     std::unique_ptr<SampleSource> source;
-    std::string timer;  // "cuda-events" or "cuda-graph"
     int batch = 1;
+    // "cuda-events", "cuda-graph", or with "-unheld" when the stream could not be held.
+    std::string timer() const;
+    bool held() const;
+
+   private:
+    friend class GpuContext;
+    std::string base_;
+    const bool* unheld_ = nullptr;  // owned by the source
   };
-  // Picks plain event timing or graph batches (options.batch; 0 = automatic: batches when
-  // one launch takes under 20 us) and returns the source to sample.
-  Timed make_source(const GpuLaunch& launch, const TimingOptions& options);
+  // The source to sample: plain event timing (batch 1) or CUDA-graph replays of `batch` launches
+  // cycling through options.rotate input sets.
+  Timed make_source(const GpuLaunch& launch, const TimingOptions& options, int batch);
 
   // Clears the flush buffer on the stream (evicts the L2).
   void flush_l2() const;
@@ -50,10 +69,13 @@ class GpuContext {
   cudaStream_t stream_ = nullptr;
   void* flush_buffer_ = nullptr;
   std::size_t flush_bytes_ = 0;
+  int* hold_flags_ = nullptr;  // host-mapped: [0] release, [1] timed out
+  int* hold_flags_device_ = nullptr;
+  friend class StreamHold;
   std::unique_ptr<ClockMonitor> monitor_;
 };
 
-// Milliseconds between two events recorded around `body` on `stream`.
+// Milliseconds between two events recorded around `body` on `stream` (not held).
 double time_on_stream_ms(cudaStream_t stream, const std::function<void()>& body);
 
 }  // namespace trainscale::bench

@@ -45,7 +45,7 @@ struct TensorSpec {
   // dtype of this tensor in the reference call; unset: float64 for floating dtypes, unchanged
   // otherwise. Set it where the reference insists (float32 statistics, exact fp8 codes).
   std::optional<DType> reference_dtype;
-  // Gate tolerance (relative L2) for outputs; unset: DESIGN.md's for `dtype`, 0 for fp8.
+  // Gate tolerance (relative L2) for outputs; unset: docs/contract.md's for `dtype`, 0 for fp8.
   std::optional<double> tolerance;
   // Dim 0 indexes the problem's rows. The gate may check a random subset of them when the case
   // says its rows are independent (Case::rows_independent), else the problem made of the first
@@ -53,6 +53,8 @@ struct TensorSpec {
   // fewer rows. Either needs every row-wise tensor to have the rows as dim 0; a case whose
   // row-wise tensors disagree on dim 0 (a transposed output) is checked whole.
   bool row_wise = false;
+  // The dim along which the case splits into Case::groups independent groups, or -1 (see there).
+  int group_dim = -1;
 };
 
 // Views of a case's tensors, in the order of Case::tensors.
@@ -100,6 +102,12 @@ struct Case {
   // other, whole, tensors): the gate may sample rows of large cases. Otherwise (a weight
   // gradient sums over rows) it may gate large cases on a prefix problem (GateLimits).
   bool rows_independent = false;
+  // Compute-bound cases too costly for a whole fp64 reference on the host may split into this
+  // many independent groups (attention: the kv heads, each with its query heads): every tensor
+  // with a TensorSpec::group_dim holds shape[group_dim] / groups slices per group there, and group
+  // g of the outputs depends only on group g of the inputs. The gate then checks a run of
+  // consecutive groups. 0: no groups.
+  std::int64_t groups = 0;
 
   std::string shape_str() const;  // "32768x4096"
   std::string name() const;       // "rmsnorm_fwd 32768x4096 bfloat16"
@@ -123,7 +131,7 @@ struct Config {
   DType dtype;
 };
 
-// The suites of DESIGN.md; configs may only be added to these.
+// The suites of docs/contract.md; configs may only be added to these.
 inline constexpr const char* kSuiteNames[] = {"smoke", "quack",     "quack-m", "dsv3",
                                               "llama", "attention", "sweep"};
 

@@ -252,6 +252,7 @@ json to_json(const RunResult& result) {
           {"schema_version", result.schema_version},
           {"meta", {{"suite", result.suite},
                     {"interrupted", result.interrupted},
+                    {"wall_seconds", result.wall_seconds},
                     {"env", to_json(result.env)},
                     {"timing", to_json(result.timing)}}},
           {"roofline", result.roofline ? to_json(*result.roofline) : json(nullptr)},
@@ -273,6 +274,7 @@ RunResult run_result_from_json(const json& j) {
     const json& meta = j.at("meta");
     result.suite = meta.value("suite", "");
     result.interrupted = meta.value("interrupted", false);
+    result.wall_seconds = meta.value("wall_seconds", 0.0);
     result.env = environment_from_json(meta.value("env", json::object()));
     result.timing = timing_from_json(meta.value("timing", json::object()));
     if (j.contains("roofline") && j.at("roofline").is_object()) result.roofline = roofline_from_json(j.at("roofline"));

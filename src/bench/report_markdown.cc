@@ -134,6 +134,9 @@ void write_markdown(std::ostream& out, const RunResult& result) {
   out << "# TrainScale benchmark: " << result.suite << " on " << device_label(result.env) << "\n\n";
   if (result.interrupted) out << "**Interrupted**: the run was stopped before every case was measured.\n\n";
   write_environment(out, result);
+  out << "## Summary\n\n";
+  for (const std::string& line : summary_lines(result)) out << "- " << line << '\n';
+  out << '\n';
   const std::vector<Pairing> pairings = pair_rows(result.rows);
   write_geomeans(out, pairings);
   write_op_tables(out, pairings, false, {});

@@ -1,5 +1,8 @@
+#include <algorithm>
+#include <map>
 #include <ostream>
 
+#include "bench/engine.h"
 #include "bench/reporters.h"
 
 namespace trainscale::bench {
@@ -27,6 +30,67 @@ void write_aligned(std::ostream& out, const std::vector<Cells>& lines) {
       out << std::string(total - 3, '-') << '\n';
     }
   }
+}
+
+std::vector<std::string> summary_lines(const RunResult& result) {
+  std::vector<std::string> lines;
+  std::int64_t timed = 0, ours_failed = 0, base_failed = 0;
+  for (const Row& r : result.rows) {
+    timed += r.status == Status::kOk;
+    (r.baseline ? base_failed : ours_failed) += r.status == Status::kFailed;
+  }
+  std::string head = std::to_string(timed) + " rows timed";
+  if (result.wall_seconds > 0) head += " in " + format_fixed(result.wall_seconds, 0) + " s";
+  head += "; failed: " + std::to_string(ours_failed) + " of ours, " + std::to_string(base_failed) + " baseline rows";
+  if (result.interrupted) head += "; interrupted";
+  lines.push_back(head);
+
+  const std::vector<Pairing> pairings = pair_rows(result.rows);
+  std::vector<std::string> baselines;
+  for (const Pairing& p : pairings) {
+    if (p.base && std::find(baselines.begin(), baselines.end(), p.base->impl) == baselines.end()) {
+      baselines.push_back(p.base->impl);
+    }
+  }
+  for (const std::string& name : baselines) {
+    std::int64_t count = 0;
+    for (const Pairing& p : pairings) count += p.base && p.base->impl == name && p.speedup() > 0;
+    if (count > 0) {
+      lines.push_back("geomean speedup over " + name + ": " + format_fixed(geomean_speedup(pairings, name), 3) +
+                      "x (" + std::to_string(count) + " cases)");
+    }
+  }
+
+  std::vector<std::string> ops;
+  std::map<std::string, std::vector<double>> pct;
+  std::map<std::string, std::string> unit;
+  for (const Row& r : result.rows) {
+    if (r.baseline || r.status != Status::kOk || !r.pct_roofline) continue;
+    if (!pct.contains(r.op)) ops.push_back(r.op);
+    pct[r.op].push_back(*r.pct_roofline);
+    unit[r.op] = r.bound == Bound::kMemory ? "copy" : "bf16 GEMM";
+  }
+  for (const std::string& op : ops) {
+    std::vector<double>& v = pct[op];
+    std::sort(v.begin(), v.end());
+    std::string line = op + ": " + format_fixed(v[v.size() / 2], 1) + " % of " + unit[op];
+    if (v.size() > 1) line += " (" + format_fixed(v.front(), 1) + "-" + format_fixed(v.back(), 1) + " over " +
+                              std::to_string(v.size()) + " shapes)";
+    lines.push_back(line);
+  }
+
+  std::vector<std::string> cpu_only;
+  for (const SkippedCase& s : result.skipped) {
+    if (s.reason != kCpuReferenceOnly) continue;
+    const std::string op = s.case_name.substr(0, s.case_name.find(' '));
+    if (std::find(cpu_only.begin(), cpu_only.end(), op) == cpu_only.end()) cpu_only.push_back(op);
+  }
+  if (!cpu_only.empty()) {
+    std::string line = std::string(kCpuReferenceOnly) + " (not run on the GPU):";
+    for (std::size_t i = 0; i < cpu_only.size(); ++i) line += (i ? ", " : " ") + cpu_only[i];
+    lines.push_back(line);
+  }
+  return lines;
 }
 
 void write_terminal_table(std::ostream& out, const RunResult& result) {
@@ -58,10 +122,15 @@ void write_terminal_table(std::ostream& out, const RunResult& result) {
     header = true;
     out << "  " << format_ms(&r) << "  " << r.key() << ": " << r.message << '\n';
   }
-  if (!result.skipped.empty()) {
-    out << "\nSkipped cases:\n";
-    for (const SkippedCase& s : result.skipped) out << "  " << s.case_name << ": " << s.reason << '\n';
+  bool skipped_header = false;
+  for (const SkippedCase& s : result.skipped) {
+    if (s.reason == kCpuReferenceOnly) continue;  // listed by op in the summary
+    if (!skipped_header) out << "\nSkipped cases:\n";
+    skipped_header = true;
+    out << "  " << s.case_name << ": " << s.reason << '\n';
   }
+  out << "\nSummary:\n";
+  for (const std::string& line : summary_lines(result)) out << "  " << line << '\n';
 }
 
 }  // namespace trainscale::bench

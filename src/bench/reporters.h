@@ -38,8 +38,13 @@ std::vector<std::string> prefix_gate_notes(const std::vector<const Row*>& rows);
 using Cells = std::vector<std::string>;
 void write_aligned(std::ostream& out, const std::vector<Cells>& lines);
 
-// Kernel | Ours (ms) | Base (ms) | Speedup | Metric | Ours | Base | % roofline, then failures
-// and skipped cases with their messages.
+// One screen: wall time, rows timed and failed (ours / baselines), geomean speedup over each
+// baseline, our % of roofline per op (median over its shapes, with the range), and the ops that
+// have only their CPU reference.
+std::vector<std::string> summary_lines(const RunResult& result);
+
+// Kernel | Ours (ms) | Base (ms) | Speedup | Metric | Ours | Base | % roofline, then failures,
+// skipped cases with their messages, and the summary.
 void write_terminal_table(std::ostream& out, const RunResult& result);
 
 // One line per row with every field (stable column order, header first).

@@ -16,6 +16,7 @@ constexpr std::pair<RowCoverage, const char*> kCoverageNames[] = {
     {RowCoverage::kAll, "all"},
     {RowCoverage::kSample, "sample"},
     {RowCoverage::kPrefix, "prefix"},
+    {RowCoverage::kGroups, "groups"},
 };
 }  // namespace
 
@@ -48,7 +49,8 @@ std::optional<RowCoverage> parse_coverage(const std::string& name) {
 }
 
 bool RunResult::any_failed() const {
-  return std::any_of(rows.begin(), rows.end(), [](const Row& r) { return r.status == Status::kFailed; });
+  return std::any_of(rows.begin(), rows.end(),
+                     [](const Row& r) { return !r.baseline && r.status == Status::kFailed; });
 }
 
 }  // namespace trainscale::bench

@@ -25,8 +25,9 @@ enum class RowCoverage {
   kAll,
   kSample,  // a random sample of rows (rows independent), among all rows computed
   kPrefix,  // rows coupled: the gated call solved the problem made of the first rows only
+  kGroups,  // compute-bound: a run of consecutive independent groups (attention: kv heads)
 };
-const char* coverage_name(RowCoverage coverage);  // "all", "sample", "prefix"
+const char* coverage_name(RowCoverage coverage);  // "all", "sample", "prefix", "groups"
 std::optional<RowCoverage> parse_coverage(const std::string& name);
 
 struct Row {
@@ -96,7 +97,10 @@ struct RunResult {
   std::vector<Row> rows;
   std::vector<SkippedCase> skipped;
   bool interrupted = false;
+  double wall_seconds = 0;  // from the start of the run (roofline included) to its last row
 
+  // Whether one of our implementations failed its gate or errored. Baselines that fail are
+  // reported FAILED but do not fail the run.
   bool any_failed() const;
 };
 

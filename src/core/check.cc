@@ -4,7 +4,23 @@
 #include <cstdio>
 #include <utility>
 
+#if TRAINSCALE_HAVE_CUDA
+#include <nvtx3/nvToolsExt.h>
+#endif
+
 namespace trainscale::detail {
+
+OpChecker::OpChecker(const char* op) : op_(op) {
+#if TRAINSCALE_HAVE_CUDA
+  nvtxRangePushA(op);
+#endif
+}
+
+OpChecker::~OpChecker() {
+#if TRAINSCALE_HAVE_CUDA
+  nvtxRangePop();
+#endif
+}
 
 void throw_arg_error(std::string_view op, std::string_view arg, std::string_view expected,
                      std::string_view got) {

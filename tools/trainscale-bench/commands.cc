@@ -2,6 +2,8 @@
 #include "commands.h"
 
 #include <algorithm>
+#include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -10,6 +12,7 @@
 #include "bench/cuda_util.h"
 #include "bench/engine.h"
 #include "bench/environment.h"
+#include "bench/gate.h"
 #include "bench/interrupt.h"
 #include "bench/progress.h"
 #include "bench/registry.h"
@@ -131,6 +134,7 @@ int run_command(const RunArgs& args) {
   options.timing = args.timing;
   options.seed = args.seed;
 
+  const auto started = std::chrono::steady_clock::now();
   RunResult result;
   result.suite = args.suite;
   result.timing = args.timing;
@@ -149,10 +153,17 @@ int run_command(const RunArgs& args) {
       progress.update(i, n, name);
     });
   }
+  result.wall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   write_terminal_table(std::cout, result);
   write_outputs(args, result);
   if (result.interrupted) {
     std::cerr << "trainscale-bench: interrupted; results so far were written\n";
+    if (abandoned_references_running()) {
+      // A host reference still runs on a worker thread: end now rather than wait for it.
+      std::cout.flush();
+      std::cerr.flush();
+      std::_Exit(kExitInterrupted);
+    }
     return kExitInterrupted;
   }
   return result.any_failed() ? kExitFailure : kExitOk;

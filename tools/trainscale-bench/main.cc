@@ -38,6 +38,11 @@ void add_timing_options(CLI::App& app, TimingOptions& t) {
 int main(int argc, char** argv) {
   CLI::App app{"trainscale-bench: benchmarks TrainScale's kernels against the fp64 reference and vendor baselines"};
   app.require_subcommand(0, 1);
+  app.footer(
+      "Exit status: 0 when every implementation of ours passed its gate and ran; 1 when one of ours failed its "
+      "gate or a case errored (a baseline that fails its gate is reported FAILED but does not fail the run); "
+      "2 for a usage error; 130 when interrupted (Ctrl-C: the results so far are written).\n"
+      "On a GPU, ops that have only their CPU reference are listed as such and not run.");
 
   RunArgs run;
   run.command_line = joined_command_line(argc, argv);
