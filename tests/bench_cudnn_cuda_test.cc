@@ -1,7 +1,7 @@
 // The cuDNN SDPA baseline through the engine on a GPU, named alone (our attention has no CUDA
 // kernel yet): gated against the fp64 reference on fresh random inputs with NaN-poisoned
-// outputs. Skips without a GPU, without the
-// cuDNN baselines in this build, or where libcudnn cannot be loaded.
+// outputs. Skips without a GPU, without the cuDNN baselines in this build, or where libcudnn
+// cannot be loaded.
 #include <gtest/gtest.h>
 
 #include "bench/baselines/cudnn_sdpa.h"
