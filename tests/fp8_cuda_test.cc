@@ -454,7 +454,7 @@ TEST(Fp8DequantizeCuda, MatchesReferenceForEveryLayoutAndDtype) {
 
 // --- Bandwidth (disabled; run with --gtest_also_run_disabled_tests) ---
 
-// bf16 65536 x 8192 (the DESIGN.md targets): GB/s counting x read once and every output written
+// bf16 65536 x 8192 (docs/perf/fp8.md): GB/s counting x read once and every output written
 // once, median of 20 launches after warm-up (no L2 flush: the 1 GiB input dwarfs the 50 MB L2).
 TEST(Fp8QuantizeCuda, DISABLED_Bandwidth) {
   TS_REQUIRE_GPU();

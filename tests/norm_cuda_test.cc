@@ -627,7 +627,7 @@ TEST(NormCuda, LayerNormVarianceWhenMeanDominates) {
   }
 }
 
-// The saved LayerNorm mean at DESIGN.md's fp32 tolerance (relative L2 <= 1e-5, as the bench
+// The saved LayerNorm mean at the contract's fp32 tolerance (relative L2 <= 1e-5, as the bench
 // gates it) over many long rows whose means sit near 0, so the error is measured against a
 // small quantity: a mean formed as pivot + mean(x - pivot) passed the per-element check of
 // check_norm but failed this (its partial sums of x - pivot grow with the row).

@@ -119,7 +119,7 @@ void capture_gpu(Environment& env, int device_index) {
 }  // namespace
 
 std::string git_commit() {
-  // A copy of the tree without .git (a lent GPU machine) is told its commit by the caller.
+  // A copy of the tree without .git (an offline GPU host) is told its commit by the caller.
   if (const char* given = std::getenv("TRAINSCALE_GIT_COMMIT"); given && *given) return given;
   const std::string dir = TRAINSCALE_SOURCE_DIR;
   if (auto head = command_output("git -C '" + dir + "' rev-parse HEAD 2>/dev/null")) {

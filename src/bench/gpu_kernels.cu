@@ -25,9 +25,9 @@ __global__ void clock_probe_kernel(long long spin_cycles, unsigned long long* ou
   out[1] = t1 - t0;
 }
 
-// Plain (coherent) loads and a grid as large as the copy: on the H100 this reached 3020 GB/s,
-// where the read-only path (ld.global.nc) or one resident wave of blocks looping over the
-// buffers stayed near 2830 GB/s (docs/perf-notes.md), which understated the ceiling.
+// Plain (coherent) loads and a grid as large as the copy: the read-only path (ld.global.nc) or
+// one resident wave of blocks looping over the buffers stays several percent lower
+// (docs/perf/README.md), which would understate the ceiling.
 __global__ void copy_kernel(int4* dst, const int4* src, std::size_t n) {
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
   for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n; i += stride) {

@@ -1,9 +1,7 @@
 // The split of an SM's unified L1 / shared memory (256 KB on an H100) asked for a kernel.
 // Without a preference the driver picks the split, and its pick varies with the process: a
 // kernel that re-reads its parameters from L1 then runs at a speed set by whatever else the
-// process did (H100, bf16 LayerNorm forward, weight and bias from L1: 9-16 % slower inside
-// trainscale-bench than in a standalone program, 3-9 % once it asked; docs/perf-notes.md,
-// session 10).
+// process did; asking makes it independent of that (docs/perf/norm.md).
 #pragma once
 
 #include <cuda_runtime.h>

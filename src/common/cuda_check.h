@@ -27,8 +27,7 @@ inline void check_launch(std::string_view op) { check_cuda(cudaGetLastError(), o
 
 // One block per tile of `per_block` work items, capped only by the launch limit: streaming
 // kernels reach more of HBM with a grid as large as the work than with one resident wave looping
-// over it (H100: 2 GiB copy 3020 vs 2830 GB/s, docs/perf-notes.md). Kernels still loop, so any
-// grid covers everything.
+// over it (docs/perf/README.md). Kernels still loop, so any grid covers everything.
 inline std::int64_t grid_for_tiles(std::int64_t items, std::int64_t per_block) {
   const std::int64_t tiles = (items + per_block - 1) / per_block;
   return std::clamp<std::int64_t>(tiles, 1, std::numeric_limits<int>::max());

@@ -18,9 +18,8 @@ inline constexpr int kVec16 = 16 / static_cast<int>(sizeof(T));
 
 // N consecutive elements as raw storage: 16-byte loads when the vector is a multiple of 16
 // bytes (p then 16-byte aligned), element loads otherwise. kStreaming: data read once
-// (activations), a plain coherent load — on the H100 a streaming copy with ld.global.cs or
-// ld.global.nc ran 2-3 % slower than with plain loads (docs/perf-notes.md); otherwise the
-// read-only cached path (weights re-read by many rows).
+// (activations), a plain coherent load, which streams faster than ld.global.cs or ld.global.nc
+// (docs/perf/README.md); otherwise the read-only cached path (weights re-read by many rows).
 template <class T, int N, bool kStreaming = true>
 __device__ __forceinline__ Vec<T, N> load_raw(const T* p) {
   Vec<T, N> out;

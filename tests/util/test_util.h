@@ -1,4 +1,4 @@
-// Host-side helpers for tests: owning tensors with random data, comparisons at DESIGN.md's
+// Host-side helpers for tests: owning tensors with random data, comparisons at docs/contract.md's
 // tolerances, and central finite differences.
 #pragma once
 
@@ -58,7 +58,7 @@ class HostTensor {
 
 double rel_l2(const std::vector<double>& out, const std::vector<double>& ref);
 double max_abs_err(const std::vector<double>& out, const std::vector<double>& ref);
-// DESIGN.md: fp32 1e-5, fp16 2e-3, bf16 1e-2 (fp64: 1e-12).
+// docs/contract.md: fp32 1e-5, fp16 2e-3, bf16 1e-2 (fp64: 1e-12).
 double tolerance(DType dtype);
 
 // Passes when NaN/Inf sit exactly where the reference has them and the relative L2 error of

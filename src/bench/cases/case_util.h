@@ -1,5 +1,5 @@
 // Helpers shared by the per-family case files: tensor specs, shape checks, and the shape
-// lists of DESIGN.md's suites that several families use.
+// lists of the suites (docs/contract.md) that several families use.
 #pragma once
 
 #include <cstdint>
@@ -62,7 +62,7 @@ void expect_dims(std::span<const std::int64_t> shape, std::size_t dims, const ch
 Case begin_case(const char* op, const char* family, std::span<const std::int64_t> shape, DType dtype,
                 std::size_t dims, const char* doc);
 
-// DESIGN.md suite shapes for row ops (M rows of N).
+// Suite shapes for row ops (M rows of N; docs/contract.md, Suites).
 std::vector<Shape> quack_shapes();    // M = 32768, N = 256 ... 65536; (16384, 131072); (8192, 262144)
 std::vector<Shape> quack_m_shapes();  // N = 4096, M = batch * seq
 std::vector<Shape> dsv3_row_shapes();  // M in {4096, 16384, 65536} x N in {6144, 7168, 8192}

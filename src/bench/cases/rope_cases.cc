@@ -39,7 +39,7 @@ const Registrar kRegister([](Registry& r) {
   r.add_op({"rope_bwd", "rope", kDoc, rope_backward_case});
   for (const char* op : {"rope_fwd", "rope_bwd"}) {
     r.add_configs("smoke", op, {{2, 16, 4, 2, 64}}, {DType::kFloat32, DType::kBFloat16});
-    // Llama-3-8B at 8192 tokens, and DESIGN.md's anchor shape (4 x 4096 tokens).
+    // Llama-3-8B at 8192 tokens, and the baseline shape of docs/perf/rope.md (4 x 4096 tokens).
     r.add_configs("llama", op,
                   {{1, kLlamaTokens, kLlamaHeads, kLlamaKvHeads, kLlamaHeadDim},
                    {4, 4096, kLlamaHeads, kLlamaKvHeads, kLlamaHeadDim}},

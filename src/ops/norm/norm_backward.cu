@@ -607,9 +607,9 @@ Plan plan_backward(const BackwardArgs& a, NormVariant variant, const char* op) {
   if (plan.registers) {
     const std::int64_t resident = resident_groups(k, op);
     // Auto leaves rows to two passes over every SM when the clusters cover less than a quarter
-    // of the SMs (16-block clusters on a GPU of small GPCs, or a MIG slice): at about 25 GB/s
-    // per SM (3000 GB/s over 128), a quarter of the H100's SMs only matches the two-pass kernel
-    // (850 GB/s for RMSNorm).
+    // of the SMs (16-block clusters on a GPU of small GPCs, or a MIG slice): an SM streams about
+    // 1/128 of an H100's bandwidth, so a quarter of the SMs only matches the two-pass kernel
+    // over all of them.
     const std::int64_t min_blocks =
         variant == NormVariant::kAuto ? detail::current_device_info().sm_count / 4 : 1;
     if (resident == 0 || resident * k.cluster < min_blocks) {

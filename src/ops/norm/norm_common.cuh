@@ -24,8 +24,8 @@ enum class Kind { kRms, kLayer };
 // Short rows share a warp (kThreads < 32): with one vector per thread, LayerNorm at bf16 N =
 // 256 was bound by the latency of a row's load and its shuffle chain. Rows of at most 4
 // vectors take one thread per vector: a block then covers 256 / kThreads rows, and 131072 rows
-// of 8 bf16 fit in one wave (4 threads per row took four waves, 8.4 us; one thread 3.1 us on
-// the H100; one thread holding 2-4 vectors was slower than a thread per vector). Returns
+// of 8 bf16 fit in one wave (4 threads per row took four; one thread holding 2-4 vectors was
+// slower than a thread per vector, its loads striding the row). Returns
 // fn(std::integral_constant<int, threads>, std::integral_constant<int, vecs per thread>).
 template <int kVecsPerThread, int kMaxThreads = 1024, int kThreads = 1, class Fn>
 auto with_register_config(std::int64_t vecs, Fn&& fn) {
@@ -94,8 +94,8 @@ inline std::int64_t blocks_for(std::int64_t work_items, std::int64_t per_sm) {
 
 // A persistent grid of at most one resident wave whose blocks all loop the same number of times
 // (but the last): with the full wave, 32768 rows of 2 per group over 528 blocks take 32 passes
-// of which the last has 32 of 1056 rows; 512 blocks take 32 full passes. Measured on the H100:
-// no change (2792 vs 2796 GB/s at 32768x4096), the tail was not the limit; it costs nothing.
+// of which the last has 32 of 1056 rows; 512 blocks take 32 full passes. It measured no faster
+// (the tail is not the limit) but costs nothing.
 inline std::int64_t balanced_blocks_for(std::int64_t work_items, std::int64_t per_sm) {
   const std::int64_t wave = blocks_for(work_items, per_sm);
   const std::int64_t passes = (work_items + wave - 1) / wave;

@@ -226,10 +226,8 @@ __device__ __forceinline__ RowStats row_stats(const float (&sums)[kSums<kKind>],
   }
 }
 
-// One FMA per element for LayerNorm's x-hat. The bf16 kRows kernel at N = 8192 issues 21
-// instructions per element with every parameter given (SASS of the whole kernel over a
-// thread's 32 elements), RMSNorm's 15; fewer instructions did not make LayerNorm faster
-// (docs/perf-notes.md, session 8).
+// One FMA per element for LayerNorm's x-hat. LayerNorm forward is not issue-bound: cutting its
+// instructions per element did not make it faster (docs/perf/norm.md).
 template <Kind kKind>
 __device__ __forceinline__ float normalize(float v, float pivot, const RowStats& st, float scale,
                                            float shift) {
@@ -356,11 +354,9 @@ __device__ __forceinline__ void stage_params(const ForwardArgs& a,
 }
 
 // Blocks per SM the register kernel is compiled for: RMSNorm without the residual takes 5
-// blocks of 256 threads (48 registers, no spills), so a fifth row group is in flight per SM.
-// H100, bf16, same build otherwise: rmsnorm 65536x8192 2902 GB/s at 53 registers (4 blocks per
-// SM) -> 2993 at 48, 4096x8192 2607 -> 2683, 32768x1024 2565 -> 2608. bf16 LayerNorm (48
-// registers without spills too) was slower at 5 blocks: 4096x8192 2358 -> 2296, 32768x1024
-// 2424 -> 2327, 65536x8192 2736 -> 2724. The fused add (fp16, or an fp32 residual) and
+// blocks of 256 threads (48 registers, no spills), so a fifth row group is in flight per SM:
+// RMSNorm's speed follows its blocks per SM. bf16 LayerNorm (48 registers without spills too)
+// was slower at 5 blocks (docs/perf/norm.md). The fused add (fp16, or an fp32 residual) and
 // LayerNorm with fp32 parameters spill at 48.
 template <class R, Kind kKind, int kBlock>
 constexpr int kMinBlocksPerSm =
@@ -574,17 +570,13 @@ __global__ void __launch_bounds__(kTwoPassThreads) forward_two_pass_kernel(Forwa
 }
 
 // kAuto's kernel for aligned rows one block holds (kPipelined, kRegisters or kRows); kAuto
-// falls back to two passes where it cannot run. Measured on the H100 (bf16, dsv3 and quack
-// shapes, all variants in one run; docs/perf-notes.md, session 4): from N = 6144 kRows is faster
-// for every op (RMSNorm +3-5 %, the fused add +3-4 %, LayerNorm up to +36 % at M = 4096: it
-// drops the staged tables and the persistent grid, whose streaming ceiling is ~2850 GB/s); at
-// N = 4096 and below it is 10 % (N = 4096) to 4x (N = 256) slower: every small block re-reads
-// the weights. Up to 256 vectors (bf16 N = 2048) kPipelined: its next row group's loads overlap
-// this group's reduction, which short rows spend most of their time in (same run as kRegisters:
-// +0-7 %, e.g. rmsnorm 32768x512 2452 vs 2309 GB/s, layernorm 2048 -0.3 %, within noise).
-// The fused add keeps kPipelined up to 512 vectors (bf16 N = 4096), where with one row group
-// per block its first group's loads overlap the staging (session 5, 32768x4096: 2923 vs 2893
-// GB/s; plain RMSNorm 2899 vs 2911, so kRegisters there).
+// falls back to two passes where it cannot run. From N = 6144 kRows is faster for every op: it
+// drops the staged tables and the persistent grid, whose looping wave streams slower than one
+// row group per block; below that its small blocks each re-read the weights, which costs more.
+// Up to 256 vectors (bf16 N = 2048) kPipelined: its next row group's loads overlap this group's
+// reduction, which short rows spend most of their time in. The fused add keeps kPipelined up to
+// 512 vectors (bf16 N = 4096), where with one row group per block its first group's loads
+// overlap the staging; plain RMSNorm gains nothing there. Measurements: docs/perf/norm.md.
 NormVariant auto_register_variant(std::int64_t cols, std::int64_t vecs, bool fused_add) {
   if (cols >= 6144) return NormVariant::kRows;
   return vecs <= (fused_add ? 512 : 256) ? NormVariant::kPipelined : NormVariant::kRegisters;
@@ -593,11 +585,8 @@ NormVariant auto_register_variant(std::int64_t cols, std::int64_t vecs, bool fus
 // Small rows in about one wave take kPipelined with one vector per thread: more threads per
 // row, fewer unrolled steps per thread. At most kOneVectorMaxThreads vectors per row and
 // kOneVectorMaxVecs in all: 512 blocks of 256 threads when a row's vectors are a power of two,
-// up to twice that otherwise (the H100 holds 528 at 4 blocks per SM). H100, bf16, us (4
-// vectors per thread, 90cffd9 / 1, aa601cd): layernorm 4096x32 2.84 / 2.62, 8192x32 2.93 /
-// 2.76, 4096x64 3.00 / 2.79, 4096x128 3.32 / 3.08; rmsnorm 32768x32 3.00 / 2.83, 8192x128
-// 3.09 / 2.96. At 32 vectors it lost (layernorm 4096x256 3.69 / 3.87; docs/perf-notes.md,
-// session 9).
+// up to twice that otherwise (the H100 holds 528 at 4 blocks per SM). At 32 vectors per row it
+// was slower than 4 vectors per thread, hence the cap (docs/perf/norm.md).
 constexpr int kOneVectorMaxThreads = 16;
 constexpr std::int64_t kOneVectorMaxVecs = 131072;
 
@@ -637,9 +626,7 @@ constexpr std::int64_t kMaxClusterVecs = 8 * kBlockVecs;
 
 // Row groups each cluster takes in turn (the grid has a quarter as many clusters as row
 // groups). One per cluster paid every cluster's launch, its cluster barrier and its first L1
-// misses on the weights once per row; H100, bf16, same run, GB/s at 1 / 4 / 16 groups:
-// rmsnorm 32768x65536 2768 / 2925 / 2850, 16384x131072 2585 / 2791 / 2742; layernorm
-// 32768x65536 2589 / 2746 / 2726; the fused add 16384x131072 2621 / 2847 / 2828.
+// misses on the weights once per row; 4 was faster than 1 and than 16 (docs/perf/norm.md).
 constexpr std::int64_t kClusterRowGroups = 4;
 
 template <class Fn>
@@ -695,8 +682,8 @@ bool launch_registers(const ForwardArgs& a, std::int64_t vecs, cudaStream_t stre
         }
         // LayerNorm: one resident wave, each block staging its tables (8 B per column) once and
         // looping over row groups. RMSNorm (4 B per column) streams faster with one row group per
-        // block, the tables staged by every block (H100, bf16 32768x4096: 2911 vs 2793 GB/s;
-        // LayerNorm 2087 vs 2612; docs/perf-notes.md, session 5).
+        // block, the tables staged by every block; for LayerNorm that restaging costs more than
+        // the looping wave loses (docs/perf/norm.md).
         if constexpr (kKind == Kind::kLayer) {
           int per_sm = 0;
           detail::check_cuda(

@@ -47,7 +47,7 @@ using detail::Vec;
 
 constexpr int kBlock = 256;
 // Two heads x (two NeoX halves) x 16 bytes in flight per thread: few enough registers for 4+
-// blocks per SM (4 heads needed 103 registers, 2 blocks per SM, 2455 GB/s on the H100).
+// blocks per SM (4 heads needed 103 registers: 2 blocks per SM, too few loads in flight).
 constexpr int kHeadsPerThread = 2;
 // Keeps every instantiation at <= 64 registers (none spills; NeoX bf16 needs exactly 64).
 constexpr int kMinBlocksPerSm = 4;

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# On a GPU machine: build (device_build.sh), run all tests (GPU ones included) and the Python
-# GPU tests, then compute-sanitizer memcheck and racecheck over the GPU test binaries; logs
-# go to $OUT as one tarball (the device tool brings back few files).
+# For a GPU host without network access (see gpu_host_build.sh): build, run all tests (GPU ones
+# included) and the Python GPU tests, then compute-sanitizer memcheck and racecheck over the GPU
+# test binaries. A summary goes to stdout, the logs to $OUT/check-logs.tgz (one file to copy back).
 # SANITIZE lists test binaries (default: every *_cuda_test); SANITIZE_TIMEOUT caps each run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-source scripts/device_build.sh
+source scripts/gpu_host_build.sh
 logs=$OUT/logs
 mkdir -p "$logs"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# On a lent GPU machine (no network, no .git): configure and build everything once into
-# build/ with every core — library, tests, trainscale-bench, and the PyTorch extension when
-# torch imports — and stage the Python package in build/pypkg (put it on PYTHONPATH).
-# A carried .whl/nvidia_cudnn_frontend-*.whl enables the cuDNN baselines (docs/benchmarking.md).
-# Sourced by device_check.sh and device_bench.sh; a second call reuses the build.
+# For a GPU host without network access, given a copy of the source tree without .git, with
+# any Python packages it needs carried in as wheels under .whl/. Configures and builds
+# everything once into build/ with every core — library, tests, trainscale-bench, and the
+# PyTorch extension when torch imports — and stages the Python package in build/pypkg (put it on
+# PYTHONPATH). .whl/nvidia_cudnn_frontend-*.whl, when present, enables the cuDNN baselines
+# (docs/benchmarking.md). Logs go to $OUT (default /tmp/trainscale-out).
+# Sourced by gpu_host_check.sh and gpu_host_bench.sh; a second call reuses the build.
 # TRAINSCALE_BUILD_TARGET=<target> builds only that target (e.g. trainscale-bench).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# On a lent GPU machine (no network, no .git): builds if needed and runs one benchmark into
-# $OUT/<name>.json and .md, e.g.
-#   TRAINSCALE_GIT_COMMIT=<sha> bash scripts/device_bench.sh norms quack,dsv3,llama \
+# For a GPU host without network access (see gpu_host_build.sh): builds if needed and runs one
+# benchmark (suites, optionally ops) into $OUT/<name>.json and .md, ready to be committed as
+# bench/results/<gpu>/<name>.*; TRAINSCALE_GIT_COMMIT tells a tree without .git its commit, e.g.
+#   TRAINSCALE_GIT_COMMIT=<sha> bash scripts/gpu_host_bench.sh norms quack,dsv3,llama \
 #       rmsnorm_fwd,rmsnorm_bwd,fused_add_rmsnorm_fwd,layernorm_fwd,layernorm_bwd
-# Builds through device_build.sh (cuDNN baselines when the frontend wheel is carried).
+# Builds through gpu_host_build.sh (cuDNN baselines when the frontend wheel is carried).
 # The run is stopped with SIGINT after ${BENCH_SECONDS:-500} s so partial results are written.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 name=$1 suites=$2 ops=${3:-}
 OUT=${OUT:-/tmp/trainscale-out}
 mkdir -p "$OUT"
-source scripts/device_build.sh
+source scripts/gpu_host_build.sh
 bench=build/tools/trainscale-bench/trainscale-bench
 filter=()
 [ -n "$ops" ] && filter=(--ops "$ops")
