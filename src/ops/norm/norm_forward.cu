@@ -826,11 +826,10 @@ void launch_forward(const ForwardArgs& a, NormVariant variant, cudaStream_t stre
   detail::check_launch(op);
 }
 
-ForwardArgs make_args(const char* op, const TensorView& x, const TensorView& weight,
+ForwardArgs make_args(const TensorView& x, const TensorView& weight,
                       const TensorView& bias, TensorView y, TensorView mean, TensorView rstd) {
-  detail::OpChecker c(op);
-  const auto xr = c.rows(x, "x");
-  const auto yr = c.rows(y, "y");
+  const auto xr = detail::row_layout(x);
+  const auto yr = detail::row_layout(y);
   ForwardArgs a{};
   a.x = x.data;
   a.x_stride = xr.row_stride;
@@ -851,7 +850,7 @@ ForwardArgs make_args(const char* op, const TensorView& x, const TensorView& wei
 
 void rmsnorm_forward_cuda(const TensorView& x, const TensorView& weight, TensorView y,
                           TensorView rstd, const RMSNormOptions& options, cudaStream_t stream) {
-  ForwardArgs a = make_args("rmsnorm_forward", x, weight, {}, y, {}, rstd);
+  ForwardArgs a = make_args(x, weight, {}, y, {}, rstd);
   a.eps = static_cast<float>(options.eps);
   a.weight_offset = static_cast<float>(options.weight_offset);
   detail::dispatch_activation_dtype(x.dtype, "rmsnorm_forward", [&](auto tag) {
@@ -864,9 +863,9 @@ void fused_add_rmsnorm_forward_cuda(TensorView x, TensorView residual, const Ten
                                     TensorView rstd, const RMSNormOptions& options,
                                     cudaStream_t stream) {
   const char* op = "fused_add_rmsnorm_forward";
-  ForwardArgs a = make_args(op, x, weight, {}, x, {}, rstd);
+  ForwardArgs a = make_args(x, weight, {}, x, {}, rstd);
   a.residual = residual.data;
-  a.residual_stride = detail::OpChecker(op).rows(residual, "residual").row_stride;
+  a.residual_stride = detail::row_layout(residual).row_stride;
   a.eps = static_cast<float>(options.eps);
   a.weight_offset = static_cast<float>(options.weight_offset);
   detail::dispatch_activation_dtype(x.dtype, op, [&](auto tag) {
@@ -882,7 +881,7 @@ void fused_add_rmsnorm_forward_cuda(TensorView x, TensorView residual, const Ten
 void layernorm_forward_cuda(const TensorView& x, const TensorView& weight, const TensorView& bias,
                             TensorView y, TensorView mean, TensorView rstd,
                             const LayerNormOptions& options, cudaStream_t stream) {
-  ForwardArgs a = make_args("layernorm_forward", x, weight, bias, y, mean, rstd);
+  ForwardArgs a = make_args(x, weight, bias, y, mean, rstd);
   a.eps = static_cast<float>(options.eps);
   detail::dispatch_activation_dtype(x.dtype, "layernorm_forward", [&](auto tag) {
     using T = typename decltype(tag)::type;
