@@ -213,11 +213,12 @@ std::tuple<Tensor, Tensor, Tensor> layernorm_bwd(const Tensor& dy, const Tensor&
   Tensor db = grad_like(bias, x);
   Tensor ws = workspace(x, op);
   guarded([&] {
-    ts::layernorm_backward(view(dy, op, "dy"), view(x, op, "x"), view(weight, op, "weight"),
-                           view(mean, op, "mean"), view(rstd, op, "rstd"), view(dx, op, "dx"),
-                           weight.has_value() ? view(dw, op, "dw") : ts::TensorView{},
-                           bias.has_value() ? view(db, op, "db") : ts::TensorView{},
-                           view(ws, op, "workspace"), {.eps = eps}, ctx.stream);
+    ts::layernorm_backward({.dy = view(dy, op, "dy"), .x = view(x, op, "x"),
+                            .weight = view(weight, op, "weight"), .mean = view(mean, op, "mean"),
+                            .rstd = view(rstd, op, "rstd"), .dx = view(dx, op, "dx"),
+                            .dw = weight.has_value() ? view(dw, op, "dw") : ts::TensorView{},
+                            .db = bias.has_value() ? view(db, op, "db") : ts::TensorView{},
+                            .workspace = view(ws, op, "workspace")}, {.eps = eps}, ctx.stream);
   });
   return {dx, dw, db};
 }

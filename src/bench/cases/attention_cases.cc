@@ -69,10 +69,12 @@ Case attention_backward_case(std::span<const std::int64_t> shape, DType dtype) {
   c.flops = 2.5 * forward_flops(d);  // 5 GEMMs to the forward's 2
   c.bound = Bound::kCompute;
   c.entry = [options](Views t, cudaStream_t s) {
-    attention_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], options, s);
+    attention_backward({.dout = t[0], .q = t[1], .k = t[2], .v = t[3], .out = t[4], .lse = t[5],
+                        .dq = t[6], .dk = t[7], .dv = t[8]}, options, s);
   };
   c.reference = [options](Views t) {
-    attention_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], options);
+    attention_backward({.dout = t[0], .q = t[1], .k = t[2], .v = t[3], .out = t[4], .lse = t[5],
+                        .dq = t[6], .dk = t[7], .dv = t[8]}, options);
   };
   return c;
 }

@@ -61,7 +61,8 @@ Entry layernorm_forward_entry(NormVariant v) {
 }
 Entry layernorm_backward_entry(NormVariant v) {
   return [o = layer(v)](Views t, cudaStream_t s) {
-    layernorm_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], o, s);
+    layernorm_backward({.dy = t[0], .x = t[1], .weight = t[2], .mean = t[3], .rstd = t[4],
+                        .dx = t[5], .dw = t[6], .db = t[7], .workspace = t[8]}, o, s);
   };
 }
 
@@ -143,7 +144,9 @@ Case layernorm_backward_case(std::span<const std::int64_t> shape, DType dtype) {
   c.bytes = traffic(c.tensors);
   c.flops = 10.0 * elements(c);
   c.entry = layernorm_backward_entry(NormVariant::kAuto);
-  c.reference = [](Views t) { layernorm_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], TensorView{}); };
+  c.reference = [](Views t) { layernorm_backward({.dy = t[0], .x = t[1], .weight = t[2],
+                                                  .mean = t[3], .rstd = t[4], .dx = t[5],
+                                                  .dw = t[6], .db = t[7]}); };
   return c;
 }
 

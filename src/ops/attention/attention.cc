@@ -62,10 +62,9 @@ void attention_forward(const TensorView& q, const TensorView& k, const TensorVie
   ops::attention::attention_forward_cpu(q, k, v, out, lse, options);
 }
 
-void attention_backward(const TensorView& dout, const TensorView& q, const TensorView& k,
-                        const TensorView& v, const TensorView& out, const TensorView& lse,
-                        TensorView dq, TensorView dk, TensorView dv,
-                        const AttentionOptions& options, cudaStream_t /*stream*/) {
+void attention_backward(const AttentionBackwardArgs& args, const AttentionOptions& options,
+                        cudaStream_t /*stream*/) {
+  const auto& [dout, q, k, v, out, lse, dq, dk, dv] = args;
   detail::OpChecker c("attention_backward");
   check_qkv(c, q, k, v, options);
   check_bshd_like(c, out, "out", q, "q");

@@ -157,12 +157,11 @@ void cross_entropy_backward(const TensorView& grad_loss, const TensorView& logit
   ops::loss::cross_entropy_backward_cpu(grad_loss, logits, targets, lse, grad_logits, options);
 }
 
-void fused_linear_cross_entropy_forward(const TensorView& hidden, const TensorView& weight,
-                                        const TensorView& bias, const TensorView& targets,
-                                        TensorView loss, TensorView lse, TensorView grad_hidden,
-                                        TensorView grad_weight, TensorView grad_bias,
+void fused_linear_cross_entropy_forward(const FusedLinearCrossEntropyArgs& args,
                                         const CrossEntropyOptions& options,
                                         cudaStream_t /*stream*/) {
+  const auto& [hidden, weight, bias, targets, loss, lse, grad_hidden, grad_weight, grad_bias] =
+      args;
   detail::OpChecker c("fused_linear_cross_entropy_forward");
   const std::int64_t tokens = c.matrix(hidden, "hidden").rows;
   const std::int64_t classes = c.matrix(weight, "weight").rows;

@@ -189,10 +189,9 @@ void layernorm_forward(const TensorView& x, const TensorView& weight, const Tens
   ops::norm::layernorm_forward_cpu(x, weight, bias, y, mean, rstd, options);
 }
 
-void layernorm_backward(const TensorView& dy, const TensorView& x, const TensorView& weight,
-                        const TensorView& mean, const TensorView& rstd, TensorView dx,
-                        TensorView dw, TensorView db, TensorView workspace,
-                        const LayerNormOptions& options, cudaStream_t stream) {
+void layernorm_backward(const LayerNormBackwardArgs& args, const LayerNormOptions& options,
+                        cudaStream_t stream) {
+  const auto& [dy, x, weight, mean, rstd, dx, dw, db, workspace] = args;
   OpChecker c("layernorm_backward");
   const auto rows = c.float_rows(x, "x");
   c.like(dy, "dy", x, "x");
