@@ -2,7 +2,7 @@
 # On a lent GPU machine (no network, no .git): builds if needed and runs one benchmark into
 # $OUT/<name>.json and .md, e.g.
 #   TRAINSCALE_GIT_COMMIT=<sha> bash scripts/device_bench.sh norms quack,dsv3,llama \
-#       rmsnorm_fwd,rmsnorm_bwd,fused_add_rmsnorm_fwd,layernorm_fwd,layernorm_bwd
+#       rmsnorm_forward,rmsnorm_backward,fused_add_rmsnorm_forward,layernorm_forward,layernorm_backward
 # Builds through device_build.sh (cuDNN baselines when the frontend wheel is carried).
 # The run is stopped with SIGINT after ${BENCH_SECONDS:-500} s so partial results are written.
 set -uo pipefail

@@ -490,8 +490,8 @@ TEST_F(EngineFixture, SampledGateFailsAWrongImplementation) {
 TEST(BenchEngine, NormCasesThroughThePrefixAndSampledGates) {
   RunOptions options;
   options.selection.suites = {"smoke"};
-  options.selection.ops = {"rmsnorm_fwd", "rmsnorm_bwd", "fused_add_rmsnorm_fwd", "fused_add_rmsnorm_bwd",
-                           "layernorm_fwd", "layernorm_bwd"};
+  options.selection.ops = {"rmsnorm_forward", "rmsnorm_backward", "fused_add_rmsnorm_forward", "fused_add_rmsnorm_backward",
+                           "layernorm_forward", "layernorm_backward"};
   options.timing.warmup_ms = 0;
   options.timing.stop.min_time_ms = 0;
   options.timing.stop.timeout_ms = 5;
@@ -503,7 +503,7 @@ TEST(BenchEngine, NormCasesThroughThePrefixAndSampledGates) {
     SCOPED_TRACE(r.key());
     EXPECT_EQ(r.status, Status::kOk) << r.message;
     EXPECT_EQ(r.rows_total, 64);
-    const bool backward = r.op.ends_with("_bwd");
+    const bool backward = r.op.ends_with("_backward");
     EXPECT_EQ(r.rows_coverage, backward ? RowCoverage::kPrefix : RowCoverage::kSample);
     EXPECT_EQ(r.rows_checked, backward ? 16 : 8);
   }
@@ -511,8 +511,8 @@ TEST(BenchEngine, NormCasesThroughThePrefixAndSampledGates) {
 
 TEST(BenchRegistry, NormOpsAreInEveryRowSuite) {
   const Registry& r = Registry::global();
-  for (const char* op : {"rmsnorm_fwd", "rmsnorm_bwd", "fused_add_rmsnorm_fwd", "fused_add_rmsnorm_bwd",
-                         "layernorm_fwd", "layernorm_bwd"}) {
+  for (const char* op : {"rmsnorm_forward", "rmsnorm_backward", "fused_add_rmsnorm_forward", "fused_add_rmsnorm_backward",
+                         "layernorm_forward", "layernorm_backward"}) {
     for (const char* suite : {"smoke", "quack", "quack-m", "dsv3", "llama"}) {
       const auto& configs = r.suite(suite);
       EXPECT_TRUE(std::any_of(configs.begin(), configs.end(), [&](const Config& c) { return c.op == op; }))
@@ -534,15 +534,15 @@ TEST(BenchRegistry, NormVariantsAreOptIn) {
   }
   const std::vector<std::string> all = {"trainscale-registers", "trainscale-two-pass", "trainscale-rows",
                                         "trainscale-pipelined"};
-  for (const char* op : {"rmsnorm_fwd", "rmsnorm_bwd", "fused_add_rmsnorm_fwd", "fused_add_rmsnorm_bwd",
-                         "layernorm_fwd", "layernorm_bwd"}) {
+  for (const char* op : {"rmsnorm_forward", "rmsnorm_backward", "fused_add_rmsnorm_forward", "fused_add_rmsnorm_backward",
+                         "layernorm_forward", "layernorm_backward"}) {
     const Case c = r.find_op(op)->make(std::vector<std::int64_t>{64, 512}, DType::kBFloat16);
     EXPECT_TRUE(r.baselines_for(c, true).size() <= 1) << op;  // cuDNN at most
     std::vector<std::string> forced;
     for (const Implementation& impl : r.baselines_for(c, true, all)) {
       if (impl.name.starts_with("trainscale-")) forced.push_back(impl.name);
     }
-    const bool forward = std::string(op).ends_with("_fwd");
+    const bool forward = std::string(op).ends_with("_forward");
     EXPECT_EQ(forced.size(), forward ? 4u : 2u) << op;
   }
 }

@@ -17,7 +17,7 @@ ts::GeluApproximation approx_of(std::string_view a) {
   arg_error("gelu", "approximate", "expected 'none' or 'tanh', got '" + std::string(a) + "'");
 }
 
-Tensor gelu_fwd(const Tensor& x, c10::string_view approximate) {
+Tensor gelu_forward(const Tensor& x, c10::string_view approximate) {
   const char* op = "gelu_forward";
   Ctx ctx(x);
   auto ap = approx_of(std::string_view(approximate.data(), approximate.size()));
@@ -26,7 +26,7 @@ Tensor gelu_fwd(const Tensor& x, c10::string_view approximate) {
   return y;
 }
 
-Tensor gelu_bwd(const Tensor& dy, const Tensor& x, c10::string_view approximate) {
+Tensor gelu_backward(const Tensor& dy, const Tensor& x, c10::string_view approximate) {
   const char* op = "gelu_backward";
   Ctx ctx(x);
   auto ap = approx_of(std::string_view(approximate.data(), approximate.size()));
@@ -37,7 +37,7 @@ Tensor gelu_bwd(const Tensor& dy, const Tensor& x, c10::string_view approximate)
   return dx;
 }
 
-Tensor silu_fwd(const Tensor& x) {
+Tensor silu_forward(const Tensor& x) {
   const char* op = "silu_forward";
   Ctx ctx(x);
   Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
@@ -45,7 +45,7 @@ Tensor silu_fwd(const Tensor& x) {
   return y;
 }
 
-Tensor silu_bwd(const Tensor& dy, const Tensor& x) {
+Tensor silu_backward(const Tensor& dy, const Tensor& x) {
   const char* op = "silu_backward";
   Ctx ctx(x);
   Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);
@@ -55,7 +55,7 @@ Tensor silu_bwd(const Tensor& dy, const Tensor& x) {
   return dx;
 }
 
-Tensor swiglu_fwd(const Tensor& a, const Tensor& b) {
+Tensor swiglu_forward(const Tensor& a, const Tensor& b) {
   const char* op = "swiglu_forward";
   Ctx ctx(a);
   Tensor y = at::empty_like(a, at::MemoryFormat::Contiguous);
@@ -65,7 +65,7 @@ Tensor swiglu_fwd(const Tensor& a, const Tensor& b) {
   return y;
 }
 
-std::tuple<Tensor, Tensor> swiglu_bwd(const Tensor& dy, const Tensor& a, const Tensor& b) {
+std::tuple<Tensor, Tensor> swiglu_backward(const Tensor& dy, const Tensor& a, const Tensor& b) {
   const char* op = "swiglu_backward";
   Ctx ctx(a);
   Tensor da = at::empty_like(a, at::MemoryFormat::Contiguous);
@@ -77,7 +77,7 @@ std::tuple<Tensor, Tensor> swiglu_bwd(const Tensor& dy, const Tensor& a, const T
   return {da, db};
 }
 
-Tensor swiglu_packed_fwd(const Tensor& ab) {
+Tensor swiglu_forward_packed(const Tensor& ab) {
   const char* op = "swiglu_forward_packed";
   Ctx ctx(ab);
   auto sizes = ab.sizes().vec();
@@ -91,7 +91,7 @@ Tensor swiglu_packed_fwd(const Tensor& ab) {
   return y;
 }
 
-Tensor swiglu_packed_bwd(const Tensor& dy, const Tensor& ab) {
+Tensor swiglu_backward_packed(const Tensor& dy, const Tensor& ab) {
   const char* op = "swiglu_backward_packed";
   Ctx ctx(ab);
   Tensor dab = at::empty_like(ab, at::MemoryFormat::Contiguous);
@@ -107,20 +107,20 @@ Tensor swiglu_packed_bwd(const Tensor& dy, const Tensor& ab) {
 
 TORCH_LIBRARY_FRAGMENT(trainscale, m) {
   using namespace trainscale::binding;
-  def_op(m, "gelu_fwd(Tensor x, str approximate) -> Tensor",
-         &gelu_fwd);
-  def_op(m, "gelu_bwd(Tensor dy, Tensor x, str approximate) -> Tensor",
-         &gelu_bwd);
-  def_op(m, "silu_fwd(Tensor x) -> Tensor",
-         &silu_fwd);
-  def_op(m, "silu_bwd(Tensor dy, Tensor x) -> Tensor",
-         &silu_bwd);
-  def_op(m, "swiglu_fwd(Tensor a, Tensor b) -> Tensor",
-         &swiglu_fwd);
-  def_op(m, "swiglu_bwd(Tensor dy, Tensor a, Tensor b) -> (Tensor, Tensor)",
-         &swiglu_bwd);
-  def_op(m, "swiglu_packed_fwd(Tensor ab) -> Tensor",
-         &swiglu_packed_fwd);
-  def_op(m, "swiglu_packed_bwd(Tensor dy, Tensor ab) -> Tensor",
-         &swiglu_packed_bwd);
+  def_op(m, "gelu_forward(Tensor x, str approximate) -> Tensor",
+         &gelu_forward);
+  def_op(m, "gelu_backward(Tensor dy, Tensor x, str approximate) -> Tensor",
+         &gelu_backward);
+  def_op(m, "silu_forward(Tensor x) -> Tensor",
+         &silu_forward);
+  def_op(m, "silu_backward(Tensor dy, Tensor x) -> Tensor",
+         &silu_backward);
+  def_op(m, "swiglu_forward(Tensor a, Tensor b) -> Tensor",
+         &swiglu_forward);
+  def_op(m, "swiglu_backward(Tensor dy, Tensor a, Tensor b) -> (Tensor, Tensor)",
+         &swiglu_backward);
+  def_op(m, "swiglu_forward_packed(Tensor ab) -> Tensor",
+         &swiglu_forward_packed);
+  def_op(m, "swiglu_backward_packed(Tensor dy, Tensor ab) -> Tensor",
+         &swiglu_backward_packed);
 }

@@ -35,7 +35,7 @@ Tensor grad_like(const OptTensor& w, const Tensor& x) {
 
 // ---- norms ----------------------------------------------------------------------------------
 
-std::tuple<Tensor, Tensor> rmsnorm_fwd(const Tensor& x, const OptTensor& weight, double eps,
+std::tuple<Tensor, Tensor> rmsnorm_forward(const Tensor& x, const OptTensor& weight, double eps,
                                        double weight_offset) {
   const char* op = "rmsnorm_forward";
   Ctx ctx(x);
@@ -49,7 +49,7 @@ std::tuple<Tensor, Tensor> rmsnorm_fwd(const Tensor& x, const OptTensor& weight,
   return {y, rstd};
 }
 
-std::tuple<Tensor, Tensor> rmsnorm_bwd(const Tensor& dy, const Tensor& x, const OptTensor& weight,
+std::tuple<Tensor, Tensor> rmsnorm_backward(const Tensor& dy, const Tensor& x, const OptTensor& weight,
                                        const Tensor& rstd, double eps, double weight_offset) {
   const char* op = "rmsnorm_backward";
   Ctx ctx(x);
@@ -66,7 +66,7 @@ std::tuple<Tensor, Tensor> rmsnorm_bwd(const Tensor& dy, const Tensor& x, const 
   return {dx, dw};
 }
 
-Tensor fused_add_rmsnorm_fwd(Tensor& x, Tensor& residual, const OptTensor& weight, double eps,
+Tensor fused_add_rmsnorm_forward(Tensor& x, Tensor& residual, const OptTensor& weight, double eps,
                              double weight_offset) {
   const char* op = "fused_add_rmsnorm_forward";
   Ctx ctx(x);
@@ -79,7 +79,7 @@ Tensor fused_add_rmsnorm_fwd(Tensor& x, Tensor& residual, const OptTensor& weigh
   return rstd;
 }
 
-std::tuple<Tensor, Tensor> fused_add_rmsnorm_bwd(const Tensor& dy, const OptTensor& d_residual,
+std::tuple<Tensor, Tensor> fused_add_rmsnorm_backward(const Tensor& dy, const OptTensor& d_residual,
                                                  const Tensor& residual, const OptTensor& weight,
                                                  const Tensor& rstd, double eps,
                                                  double weight_offset) {
@@ -98,7 +98,7 @@ std::tuple<Tensor, Tensor> fused_add_rmsnorm_bwd(const Tensor& dy, const OptTens
   return {dx, dw};
 }
 
-std::tuple<Tensor, Tensor, Tensor> layernorm_fwd(const Tensor& x, const OptTensor& weight,
+std::tuple<Tensor, Tensor, Tensor> layernorm_forward(const Tensor& x, const OptTensor& weight,
                                                  const OptTensor& bias, double eps) {
   const char* op = "layernorm_forward";
   Ctx ctx(x);
@@ -113,7 +113,7 @@ std::tuple<Tensor, Tensor, Tensor> layernorm_fwd(const Tensor& x, const OptTenso
   return {y, mean, rstd};
 }
 
-std::tuple<Tensor, Tensor, Tensor> layernorm_bwd(const Tensor& dy, const Tensor& x,
+std::tuple<Tensor, Tensor, Tensor> layernorm_backward(const Tensor& dy, const Tensor& x,
                                                  const OptTensor& weight, const OptTensor& bias,
                                                  const Tensor& mean, const Tensor& rstd,
                                                  double eps) {
@@ -139,21 +139,21 @@ std::tuple<Tensor, Tensor, Tensor> layernorm_bwd(const Tensor& dy, const Tensor&
 
 TORCH_LIBRARY_FRAGMENT(trainscale, m) {
   using namespace trainscale::binding;
-  def_op(m, "rmsnorm_fwd(Tensor x, Tensor? weight, float eps, float weight_offset) -> (Tensor, Tensor)",
-         &rmsnorm_fwd);
-  def_op(m, "rmsnorm_bwd(Tensor dy, Tensor x, Tensor? weight, Tensor rstd, float eps, "
+  def_op(m, "rmsnorm_forward(Tensor x, Tensor? weight, float eps, float weight_offset) -> (Tensor, Tensor)",
+         &rmsnorm_forward);
+  def_op(m, "rmsnorm_backward(Tensor dy, Tensor x, Tensor? weight, Tensor rstd, float eps, "
             "float weight_offset) -> (Tensor, Tensor)",
-         &rmsnorm_bwd);
-  def_op(m, "fused_add_rmsnorm_fwd(Tensor(a!) x, Tensor(b!) residual, Tensor? weight, float eps, "
+         &rmsnorm_backward);
+  def_op(m, "fused_add_rmsnorm_forward(Tensor(a!) x, Tensor(b!) residual, Tensor? weight, float eps, "
             "float weight_offset) -> Tensor",
-         &fused_add_rmsnorm_fwd);
-  def_op(m, "fused_add_rmsnorm_bwd(Tensor dy, Tensor? d_residual, Tensor residual, Tensor? weight, "
+         &fused_add_rmsnorm_forward);
+  def_op(m, "fused_add_rmsnorm_backward(Tensor dy, Tensor? d_residual, Tensor residual, Tensor? weight, "
             "Tensor rstd, float eps, float weight_offset) -> (Tensor, Tensor)",
-         &fused_add_rmsnorm_bwd);
-  def_op(m, "layernorm_fwd(Tensor x, Tensor? weight, Tensor? bias, float eps) "
+         &fused_add_rmsnorm_backward);
+  def_op(m, "layernorm_forward(Tensor x, Tensor? weight, Tensor? bias, float eps) "
             "-> (Tensor, Tensor, Tensor)",
-         &layernorm_fwd);
-  def_op(m, "layernorm_bwd(Tensor dy, Tensor x, Tensor? weight, Tensor? bias, Tensor mean, "
+         &layernorm_forward);
+  def_op(m, "layernorm_backward(Tensor dy, Tensor x, Tensor? weight, Tensor? bias, Tensor mean, "
             "Tensor rstd, float eps) -> (Tensor, Tensor, Tensor)",
-         &layernorm_bwd);
+         &layernorm_backward);
 }

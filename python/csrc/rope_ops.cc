@@ -44,12 +44,12 @@ std::tuple<Tensor, Tensor> rope_impl(bool forward, const Tensor& q, const OptTen
   return {q_out, k_out};
 }
 
-std::tuple<Tensor, Tensor> rope_fwd(const Tensor& q, const OptTensor& k, const OptTensor& cos,
+std::tuple<Tensor, Tensor> rope_forward(const Tensor& q, const OptTensor& k, const OptTensor& cos,
                                     const OptTensor& sin, const OptTensor& position_offsets,
                                     bool interleaved, std::int64_t rotary_dim, double theta) {
   return rope_impl(true, q, k, cos, sin, position_offsets, interleaved, rotary_dim, theta);
 }
-std::tuple<Tensor, Tensor> rope_bwd(const Tensor& dq_out, const OptTensor& dk_out,
+std::tuple<Tensor, Tensor> rope_backward(const Tensor& dq_out, const OptTensor& dk_out,
                                     const OptTensor& cos, const OptTensor& sin,
                                     const OptTensor& position_offsets, bool interleaved,
                                     std::int64_t rotary_dim, double theta) {
@@ -62,11 +62,11 @@ std::tuple<Tensor, Tensor> rope_bwd(const Tensor& dq_out, const OptTensor& dk_ou
 
 TORCH_LIBRARY_FRAGMENT(trainscale, m) {
   using namespace trainscale::binding;
-  def_op(m, "rope_fwd(Tensor q, Tensor? k, Tensor? cos, Tensor? sin, Tensor? position_offsets, "
+  def_op(m, "rope_forward(Tensor q, Tensor? k, Tensor? cos, Tensor? sin, Tensor? position_offsets, "
             "bool interleaved, int rotary_dim, float theta) -> (Tensor, Tensor)",
-         &rope_fwd);
-  def_op(m, "rope_bwd(Tensor dq_out, Tensor? dk_out, Tensor? cos, Tensor? sin, "
+         &rope_forward);
+  def_op(m, "rope_backward(Tensor dq_out, Tensor? dk_out, Tensor? cos, Tensor? sin, "
             "Tensor? position_offsets, bool interleaved, int rotary_dim, float theta) "
             "-> (Tensor, Tensor)",
-         &rope_bwd);
+         &rope_backward);
 }

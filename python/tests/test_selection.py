@@ -81,7 +81,7 @@ def test_cache_is_read_back(tmp_path, monkeypatch):
     with open(path, "w") as f:
         json.dump({"schema": "trainscale-selection", "choices": {key: {"impl": "trainscale", "reason": "test"}}}, f)
     calls = []
-    monkeypatch.setattr(torch.ops.trainscale, "gelu_fwd", lambda *a: calls.append(a) or a[0])
+    monkeypatch.setattr(torch.ops.trainscale, "gelu_forward", lambda *a: calls.append(a) or a[0])
     ts.gelu(x)
     assert len(calls) == 1
 

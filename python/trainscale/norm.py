@@ -23,32 +23,32 @@ def _grad_like(w, x):
 
 # ---- fake implementations (shapes and dtypes only; torch.compile traces through these) ------
 
-@register_fake("trainscale::rmsnorm_fwd")
+@register_fake("trainscale::rmsnorm_forward")
 def _(x, weight, eps, weight_offset):
     return _like(x), _stat(x)
 
 
-@register_fake("trainscale::rmsnorm_bwd")
+@register_fake("trainscale::rmsnorm_backward")
 def _(dy, x, weight, rstd, eps, weight_offset):
     return _like(x), _grad_like(weight, x)
 
 
-@register_fake("trainscale::fused_add_rmsnorm_fwd")
+@register_fake("trainscale::fused_add_rmsnorm_forward")
 def _(x, residual, weight, eps, weight_offset):
     return _stat(x)
 
 
-@register_fake("trainscale::fused_add_rmsnorm_bwd")
+@register_fake("trainscale::fused_add_rmsnorm_backward")
 def _(dy, d_residual, residual, weight, rstd, eps, weight_offset):
     return _like(dy), _grad_like(weight, dy)
 
 
-@register_fake("trainscale::layernorm_fwd")
+@register_fake("trainscale::layernorm_forward")
 def _(x, weight, bias, eps):
     return _like(x), _stat(x), _stat(x)
 
 
-@register_fake("trainscale::layernorm_bwd")
+@register_fake("trainscale::layernorm_backward")
 def _(dy, x, weight, bias, mean, rstd, eps):
     return _like(x), _grad_like(weight, x), _grad_like(bias, x)
 
@@ -63,11 +63,11 @@ def _rms_setup(ctx, inputs, output):
 
 def _rms_backward(ctx, dy, _drstd):
     x, weight, rstd = ctx.saved_tensors
-    dx, dw = ops.rmsnorm_bwd(dy.contiguous(), x, weight, rstd, ctx.eps, ctx.weight_offset)
+    dx, dw = ops.rmsnorm_backward(dy.contiguous(), x, weight, rstd, ctx.eps, ctx.weight_offset)
     return dx, (dw if weight is not None else None), None, None
 
 
-register_autograd("trainscale::rmsnorm_fwd", _rms_backward, setup_context=_rms_setup)
+register_autograd("trainscale::rmsnorm_forward", _rms_backward, setup_context=_rms_setup)
 
 
 def _ln_setup(ctx, inputs, output):
@@ -78,17 +78,17 @@ def _ln_setup(ctx, inputs, output):
 
 def _ln_backward(ctx, dy, _dmean, _drstd):
     x, weight, bias, mean, rstd = ctx.saved_tensors
-    dx, dw, db = ops.layernorm_bwd(dy.contiguous(), x, weight, bias, mean, rstd, ctx.eps)
+    dx, dw, db = ops.layernorm_backward(dy.contiguous(), x, weight, bias, mean, rstd, ctx.eps)
     return dx, (dw if weight is not None else None), (db if bias is not None else None), None
 
 
-register_autograd("trainscale::layernorm_fwd", _ln_backward, setup_context=_ln_setup)
+register_autograd("trainscale::layernorm_forward", _ln_backward, setup_context=_ln_setup)
 
 
 # ---- functions ------------------------------------------------------------------------------
 
 def _rms_norm(x, weight, eps, weight_offset):
-    return ops.rmsnorm_fwd(x, weight, eps, weight_offset)[0]
+    return ops.rmsnorm_forward(x, weight, eps, weight_offset)[0]
 
 
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
@@ -98,7 +98,7 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, eps: float 
 
 
 def _layer_norm(x, weight, bias, eps):
-    return ops.layernorm_fwd(x, weight, bias, eps)[0]
+    return ops.layernorm_forward(x, weight, bias, eps)[0]
 
 
 def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None,
@@ -112,7 +112,7 @@ class _FusedAddRMSNorm(torch.autograd.Function):
     def forward(ctx, x, residual, weight, eps, weight_offset):
         out = x.clone(memory_format=torch.contiguous_format)
         res = residual.clone(memory_format=torch.contiguous_format)
-        rstd = ops.fused_add_rmsnorm_fwd(out, res, weight, eps, weight_offset)
+        rstd = ops.fused_add_rmsnorm_forward(out, res, weight, eps, weight_offset)
         ctx.save_for_backward(res, weight, rstd)
         ctx.eps, ctx.weight_offset = eps, weight_offset
         return out, res
@@ -124,7 +124,7 @@ class _FusedAddRMSNorm(torch.autograd.Function):
             dy = torch.zeros_like(res, dtype=res.dtype)
         if d_residual is not None:
             d_residual = d_residual.contiguous()  # may be expanded (stride 0), e.g. of a sum
-        dx, dw = ops.fused_add_rmsnorm_bwd(dy.contiguous(), d_residual, res, weight, rstd,
+        dx, dw = ops.fused_add_rmsnorm_backward(dy.contiguous(), d_residual, res, weight, rstd,
                                            ctx.eps, ctx.weight_offset)
         return dx, dx, (dw if weight is not None else None), None, None
 
@@ -144,5 +144,5 @@ def fused_add_rms_norm_(x: torch.Tensor, residual: torch.Tensor,
 
     No autograd (use fused_add_rms_norm for training). Always trainscale's kernel: an in-place
     call cannot be timed against another on the same data."""
-    ops.fused_add_rmsnorm_fwd(x, residual, weight, eps, weight_offset)
+    ops.fused_add_rmsnorm_forward(x, residual, weight, eps, weight_offset)
     return x, residual

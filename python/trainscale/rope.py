@@ -18,8 +18,8 @@ def _rope_fake(q, k, cos, sin, position_offsets, interleaved, rotary_dim, theta)
     return _like(q), (_like(k) if k is not None else q.new_empty((0,)))
 
 
-register_fake("trainscale::rope_fwd")(_rope_fake)
-register_fake("trainscale::rope_bwd")(_rope_fake)
+register_fake("trainscale::rope_forward")(_rope_fake)
+register_fake("trainscale::rope_backward")(_rope_fake)
 
 
 # ---- autograd -------------------------------------------------------------------------------
@@ -35,11 +35,11 @@ def _rope_backward(ctx, dq_out, dk_out):
     cos, sin, offsets = ctx.saved_tensors
     dq_out = dq_out.contiguous()  # upstream gradients may be expanded (stride 0), e.g. of a sum
     dk_out = dk_out.contiguous() if ctx.has_k else None
-    dq, dk = ops.rope_bwd(dq_out, dk_out, cos, sin, offsets, *ctx.args)
+    dq, dk = ops.rope_backward(dq_out, dk_out, cos, sin, offsets, *ctx.args)
     return dq, (dk if ctx.has_k else None), None, None, None, None, None, None
 
 
-register_autograd("trainscale::rope_fwd", _rope_backward, setup_context=_rope_setup)
+register_autograd("trainscale::rope_forward", _rope_backward, setup_context=_rope_setup)
 
 
 # ---- functions ------------------------------------------------------------------------------
@@ -65,5 +65,5 @@ def apply_rotary(q: torch.Tensor, k: Optional[torch.Tensor] = None,
 
 
 def _apply_rotary(q, k, cos, sin, position_offsets, interleaved, rotary_dim, theta):
-    q_out, k_out = ops.rope_fwd(q, k, cos, sin, position_offsets, interleaved, rotary_dim, theta)
+    q_out, k_out = ops.rope_forward(q, k, cos, sin, position_offsets, interleaved, rotary_dim, theta)
     return q_out if k is None else (q_out, k_out)

@@ -83,7 +83,7 @@ struct Implementation {
 };
 
 struct Case {
-  std::string op;      // "rmsnorm_fwd"
+  std::string op;      // "rmsnorm_forward"
   std::string family;  // "norm"
   std::vector<std::int64_t> shape;
   DType dtype = DType::kBFloat16;
@@ -102,7 +102,7 @@ struct Case {
   bool rows_independent = false;
 
   std::string shape_str() const;  // "32768x4096"
-  std::string name() const;       // "rmsnorm_fwd 32768x4096 bfloat16"
+  std::string name() const;       // "rmsnorm_forward 32768x4096 bfloat16"
 };
 
 // Builds an op's case for one config; throws Unsupported for a shape or dtype it lacks.

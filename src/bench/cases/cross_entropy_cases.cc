@@ -30,16 +30,16 @@ Case cross_entropy_case(const char* op, std::span<const std::int64_t> shape, DTy
 }
 
 const Registrar kRegister([](Registry& r) {
-  r.add_op({"cross_entropy_fwd", "loss", "M x V",
-            [](std::span<const std::int64_t> s, DType d) { return cross_entropy_case("cross_entropy_fwd", s, d, false); }});
-  r.add_op({"cross_entropy_fwd_bwd", "loss", "M x V (gradient in the same pass)",
-            [](std::span<const std::int64_t> s, DType d) { return cross_entropy_case("cross_entropy_fwd_bwd", s, d, true); }});
+  r.add_op({"cross_entropy_forward", "loss", "M x V",
+            [](std::span<const std::int64_t> s, DType d) { return cross_entropy_case("cross_entropy_forward", s, d, false); }});
+  r.add_op({"cross_entropy_forward_with_grad", "loss", "M x V (gradient in the same pass)",
+            [](std::span<const std::int64_t> s, DType d) { return cross_entropy_case("cross_entropy_forward_with_grad", s, d, true); }});
   const auto bf16 = std::vector<DType>{DType::kBFloat16};
   std::vector<Shape> dsv3;
   for (std::int64_t m : {4096, 16384, 65536}) {
     for (std::int64_t v : {3072, 6144, 8192, 12288}) dsv3.push_back({m, v});
   }
-  for (const char* op : {"cross_entropy_fwd", "cross_entropy_fwd_bwd"}) {
+  for (const char* op : {"cross_entropy_forward", "cross_entropy_forward_with_grad"}) {
     r.add_configs("smoke", op, {{64, 1000}}, {DType::kFloat32, DType::kBFloat16});
     r.add_configs("quack", op, quack_shapes(), bf16);
     r.add_configs("dsv3", op, dsv3, bf16);

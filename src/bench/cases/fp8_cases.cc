@@ -57,12 +57,12 @@ struct Fp8Op {
   bool transposed;
 };
 constexpr Fp8Op kFp8Ops[] = {
-    {"fp8_quant_tensor", Fp8Granularity::kTensor, false},
-    {"fp8_quant_row", Fp8Granularity::kRow, false},
-    {"fp8_quant_1x128", Fp8Granularity::kTile1x128, false},
-    {"fp8_quant_128x128", Fp8Granularity::kBlock128x128, false},
-    {"fp8_quant_1x128_t", Fp8Granularity::kTile1x128, true},
-    {"fp8_quant_128x128_t", Fp8Granularity::kBlock128x128, true},
+    {"fp8_quantize_tensor", Fp8Granularity::kTensor, false},
+    {"fp8_quantize_row", Fp8Granularity::kRow, false},
+    {"fp8_quantize_1x128", Fp8Granularity::kTile1x128, false},
+    {"fp8_quantize_128x128", Fp8Granularity::kBlock128x128, false},
+    {"fp8_quantize_1x128_t", Fp8Granularity::kTile1x128, true},
+    {"fp8_quantize_128x128_t", Fp8Granularity::kBlock128x128, true},
 };
 
 const Registrar kRegister([](Registry& r) {

@@ -6,7 +6,7 @@ namespace trainscale::bench::cases {
 namespace {
 
 Case mse_forward_case(std::span<const std::int64_t> shape, DType dtype) {
-  Case c = begin_case("mse_fwd", "loss", shape, dtype, 2, "MxN");
+  Case c = begin_case("mse_forward", "loss", shape, dtype, 2, "MxN");
   const Shape& mn = c.shape;
   c.tensors = {input("a", dtype, mn), input("b", dtype, mn),
                output("out", DType::kFloat32, {}, /*row_wise=*/false)};
@@ -20,7 +20,7 @@ Case mse_forward_case(std::span<const std::int64_t> shape, DType dtype) {
 }
 
 Case mse_backward_case(std::span<const std::int64_t> shape, DType dtype) {
-  Case c = begin_case("mse_bwd", "loss", shape, dtype, 2, "MxN");
+  Case c = begin_case("mse_backward", "loss", shape, dtype, 2, "MxN");
   const Shape& mn = c.shape;
   c.tensors = {input("grad_out", DType::kFloat32, {}, /*row_wise=*/false), input("a", dtype, mn),
                input("b", dtype, mn), output("grad_a", dtype, mn), output("grad_b", dtype, mn)};
@@ -37,9 +37,9 @@ Case mse_backward_case(std::span<const std::int64_t> shape, DType dtype) {
 }
 
 const Registrar kRegister([](Registry& r) {
-  r.add_op({"mse_fwd", "loss", "M x N (mean over all elements)", mse_forward_case});
-  r.add_op({"mse_bwd", "loss", "M x N (mean reduction)", mse_backward_case});
-  for (const char* op : {"mse_fwd", "mse_bwd"}) {
+  r.add_op({"mse_forward", "loss", "M x N (mean over all elements)", mse_forward_case});
+  r.add_op({"mse_backward", "loss", "M x N (mean reduction)", mse_backward_case});
+  for (const char* op : {"mse_forward", "mse_backward"}) {
     r.add_configs("smoke", op, {{64, 256}}, {DType::kFloat32, DType::kBFloat16});
     r.add_configs("quack", op, quack_shapes(), {DType::kBFloat16});
   }

@@ -67,7 +67,7 @@ Entry layernorm_backward_entry(NormVariant v) {
 }
 
 Case rmsnorm_forward_case(std::span<const std::int64_t> shape, DType dtype) {
-  Case c = begin_case("rmsnorm_fwd", "norm", shape, dtype, 2, "MxN");
+  Case c = begin_case("rmsnorm_forward", "norm", shape, dtype, 2, "MxN");
   const std::int64_t m = c.shape[0], n = c.shape[1];
   c.tensors = {input("x", dtype, {m, n}), input("weight", dtype, {n}, false), output("y", dtype, {m, n}),
                output("rstd", DType::kFloat32, {m})};
@@ -80,7 +80,7 @@ Case rmsnorm_forward_case(std::span<const std::int64_t> shape, DType dtype) {
 }
 
 Case rmsnorm_backward_case(std::span<const std::int64_t> shape, DType dtype) {
-  Case c = begin_case("rmsnorm_bwd", "norm", shape, dtype, 2, "MxN");
+  Case c = begin_case("rmsnorm_backward", "norm", shape, dtype, 2, "MxN");
   const std::int64_t m = c.shape[0], n = c.shape[1];
   c.tensors = {input("dy", dtype, {m, n}),  input("x", dtype, {m, n}),     input("weight", dtype, {n}, false),
                saved_rstd(m),               output("dx", dtype, {m, n}),   output("dw", dtype, {n}, false),
@@ -93,7 +93,7 @@ Case rmsnorm_backward_case(std::span<const std::int64_t> shape, DType dtype) {
 }
 
 Case fused_add_rmsnorm_case(std::span<const std::int64_t> shape, DType dtype) {
-  Case c = begin_case("fused_add_rmsnorm_fwd", "norm", shape, dtype, 2, "MxN");
+  Case c = begin_case("fused_add_rmsnorm_forward", "norm", shape, dtype, 2, "MxN");
   const std::int64_t m = c.shape[0], n = c.shape[1];
   c.tensors = {in_out("x", dtype, {m, n}), in_out("residual", dtype, {m, n}), input("weight", dtype, {n}, false),
                output("rstd", DType::kFloat32, {m})};
@@ -110,20 +110,20 @@ Case fused_add_rmsnorm_case(std::span<const std::int64_t> shape, DType dtype) {
 // The gradient reaches the residual stream twice: through the norm (dy) and straight from the
 // next layer (d_residual); dx carries their sum back to both inputs of the add.
 Case fused_add_rmsnorm_backward_case(std::span<const std::int64_t> shape, DType dtype) {
-  Case c = begin_case("fused_add_rmsnorm_bwd", "norm", shape, dtype, 2, "MxN");
+  Case c = begin_case("fused_add_rmsnorm_backward", "norm", shape, dtype, 2, "MxN");
   const std::int64_t m = c.shape[0], n = c.shape[1];
   c.tensors = {input("dy", dtype, {m, n}),       input("d_residual", dtype, {m, n}), input("residual", dtype, {m, n}),
                input("weight", dtype, {n}, false), saved_rstd(m),                     output("dx", dtype, {m, n}),
                output("dw", dtype, {n}, false),  workspace_for(m, n, dtype)};
   c.bytes = traffic(c.tensors);
-  c.flops = 9.0 * elements(c);  // rmsnorm_bwd's 8 and the add
+  c.flops = 9.0 * elements(c);  // rmsnorm_backward's 8 and the add
   c.entry = fused_add_rmsnorm_backward_entry(NormVariant::kAuto);
   c.reference = [](Views t) { fused_add_rmsnorm_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], TensorView{}); };
   return c;
 }
 
 Case layernorm_forward_case(std::span<const std::int64_t> shape, DType dtype) {
-  Case c = begin_case("layernorm_fwd", "norm", shape, dtype, 2, "MxN");
+  Case c = begin_case("layernorm_forward", "norm", shape, dtype, 2, "MxN");
   const std::int64_t m = c.shape[0], n = c.shape[1];
   c.tensors = {input("x", dtype, {m, n}),  input("weight", dtype, {n}, false), input("bias", dtype, {n}, false),
                output("y", dtype, {m, n}), output("mean", DType::kFloat32, {m}), output("rstd", DType::kFloat32, {m})};
@@ -136,7 +136,7 @@ Case layernorm_forward_case(std::span<const std::int64_t> shape, DType dtype) {
 }
 
 Case layernorm_backward_case(std::span<const std::int64_t> shape, DType dtype) {
-  Case c = begin_case("layernorm_bwd", "norm", shape, dtype, 2, "MxN");
+  Case c = begin_case("layernorm_backward", "norm", shape, dtype, 2, "MxN");
   const std::int64_t m = c.shape[0], n = c.shape[1];
   c.tensors = {input("dy", dtype, {m, n}),        input("x", dtype, {m, n}),        input("weight", dtype, {n}, false),
                input("mean", DType::kFloat32, {m}), saved_rstd(m),                  output("dx", dtype, {m, n}),
@@ -158,12 +158,12 @@ struct NormOp {
 };
 
 const NormOp kOps[] = {
-    {"rmsnorm_fwd", rmsnorm_forward_case, rmsnorm_forward_entry, true},
-    {"rmsnorm_bwd", rmsnorm_backward_case, rmsnorm_backward_entry, false},
-    {"fused_add_rmsnorm_fwd", fused_add_rmsnorm_case, fused_add_rmsnorm_forward_entry, true},
-    {"fused_add_rmsnorm_bwd", fused_add_rmsnorm_backward_case, fused_add_rmsnorm_backward_entry, false},
-    {"layernorm_fwd", layernorm_forward_case, layernorm_forward_entry, true},
-    {"layernorm_bwd", layernorm_backward_case, layernorm_backward_entry, false},
+    {"rmsnorm_forward", rmsnorm_forward_case, rmsnorm_forward_entry, true},
+    {"rmsnorm_backward", rmsnorm_backward_case, rmsnorm_backward_entry, false},
+    {"fused_add_rmsnorm_forward", fused_add_rmsnorm_case, fused_add_rmsnorm_forward_entry, true},
+    {"fused_add_rmsnorm_backward", fused_add_rmsnorm_backward_case, fused_add_rmsnorm_backward_entry, false},
+    {"layernorm_forward", layernorm_forward_case, layernorm_forward_entry, true},
+    {"layernorm_backward", layernorm_backward_case, layernorm_backward_entry, false},
 };
 
 struct ForcedVariant {
@@ -193,31 +193,31 @@ const Registrar kRegister([](Registry& r) {
     }
   }
   const auto bf16 = std::vector<DType>{DType::kBFloat16};
-  for (const char* op : {"rmsnorm_fwd", "rmsnorm_bwd", "fused_add_rmsnorm_fwd", "fused_add_rmsnorm_bwd", "layernorm_fwd",
-                         "layernorm_bwd"}) {
+  for (const char* op : {"rmsnorm_forward", "rmsnorm_backward", "fused_add_rmsnorm_forward", "fused_add_rmsnorm_backward", "layernorm_forward",
+                         "layernorm_backward"}) {
     r.add_configs("smoke", op, {{64, 512}}, {DType::kFloat32, DType::kBFloat16});
     r.add_configs("quack", op, quack_shapes(), bf16);
     r.add_configs("quack-m", op, quack_m_shapes(), bf16);
     r.add_configs("dsv3", op, dsv3_row_shapes(), bf16);
     r.add_configs("llama", op, {{kLlamaTokens, kLlamaHidden}}, bf16);
   }
-  for (const char* op : {"rmsnorm_fwd", "layernorm_fwd"}) r.add_configs("sweep", op, sweep_row_shapes(), bf16);
+  for (const char* op : {"rmsnorm_forward", "layernorm_forward"}) r.add_configs("sweep", op, sweep_row_shapes(), bf16);
 
   // cuDNN baselines (same tensors and eps as our entry points; the cases use weight offset 0).
-  // cuDNN has no fused residual-add + RMSNorm, so fused_add_rmsnorm_fwd / _bwd have no baseline.
+  // cuDNN has no fused residual-add + RMSNorm, so fused_add_rmsnorm_forward / _backward have no baseline.
   if (cudnn_baselines_built()) {
     const double rms_eps = RMSNormOptions{}.eps, rms_offset = RMSNormOptions{}.weight_offset;
     const double ln_eps = LayerNormOptions{}.eps;
-    r.add_baseline("rmsnorm_fwd", "cudnn", [=](const Case& c) {
+    r.add_baseline("rmsnorm_forward", "cudnn", [=](const Case& c) {
       return cudnn_norm_baseline(CudnnNormOp::kRmsNormForward, c, rms_eps, rms_offset);
     });
-    r.add_baseline("rmsnorm_bwd", "cudnn", [=](const Case& c) {
+    r.add_baseline("rmsnorm_backward", "cudnn", [=](const Case& c) {
       return cudnn_norm_baseline(CudnnNormOp::kRmsNormBackward, c, rms_eps, rms_offset);
     });
-    r.add_baseline("layernorm_fwd", "cudnn", [=](const Case& c) {
+    r.add_baseline("layernorm_forward", "cudnn", [=](const Case& c) {
       return cudnn_norm_baseline(CudnnNormOp::kLayerNormForward, c, ln_eps);
     });
-    r.add_baseline("layernorm_bwd", "cudnn", [=](const Case& c) {
+    r.add_baseline("layernorm_backward", "cudnn", [=](const Case& c) {
       return cudnn_norm_baseline(CudnnNormOp::kLayerNormBackward, c, ln_eps);
     });
   }

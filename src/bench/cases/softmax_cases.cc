@@ -6,7 +6,7 @@ namespace trainscale::bench::cases {
 namespace {
 
 Case softmax_forward_case(std::span<const std::int64_t> shape, DType dtype) {
-  Case c = begin_case("softmax_fwd", "softmax", shape, dtype, 2, "MxN");
+  Case c = begin_case("softmax_forward", "softmax", shape, dtype, 2, "MxN");
   const Shape& mn = c.shape;
   c.tensors = {input("x", dtype, mn), output("y", dtype, mn)};
   c.tensors[0].lo = -8.0;
@@ -20,7 +20,7 @@ Case softmax_forward_case(std::span<const std::int64_t> shape, DType dtype) {
 }
 
 Case softmax_backward_case(std::span<const std::int64_t> shape, DType dtype) {
-  Case c = begin_case("softmax_bwd", "softmax", shape, dtype, 2, "MxN");
+  Case c = begin_case("softmax_backward", "softmax", shape, dtype, 2, "MxN");
   const Shape& mn = c.shape;
   c.tensors = {input("dy", dtype, mn), input("y", dtype, mn), output("dx", dtype, mn)};
   c.tensors[1].lo = 0.0;  // probabilities
@@ -33,15 +33,15 @@ Case softmax_backward_case(std::span<const std::int64_t> shape, DType dtype) {
 }
 
 const Registrar kRegister([](Registry& r) {
-  r.add_op({"softmax_fwd", "softmax", "M x N", softmax_forward_case});
-  r.add_op({"softmax_bwd", "softmax", "M x N", softmax_backward_case});
+  r.add_op({"softmax_forward", "softmax", "M x N", softmax_forward_case});
+  r.add_op({"softmax_backward", "softmax", "M x N", softmax_backward_case});
   const auto bf16 = std::vector<DType>{DType::kBFloat16};
-  for (const char* op : {"softmax_fwd", "softmax_bwd"}) {
+  for (const char* op : {"softmax_forward", "softmax_backward"}) {
     r.add_configs("smoke", op, {{64, 512}}, {DType::kFloat32, DType::kBFloat16});
     r.add_configs("quack", op, quack_shapes(), bf16);
     r.add_configs("dsv3", op, dsv3_row_shapes(), bf16);
   }
-  r.add_configs("sweep", "softmax_fwd", sweep_row_shapes(), bf16);
+  r.add_configs("sweep", "softmax_forward", sweep_row_shapes(), bf16);
 });
 
 }  // namespace
