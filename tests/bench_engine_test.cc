@@ -52,17 +52,18 @@ Case doubling_case(std::span<const std::int64_t> shape, DType dtype, double scal
   c.bytes = 2.0 * static_cast<double>(shape[0] * shape[1]) * static_cast<double>(dtype_size(dtype));
   c.flops = static_cast<double>(shape[0] * shape[1]);
   c.rows_independent = true;
-  auto apply = [](Views t, double factor) {
-    for (std::int64_t i = 0; i < t[0].numel(); ++i) {
-      detail::store_from_double(t[1].dtype, t[1].data, i, factor * detail::load_as_double(t[0].dtype, t[0].data, i));
+  const auto [in, out] = c.ids("x", "y");
+  auto apply = [=](CaseTensors t, double factor) {
+    for (std::int64_t i = 0; i < t[in].numel(); ++i) {
+      detail::store_from_double(t[out].dtype, t[out].data, i, factor * detail::load_as_double(t[in].dtype, t[in].data, i));
     }
   };
-  c.entry = [=](Views t, cudaStream_t) {
+  c.entry = [=](CaseTensors t, cudaStream_t) {
     if (throw_unsupported) throw Unsupported("no kernel for this dtype yet");
     apply(t, 2.0 * scale);
   };
-  c.reference = [=](Views t) {
-    EXPECT_EQ(t[0].dtype, DType::kFloat64);  // float64 copies of the inputs
+  c.reference = [=](CaseTensors t) {
+    EXPECT_EQ(t[in].dtype, DType::kFloat64);  // float64 copies of the inputs
     apply(t, 2.0);
   };
   return c;
@@ -142,7 +143,7 @@ TEST_F(EngineFixture, BaselineIsTimedWhenOursHasNoKernelForTheDevice) {
   registry.add_op({"reference_only", "test", "M x N", [](std::span<const std::int64_t> s, DType d) {
                      Case c = doubling_case(s, d, 1.0, false);
                      c.op = "reference_only";
-                     c.entry = [](Views, cudaStream_t) { detail::throw_no_cuda_kernel("reference_only"); };
+                     c.entry = [](CaseTensors, cudaStream_t) { detail::throw_no_cuda_kernel("reference_only"); };
                      return c;
                    }});
   registry.add_configs("smoke", "reference_only", {{8, 16}}, {DType::kFloat32});
@@ -182,7 +183,7 @@ TEST_F(EngineFixture, OptInImplementationsRunOnlyWhenNamed) {
     return [supported](const Case& c) -> std::optional<Implementation> {
       Implementation impl;
       impl.run = supported ? doubling_case(c.shape, c.dtype, 1.0, false).entry
-                           : [](Views, cudaStream_t) { throw UnsupportedVariantError("not for this shape"); };
+                           : [](CaseTensors, cudaStream_t) { throw UnsupportedVariantError("not for this shape"); };
       return impl;
     };
   };
@@ -266,7 +267,7 @@ TEST_F(EngineFixture, InterruptKeepsWhatWasMeasured) {
 
 // A full host set of a case's tensors with the gate's inputs, after `entry` ran on the gated
 // views; returns the gate's verdict.
-GateResult gate_on_cpu(const Case& c, const GateData& gate, const std::function<void(Views, cudaStream_t)>& entry) {
+GateResult gate_on_cpu(const Case& c, const GateData& gate, const std::function<void(CaseTensors, cudaStream_t)>& entry) {
   std::vector<OwnedTensor> tensors;
   for (const TensorSpec& spec : c.tensors) tensors.emplace_back(spec.dtype, spec.shape, Device::cpu());
   gate.load_inputs(tensors);
@@ -300,9 +301,9 @@ TEST(BenchGate, SampledGateCatchesAWrongImplementation) {
   // Wrong in one row only: caught when the sample holds it, as every sampled row is compared.
   const Case one_row = doubling_case(shape, DType::kFloat32, 1.0, false);
   auto corrupt_row = [&](std::int64_t row) {
-    return [&, row](Views t, cudaStream_t s) {
+    return [&, row, y = one_row.id("y")](CaseTensors t, cudaStream_t s) {
       one_row.entry(t, s);
-      static_cast<float*>(t[1].data)[row * shape[1]] += 1.0f;
+      static_cast<float*>(t[y].data)[row * shape[1]] += 1.0f;
     };
   };
   int caught = 0;
@@ -320,19 +321,45 @@ Case column_sum_case(std::span<const std::int64_t> shape, double scale, bool row
   c.tensors.push_back(colsum);
   c.rows_independent = false;
   const std::int64_t case_rows = shape[0];
-  auto apply = [=](Views t, double factor, std::int64_t rows) {
-    const std::int64_t n = t[0].size(1);
-    for (std::int64_t j = 0; j < n; ++j) detail::store_from_double(t[2].dtype, t[2].data, j, 0.0);
+  const auto [in, out, sums] = c.ids("x", "y", "colsum");
+  auto apply = [=](CaseTensors t, double factor, std::int64_t rows) {
+    const std::int64_t n = t[in].size(1);
+    for (std::int64_t j = 0; j < n; ++j) detail::store_from_double(t[sums].dtype, t[sums].data, j, 0.0);
     for (std::int64_t i = 0; i < rows * n; ++i) {
-      const double x = detail::load_as_double(t[0].dtype, t[0].data, i);
-      detail::store_from_double(t[1].dtype, t[1].data, i, factor * 2.0 * x);
-      const double sum = detail::load_as_double(t[2].dtype, t[2].data, i % n) + factor * x;
-      detail::store_from_double(t[2].dtype, t[2].data, i % n, sum);
+      const double x = detail::load_as_double(t[in].dtype, t[in].data, i);
+      detail::store_from_double(t[out].dtype, t[out].data, i, factor * 2.0 * x);
+      const double sum = detail::load_as_double(t[sums].dtype, t[sums].data, i % n) + factor * x;
+      detail::store_from_double(t[sums].dtype, t[sums].data, i % n, sum);
     }
   };
-  c.entry = [=](Views t, cudaStream_t) { apply(t, scale, rows_from_case ? case_rows : t[0].size(0)); };
-  c.reference = [=](Views t) { apply(t, 1.0, t[0].size(0)); };
+  c.entry = [=](CaseTensors t, cudaStream_t) { apply(t, scale, rows_from_case ? case_rows : t[in].size(0)); };
+  c.reference = [=](CaseTensors t) { apply(t, 1.0, t[in].size(0)); };
   return c;
+}
+
+// Cases read their tensors by the names they declare; a name they do not declare is a clear
+// error when the case is built, not a wrong buffer at run time.
+TEST(BenchRegistry, CasesNameTheirTensors) {
+  const std::int64_t shape[] = {4, 8};
+  Case c = doubling_case(shape, DType::kFloat32, 1.0, false);
+  EXPECT_EQ(c.id("x").index, 0u);
+  EXPECT_EQ(c.id("y").index, 1u);
+  c.spec("y").tolerance = 0.5;
+  EXPECT_EQ(c.tensors[1].tolerance, 0.5);
+  try {
+    c.id("z");
+    FAIL() << "no error for an undeclared tensor";
+  } catch (const std::logic_error& e) {
+    EXPECT_STREQ(e.what(), "bench case 'double': no tensor named 'z' (it declares x, y)");
+  }
+  // Every registered case declares the tensors its entry point reads.
+  for (const std::string& op : Registry::global().op_names()) {
+    const OpInfo* info = Registry::global().find_op(op);
+    const auto configs = Registry::global().suite("smoke");
+    const auto config = std::find_if(configs.begin(), configs.end(), [&](const Config& k) { return k.op == op; });
+    if (config == configs.end()) continue;
+    EXPECT_NO_THROW(info->make(config->shape, config->dtype)) << op;
+  }
 }
 
 TEST(BenchGate, CoupledRowsOfALargeCaseAreGatedOnAPrefixProblem) {
@@ -445,8 +472,8 @@ TEST_F(EngineFixture, PrefixGateRunsEveryImplementationOnThePrefixProblemAndTime
     impl.name = "planned";
     impl.on_gpu = false;
     impl.baseline = true;
-    impl.run = [&, rows = c.shape[0], entry = c.entry](Views t, cudaStream_t s) {
-      if (t[0].size(0) != rows) throw std::runtime_error("views of another shape than planned");
+    impl.run = [&, rows = c.shape[0], entry = c.entry, x = c.id("x")](CaseTensors t, cudaStream_t s) {
+      if (t[x].size(0) != rows) throw std::runtime_error("views of another shape than planned");
       called_rows.push_back(rows);
       entry(t, s);
     };

@@ -112,10 +112,15 @@ void add_wrong(Registry& registry, const std::string& op) {
                      RMSNormOptions off;
                      off.weight_offset = 0.05;
                      if (op == "rmsnorm_forward") {
-                       c.entry = [=](Views t, cudaStream_t s) { rmsnorm_forward(t[0], t[1], t[2], t[3], off, s); };
+                       const auto [x, w, y, rstd] = c.ids("x", "weight", "y", "rstd");
+                       c.entry = [=](CaseTensors t, cudaStream_t s) {
+                         rmsnorm_forward(t[x], t[w], t[y], t[rstd], off, s);
+                       };
                      } else {
-                       c.entry = [=](Views t, cudaStream_t s) {
-                         rmsnorm_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], off, s);
+                       const auto [dy, x, w, rstd, dx, dw, ws] =
+                           c.ids("dy", "x", "weight", "rstd", "dx", "dw", "workspace");
+                       c.entry = [=](CaseTensors t, cudaStream_t s) {
+                         rmsnorm_backward(t[dy], t[x], t[w], t[rstd], t[dx], t[dw], t[ws], off, s);
                        };
                      }
                      return c;

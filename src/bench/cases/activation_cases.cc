@@ -47,8 +47,9 @@ CaseFactory unary_forward(const char* op, Unary fn) {
   return [=](std::span<const std::int64_t> shape, DType dtype) {
     const Shape mn(shape.begin(), shape.end());
     Case c = elementwise(op, shape, dtype, {input("x", dtype, mn), output("y", dtype, mn)}, 8.0);
-    c.entry = [=](Views t, cudaStream_t s) { fn(t[0], t[1], s); };
-    c.reference = [=](Views t) { fn(t[0], t[1], nullptr); };
+    const auto [x, y] = c.ids("x", "y");
+    c.entry = [=](CaseTensors t, cudaStream_t s) { fn(t[x], t[y], s); };
+    c.reference = on_cpu(c.entry);
     return c;
   };
 }
@@ -58,8 +59,9 @@ CaseFactory unary_backward(const char* op, UnaryBackward fn) {
     const Shape mn(shape.begin(), shape.end());
     Case c = elementwise(op, shape, dtype, {input("dy", dtype, mn), input("x", dtype, mn), output("dx", dtype, mn)},
                          12.0);
-    c.entry = [=](Views t, cudaStream_t s) { fn(t[0], t[1], t[2], s); };
-    c.reference = [=](Views t) { fn(t[0], t[1], t[2], nullptr); };
+    const auto [dy, x, dx] = c.ids("dy", "x", "dx");
+    c.entry = [=](CaseTensors t, cudaStream_t s) { fn(t[dy], t[x], t[dx], s); };
+    c.reference = on_cpu(c.entry);
     return c;
   };
 }
@@ -72,8 +74,9 @@ CaseFactory packed_forward(const char* op, PackedForward fn) {
     const Shape mf(shape.begin(), shape.end());
     const Shape m2f{mf[0], 2 * mf[1]};
     Case c = elementwise(op, shape, dtype, {input("ab", dtype, m2f), output("y", dtype, mf)}, 9.0);
-    c.entry = [=](Views t, cudaStream_t s) { fn(t[0], t[1], s); };
-    c.reference = [=](Views t) { fn(t[0], t[1], nullptr); };
+    const auto [ab, y] = c.ids("ab", "y");
+    c.entry = [=](CaseTensors t, cudaStream_t s) { fn(t[ab], t[y], s); };
+    c.reference = on_cpu(c.entry);
     return c;
   };
 }
@@ -84,8 +87,9 @@ CaseFactory packed_backward(const char* op, PackedBackward fn) {
     const Shape m2f{mf[0], 2 * mf[1]};
     Case c = elementwise(op, shape, dtype, {input("dy", dtype, mf), input("ab", dtype, m2f), output("dab", dtype, m2f)},
                          14.0);
-    c.entry = [=](Views t, cudaStream_t s) { fn(t[0], t[1], t[2], s); };
-    c.reference = [=](Views t) { fn(t[0], t[1], t[2], nullptr); };
+    const auto [dy, ab, dab] = c.ids("dy", "ab", "dab");
+    c.entry = [=](CaseTensors t, cudaStream_t s) { fn(t[dy], t[ab], t[dab], s); };
+    c.reference = on_cpu(c.entry);
     return c;
   };
 }
@@ -94,8 +98,9 @@ CaseFactory gated_forward(const char* op, Gated fn) {
   return [=](std::span<const std::int64_t> shape, DType dtype) {
     const Shape mf(shape.begin(), shape.end());
     Case c = elementwise(op, shape, dtype, {input("a", dtype, mf), input("b", dtype, mf), output("y", dtype, mf)}, 9.0);
-    c.entry = [=](Views t, cudaStream_t s) { fn(t[0], t[1], t[2], s); };
-    c.reference = [=](Views t) { fn(t[0], t[1], t[2], nullptr); };
+    const auto [a, b, y] = c.ids("a", "b", "y");
+    c.entry = [=](CaseTensors t, cudaStream_t s) { fn(t[a], t[b], t[y], s); };
+    c.reference = on_cpu(c.entry);
     return c;
   };
 }
@@ -107,8 +112,9 @@ CaseFactory gated_backward(const char* op, GatedBackward fn) {
                          {input("dy", dtype, mf), input("a", dtype, mf), input("b", dtype, mf), output("da", dtype, mf),
                           output("db", dtype, mf)},
                          14.0);
-    c.entry = [=](Views t, cudaStream_t s) { fn(t[0], t[1], t[2], t[3], t[4], s); };
-    c.reference = [=](Views t) { fn(t[0], t[1], t[2], t[3], t[4], nullptr); };
+    const auto [dy, a, b, da, db] = c.ids("dy", "a", "b", "da", "db");
+    c.entry = [=](CaseTensors t, cudaStream_t s) { fn(t[dy], t[a], t[b], t[da], t[db], s); };
+    c.reference = on_cpu(c.entry);
     return c;
   };
 }

@@ -52,8 +52,9 @@ Case attention_forward_case(std::span<const std::int64_t> shape, DType dtype) {
   c.bytes = traffic(c.tensors);
   c.flops = forward_flops(d);
   c.bound = Bound::kCompute;
-  c.entry = [options](Views t, cudaStream_t s) { attention_forward(t[0], t[1], t[2], t[3], t[4], options, s); };
-  c.reference = [options](Views t) { attention_forward(t[0], t[1], t[2], t[3], t[4], options); };
+  const auto [q, k, v, out, lse] = c.ids("q", "k", "v", "out", "lse");
+  c.entry = [=](CaseTensors t, cudaStream_t s) { attention_forward(t[q], t[k], t[v], t[out], t[lse], options, s); };
+  c.reference = on_cpu(c.entry);
   return c;
 }
 
@@ -68,14 +69,13 @@ Case attention_backward_case(std::span<const std::int64_t> shape, DType dtype) {
   c.bytes = traffic(c.tensors);
   c.flops = 2.5 * forward_flops(d);  // 5 GEMMs to the forward's 2
   c.bound = Bound::kCompute;
-  c.entry = [options](Views t, cudaStream_t s) {
-    attention_backward({.dout = t[0], .q = t[1], .k = t[2], .v = t[3], .out = t[4], .lse = t[5],
-                        .dq = t[6], .dk = t[7], .dv = t[8]}, options, s);
+  const auto [dout, q, k, v, out, lse, dq, dk, dv] = c.ids("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv");
+  c.entry = [=](CaseTensors t, cudaStream_t s) {
+    attention_backward({.dout = t[dout], .q = t[q], .k = t[k], .v = t[v], .out = t[out], .lse = t[lse],
+                        .dq = t[dq], .dk = t[dk], .dv = t[dv]},
+                       options, s);
   };
-  c.reference = [options](Views t) {
-    attention_backward({.dout = t[0], .q = t[1], .k = t[2], .v = t[3], .out = t[4], .lse = t[5],
-                        .dq = t[6], .dk = t[7], .dv = t[8]}, options);
-  };
+  c.reference = on_cpu(c.entry);
   return c;
 }
 

@@ -16,16 +16,16 @@ Case cross_entropy_case(const char* op, std::span<const std::int64_t> shape, DTy
   targets.lo = 0;
   targets.hi = static_cast<double>(v - 1);
   c.tensors = {logits, targets, output("loss", DType::kFloat32, {}, false), output("lse", DType::kFloat32, {m})};
-  c.tensors[2].reference_dtype = DType::kFloat64;
+  c.spec("loss").reference_dtype = DType::kFloat64;
   if (with_grad) c.tensors.push_back(output("grad_logits", dtype, {m, v}));
   c.bytes = traffic(c.tensors);
   c.flops = (with_grad ? 7.0 : 4.0) * static_cast<double>(m * v);  // max, exp, sum (+ softmax, gradient)
-  c.entry = [with_grad](Views t, cudaStream_t s) {
-    cross_entropy_forward(t[0], t[1], t[2], t[3], with_grad ? t[4] : TensorView{}, {}, s);
+  const auto [logits_id, targets_id, loss, lse] = c.ids("logits", "targets", "loss", "lse");
+  const std::optional<TensorId> grad = with_grad ? std::optional(c.id("grad_logits")) : std::nullopt;
+  c.entry = [=](CaseTensors t, cudaStream_t s) {
+    cross_entropy_forward(t[logits_id], t[targets_id], t[loss], t[lse], grad ? t[*grad] : TensorView{}, {}, s);
   };
-  c.reference = [with_grad](Views t) {
-    cross_entropy_forward(t[0], t[1], t[2], t[3], with_grad ? t[4] : TensorView{});
-  };
+  c.reference = on_cpu(c.entry);
   return c;
 }
 

@@ -27,8 +27,6 @@ TensorSpec workspace_for(std::int64_t m, std::int64_t n, DType dtype) {
 
 double elements(const Case& c) { return static_cast<double>(numel(c.shape)); }
 
-using Entry = std::function<void(Views, cudaStream_t)>;
-
 RMSNormOptions rms(NormVariant variant) {
   RMSNormOptions o;
   o.variant = variant;
@@ -41,28 +39,46 @@ LayerNormOptions layer(NormVariant variant) {
   return o;
 }
 
-// Our entry point of each op, with the kernel variant it forces (kAuto for the case itself).
-Entry rmsnorm_forward_entry(NormVariant v) {
-  return [o = rms(v)](Views t, cudaStream_t s) { rmsnorm_forward(t[0], t[1], t[2], t[3], o, s); };
+// Our entry point of each op on a case's tensors, with the kernel variant it forces (kAuto for
+// the case itself). The backward passes take the case's workspace, except in the reference
+// (`workspace` false), whose CPU path has no use for one; the forward passes have none.
+Entry rmsnorm_forward_entry(const Case& c, NormVariant v, bool /*workspace: none*/) {
+  const auto [x, weight, y, rstd] = c.ids("x", "weight", "y", "rstd");
+  return [=, o = rms(v)](CaseTensors t, cudaStream_t s) { rmsnorm_forward(t[x], t[weight], t[y], t[rstd], o, s); };
 }
-Entry rmsnorm_backward_entry(NormVariant v) {
-  return [o = rms(v)](Views t, cudaStream_t s) { rmsnorm_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], o, s); };
-}
-Entry fused_add_rmsnorm_forward_entry(NormVariant v) {
-  return [o = rms(v)](Views t, cudaStream_t s) { fused_add_rmsnorm_forward(t[0], t[1], t[2], t[3], o, s); };
-}
-Entry fused_add_rmsnorm_backward_entry(NormVariant v) {
-  return [o = rms(v)](Views t, cudaStream_t s) {
-    fused_add_rmsnorm_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], o, s);
+Entry rmsnorm_backward_entry(const Case& c, NormVariant v, bool workspace) {
+  const auto [dy, x, weight, rstd, dx, dw, ws] = c.ids("dy", "x", "weight", "rstd", "dx", "dw", "workspace");
+  return [=, o = rms(v)](CaseTensors t, cudaStream_t s) {
+    rmsnorm_backward(t[dy], t[x], t[weight], t[rstd], t[dx], t[dw], workspace ? t[ws] : TensorView{}, o, s);
   };
 }
-Entry layernorm_forward_entry(NormVariant v) {
-  return [o = layer(v)](Views t, cudaStream_t s) { layernorm_forward(t[0], t[1], t[2], t[3], t[4], t[5], o, s); };
+Entry fused_add_rmsnorm_forward_entry(const Case& c, NormVariant v, bool /*workspace: none*/) {
+  const auto [x, residual, weight, rstd] = c.ids("x", "residual", "weight", "rstd");
+  return [=, o = rms(v)](CaseTensors t, cudaStream_t s) {
+    fused_add_rmsnorm_forward(t[x], t[residual], t[weight], t[rstd], o, s);
+  };
 }
-Entry layernorm_backward_entry(NormVariant v) {
-  return [o = layer(v)](Views t, cudaStream_t s) {
-    layernorm_backward({.dy = t[0], .x = t[1], .weight = t[2], .mean = t[3], .rstd = t[4],
-                        .dx = t[5], .dw = t[6], .db = t[7], .workspace = t[8]}, o, s);
+Entry fused_add_rmsnorm_backward_entry(const Case& c, NormVariant v, bool workspace) {
+  const auto [dy, d_residual, residual, weight, rstd, dx, dw, ws] =
+      c.ids("dy", "d_residual", "residual", "weight", "rstd", "dx", "dw", "workspace");
+  return [=, o = rms(v)](CaseTensors t, cudaStream_t s) {
+    fused_add_rmsnorm_backward(t[dy], t[d_residual], t[residual], t[weight], t[rstd], t[dx], t[dw],
+                               workspace ? t[ws] : TensorView{}, o, s);
+  };
+}
+Entry layernorm_forward_entry(const Case& c, NormVariant v, bool /*workspace: none*/) {
+  const auto [x, weight, bias, y, mean, rstd] = c.ids("x", "weight", "bias", "y", "mean", "rstd");
+  return [=, o = layer(v)](CaseTensors t, cudaStream_t s) {
+    layernorm_forward(t[x], t[weight], t[bias], t[y], t[mean], t[rstd], o, s);
+  };
+}
+Entry layernorm_backward_entry(const Case& c, NormVariant v, bool workspace) {
+  const auto [dy, x, weight, mean, rstd, dx, dw, db, ws] =
+      c.ids("dy", "x", "weight", "mean", "rstd", "dx", "dw", "db", "workspace");
+  return [=, o = layer(v)](CaseTensors t, cudaStream_t s) {
+    layernorm_backward({.dy = t[dy], .x = t[x], .weight = t[weight], .mean = t[mean], .rstd = t[rstd],
+                        .dx = t[dx], .dw = t[dw], .db = t[db], .workspace = workspace ? t[ws] : TensorView{}},
+                       o, s);
   };
 }
 
@@ -74,8 +90,8 @@ Case rmsnorm_forward_case(std::span<const std::int64_t> shape, DType dtype) {
   c.bytes = traffic(c.tensors);
   c.flops = 4.0 * elements(c);  // square, accumulate, two scalings
   c.rows_independent = true;
-  c.entry = rmsnorm_forward_entry(NormVariant::kAuto);
-  c.reference = [](Views t) { rmsnorm_forward(t[0], t[1], t[2], t[3]); };
+  c.entry = rmsnorm_forward_entry(c, NormVariant::kAuto, true);
+  c.reference = on_cpu(c.entry);
   return c;
 }
 
@@ -87,8 +103,8 @@ Case rmsnorm_backward_case(std::span<const std::int64_t> shape, DType dtype) {
                workspace_for(m, n, dtype)};
   c.bytes = traffic(c.tensors);
   c.flops = 8.0 * elements(c);
-  c.entry = rmsnorm_backward_entry(NormVariant::kAuto);
-  c.reference = [](Views t) { rmsnorm_backward(t[0], t[1], t[2], t[3], t[4], t[5], TensorView{}); };
+  c.entry = rmsnorm_backward_entry(c, NormVariant::kAuto, true);
+  c.reference = on_cpu(rmsnorm_backward_entry(c, NormVariant::kAuto, false));
   return c;
 }
 
@@ -98,12 +114,12 @@ Case fused_add_rmsnorm_case(std::span<const std::int64_t> shape, DType dtype) {
   c.tensors = {in_out("x", dtype, {m, n}), in_out("residual", dtype, {m, n}), input("weight", dtype, {n}, false),
                output("rstd", DType::kFloat32, {m})};
   // rstd comes from the residual rounded to `dtype`; the fp64 reference keeps the exact sum.
-  c.tensors[3].tolerance = default_tolerance(dtype);
+  c.spec("rstd").tolerance = default_tolerance(dtype);
   c.bytes = traffic(c.tensors);
   c.flops = 5.0 * elements(c);
   c.rows_independent = true;
-  c.entry = fused_add_rmsnorm_forward_entry(NormVariant::kAuto);
-  c.reference = [](Views t) { fused_add_rmsnorm_forward(t[0], t[1], t[2], t[3]); };
+  c.entry = fused_add_rmsnorm_forward_entry(c, NormVariant::kAuto, true);
+  c.reference = on_cpu(c.entry);
   return c;
 }
 
@@ -117,8 +133,8 @@ Case fused_add_rmsnorm_backward_case(std::span<const std::int64_t> shape, DType 
                output("dw", dtype, {n}, false),  workspace_for(m, n, dtype)};
   c.bytes = traffic(c.tensors);
   c.flops = 9.0 * elements(c);  // rmsnorm_backward's 8 and the add
-  c.entry = fused_add_rmsnorm_backward_entry(NormVariant::kAuto);
-  c.reference = [](Views t) { fused_add_rmsnorm_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], TensorView{}); };
+  c.entry = fused_add_rmsnorm_backward_entry(c, NormVariant::kAuto, true);
+  c.reference = on_cpu(fused_add_rmsnorm_backward_entry(c, NormVariant::kAuto, false));
   return c;
 }
 
@@ -130,8 +146,8 @@ Case layernorm_forward_case(std::span<const std::int64_t> shape, DType dtype) {
   c.bytes = traffic(c.tensors);
   c.flops = 7.0 * elements(c);
   c.rows_independent = true;
-  c.entry = layernorm_forward_entry(NormVariant::kAuto);
-  c.reference = [](Views t) { layernorm_forward(t[0], t[1], t[2], t[3], t[4], t[5]); };
+  c.entry = layernorm_forward_entry(c, NormVariant::kAuto, true);
+  c.reference = on_cpu(c.entry);
   return c;
 }
 
@@ -143,17 +159,15 @@ Case layernorm_backward_case(std::span<const std::int64_t> shape, DType dtype) {
                output("dw", dtype, {n}, false),   output("db", dtype, {n}, false), workspace_for(m, n, dtype)};
   c.bytes = traffic(c.tensors);
   c.flops = 10.0 * elements(c);
-  c.entry = layernorm_backward_entry(NormVariant::kAuto);
-  c.reference = [](Views t) { layernorm_backward({.dy = t[0], .x = t[1], .weight = t[2],
-                                                  .mean = t[3], .rstd = t[4], .dx = t[5],
-                                                  .dw = t[6], .db = t[7]}); };
+  c.entry = layernorm_backward_entry(c, NormVariant::kAuto, true);
+  c.reference = on_cpu(layernorm_backward_entry(c, NormVariant::kAuto, false));
   return c;
 }
 
 struct NormOp {
   const char* name;
   CaseFactory make;
-  Entry (*entry)(NormVariant);
+  Entry (*entry)(const Case&, NormVariant, bool workspace);
   bool forward;
 };
 
@@ -185,9 +199,9 @@ const Registrar kRegister([](Registry& r) {
     // A variant that cannot run a shape throws UnsupportedVariantError: the row is UNSUPPORTED.
     for (const ForcedVariant& forced : kForcedVariants) {
       if (forced.forward_only && !op.forward) continue;
-      r.add_opt_in(op.name, forced.impl, [entry = op.entry(forced.variant)](const Case&) {
+      r.add_opt_in(op.name, forced.impl, [entry = op.entry, variant = forced.variant](const Case& c) {
         Implementation impl;
-        impl.run = entry;
+        impl.run = entry(c, variant, true);
         return std::optional<Implementation>(std::move(impl));
       });
     }

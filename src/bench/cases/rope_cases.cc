@@ -22,15 +22,18 @@ Case rope_case(const char* op, std::span<const std::int64_t> shape, DType dtype)
 
 Case rope_forward_case(std::span<const std::int64_t> shape, DType dtype) {
   Case c = rope_case("rope_forward", shape, dtype);
-  c.entry = [](Views t, cudaStream_t s) { rope_forward(t[0], t[1], t[2], t[3], {}, {}, {}, {}, s); };
-  c.reference = [](Views t) { rope_forward(t[0], t[1], t[2], t[3], {}, {}, {}); };
+  const auto [q, k, q_out, k_out] = c.ids("q", "k", "q_out", "k_out");
+  c.entry = [=](CaseTensors t, cudaStream_t s) { rope_forward(t[q], t[k], t[q_out], t[k_out], {}, {}, {}, {}, s); };
+  c.reference = on_cpu(c.entry);
   return c;
 }
 
 Case rope_backward_case(std::span<const std::int64_t> shape, DType dtype) {
   Case c = rope_case("rope_backward", shape, dtype);
-  c.entry = [](Views t, cudaStream_t s) { rope_backward(t[0], t[1], t[2], t[3], {}, {}, {}, {}, s); };
-  c.reference = [](Views t) { rope_backward(t[0], t[1], t[2], t[3], {}, {}, {}); };
+  // The gradients take the forward's places: dq_out and dk_out in q and k, dq and dk in the outputs.
+  const auto [dq_out, dk_out, dq, dk] = c.ids("q", "k", "q_out", "k_out");
+  c.entry = [=](CaseTensors t, cudaStream_t s) { rope_backward(t[dq_out], t[dk_out], t[dq], t[dk], {}, {}, {}, {}, s); };
+  c.reference = on_cpu(c.entry);
   return c;
 }
 
