@@ -3,7 +3,7 @@
 # benchmark (suites, optionally ops) into $OUT/<name>.json and .md, ready to be committed as
 # bench/results/<gpu>/<name>.*; TRAINSCALE_GIT_COMMIT tells a tree without .git its commit, e.g.
 #   TRAINSCALE_GIT_COMMIT=<sha> bash scripts/gpu_host_bench.sh norms quack,dsv3,llama \
-#       rmsnorm_fwd,rmsnorm_bwd,fused_add_rmsnorm_fwd,layernorm_fwd,layernorm_bwd
+#       rmsnorm_forward,rmsnorm_backward,fused_add_rmsnorm_forward,layernorm_forward,layernorm_backward
 # Builds through gpu_host_build.sh (cuDNN baselines when the frontend wheel is carried).
 # The run is stopped with SIGINT after ${BENCH_SECONDS:-500} s so partial results are written.
 set -uo pipefail

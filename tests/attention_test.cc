@@ -55,8 +55,9 @@ Grads backward(const Inputs& in, const Forward& f, const HostTensor& dout,
                const AttentionOptions& options = {}) {
   Grads g{HostTensor(in.q.dtype(), in.q.shape()), HostTensor(in.k.dtype(), in.k.shape()),
           HostTensor(in.v.dtype(), in.v.shape())};
-  attention_backward(dout.view(), in.q.view(), in.k.view(), in.v.view(), f.out.view(), f.lse.view(),
-                     g.dq.view(), g.dk.view(), g.dv.view(), options);
+  attention_backward({.dout = dout.view(), .q = in.q.view(), .k = in.k.view(), .v = in.v.view(),
+                      .out = f.out.view(), .lse = f.lse.view(), .dq = g.dq.view(),
+                      .dk = g.dk.view(), .dv = g.dv.view()}, options);
   return g;
 }
 
@@ -366,8 +367,9 @@ TEST(Attention, BhsdStridedTensorsEqualContiguousOnes) {
          dv = to_bhsd(g.dv, false);
     HostTensor lse(DType::kFloat32, f.lse.shape());
     attention_forward(q.view, k.view, v.view, out.view, lse.view(), options);
-    attention_backward(dout_t.view, q.view, k.view, v.view, out.view, lse.view(), dq.view, dk.view,
-                       dv.view, options);
+    attention_backward({.dout = dout_t.view, .q = q.view, .k = k.view, .v = v.view,
+                        .out = out.view, .lse = lse.view(), .dq = dq.view, .dk = dk.view,
+                        .dv = dv.view}, options);
     EXPECT_EQ(logical_values(out.view), f.out.values()) << dtype_name(dt);
     EXPECT_EQ(lse.values(), f.lse.values());
     EXPECT_EQ(logical_values(dq.view), g.dq.values());
@@ -616,7 +618,8 @@ TEST(Attention, BackwardArgumentErrors) {
   const Args good{dout.view(),  in.q.view(), in.k.view(), in.v.view(), f.out.view(),
                   f.lse.view(), dq.view(),   dk.view(),   dv.view(),   {}};
   auto bwd = [](const Args& a) {
-    attention_backward(a.dout, a.q, a.k, a.v, a.out, a.lse, a.dq, a.dk, a.dv, a.options);
+    attention_backward({.dout = a.dout, .q = a.q, .k = a.k, .v = a.v, .out = a.out, .lse = a.lse,
+                        .dq = a.dq, .dk = a.dk, .dv = a.dv}, a.options);
   };
   auto with = [&](auto edit) {
     Args a = good;
@@ -692,9 +695,11 @@ TEST(Attention, CudaTensorsReachNoKernelYet) {
                         on_cuda(f.out.view()), on_cuda(f.lse.view())),
       "attention_forward", "CUDA", "CPU reference");
   TS_EXPECT_ERROR(
-      attention_backward(on_cuda(f.out.view()), on_cuda(in.q.view()), on_cuda(in.k.view()),
-                         on_cuda(in.v.view()), on_cuda(in.q.view()), on_cuda(f.lse.view()),
-                         on_cuda(dq.view()), on_cuda(dk.view()), on_cuda(dv.view())),
+      attention_backward({.dout = on_cuda(f.out.view()), .q = on_cuda(in.q.view()),
+                          .k = on_cuda(in.k.view()), .v = on_cuda(in.v.view()),
+                          .out = on_cuda(in.q.view()), .lse = on_cuda(f.lse.view()),
+                          .dq = on_cuda(dq.view()), .dk = on_cuda(dk.view()),
+                          .dv = on_cuda(dv.view())}),
       "attention_backward", "CUDA", "CPU reference");
   auto in64 = random_inputs(DType::kFloat64, {1, 2, 2, 2, 1, 8});
   HostTensor out64(DType::kFloat64, in64.q.shape());

@@ -58,30 +58,30 @@ TEST(BenchCli, OptInImplementationsAreAcceptedByName) {
   const Outcome unknown = run_cli("--impl trainscale-nope");
   EXPECT_EQ(unknown.exit_code, 2) << unknown.output;
   EXPECT_NE(unknown.output.find("trainscale-rows"), std::string::npos) << unknown.output;  // in the known list
-  const Outcome o = run_cli("--suite smoke --ops rmsnorm_fwd --dtype fp32 --impl trainscale,trainscale-rows --list");
+  const Outcome o = run_cli("--suite smoke --ops rmsnorm_forward --dtype fp32 --impl trainscale,trainscale-rows --list");
   EXPECT_EQ(o.exit_code, 0) << o.output;
-  EXPECT_NE(o.output.find("rmsnorm_fwd 64x512 float32"), std::string::npos) << o.output;
+  EXPECT_NE(o.output.find("rmsnorm_forward 64x512 float32"), std::string::npos) << o.output;
   // On the CPU the GPU-only opt-in has nothing to run: no rows, no failure.
-  const Outcome run = run_cli("--suite smoke --ops rmsnorm_fwd --dtype fp32 --impl cpu-ref,trainscale-two-pass "
+  const Outcome run = run_cli("--suite smoke --ops rmsnorm_forward --dtype fp32 --impl cpu-ref,trainscale-two-pass "
                               "--device cpu --timeout-ms 50 --quiet");
   EXPECT_EQ(run.exit_code, 0) << run.output;
-  EXPECT_NE(run.output.find("rmsnorm_fwd 64x512 float32 [cpu-ref]"), std::string::npos) << run.output;
+  EXPECT_NE(run.output.find("rmsnorm_forward 64x512 float32 [cpu-ref]"), std::string::npos) << run.output;
   EXPECT_EQ(run.output.find("trainscale-two-pass"), std::string::npos) << run.output;
 }
 
 TEST(BenchCli, ListPrintsCasesWithoutRunning) {
-  const Outcome o = run_cli("--suite smoke --ops mse_fwd --dtype fp32 --list");
+  const Outcome o = run_cli("--suite smoke --ops mse_forward --dtype fp32 --list");
   EXPECT_EQ(o.exit_code, 0) << o.output;
-  EXPECT_NE(o.output.find("mse_fwd 64x256 float32"), std::string::npos) << o.output;
+  EXPECT_NE(o.output.find("mse_forward 64x256 float32"), std::string::npos) << o.output;
   EXPECT_EQ(o.output.find("bfloat16"), std::string::npos) << o.output;
 }
 
 TEST(BenchCli, RunCompareAndReport) {
   const fs::path dir = temp_dir();
   const std::string json = (dir / "run.json").string();
-  const Outcome run = run_cli("--suite smoke --ops mse_fwd,mse_bwd --dtype fp32 --timeout-ms 50 --quiet --device cpu --json " + json);
+  const Outcome run = run_cli("--suite smoke --ops mse_forward,mse_backward --dtype fp32 --timeout-ms 50 --quiet --device cpu --json " + json);
   ASSERT_EQ(run.exit_code, 0) << run.output;
-  EXPECT_NE(run.output.find("mse_bwd 64x256 float32 [cpu-ref]"), std::string::npos) << run.output;
+  EXPECT_NE(run.output.find("mse_backward 64x256 float32 [cpu-ref]"), std::string::npos) << run.output;
 
   EXPECT_EQ(run_cli("compare " + json + " " + json).exit_code, 0);
 

@@ -22,7 +22,7 @@ TEST(CudnnSdpaBaseline, MatchesTheReferenceWhereOursHasNoCudaKernel) {
   if (!cudnn_baselines_built()) GTEST_SKIP() << "this build has no cuDNN baselines";
   const Registry& global = Registry::global();
   Registry registry;
-  for (const char* op : {"attention_fwd", "attention_bwd"}) {
+  for (const char* op : {"attention_forward", "attention_backward"}) {
     ASSERT_NE(global.find_op(op), nullptr) << op;
     registry.add_op(*global.find_op(op));
     // B x Hq x Hkv x S x D x causal: GQA and plain, causal and not, S off multiples of 64,
@@ -32,10 +32,10 @@ TEST(CudnnSdpaBaseline, MatchesTheReferenceWhereOursHasNoCudaKernel) {
                           {3, 2, 1, 33, 64, 1}},
                          {DType::kBFloat16, DType::kFloat16, DType::kFloat32});
   }
-  registry.add_baseline("attention_fwd", "cudnn", [](const Case& c) {
+  registry.add_baseline("attention_forward", "cudnn", [](const Case& c) {
     return cudnn_sdpa_baseline(CudnnSdpaOp::kForward, c, options_of(c));
   });
-  registry.add_baseline("attention_bwd", "cudnn", [](const Case& c) {
+  registry.add_baseline("attention_backward", "cudnn", [](const Case& c) {
     return cudnn_sdpa_baseline(CudnnSdpaOp::kBackward, c, options_of(c));
   });
 

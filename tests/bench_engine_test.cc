@@ -56,17 +56,18 @@ Case doubling_case(std::span<const std::int64_t> shape, DType dtype, double scal
   c.bytes = 2.0 * static_cast<double>(shape[0] * shape[1]) * static_cast<double>(dtype_size(dtype));
   c.flops = static_cast<double>(shape[0] * shape[1]);
   c.rows_independent = true;
-  auto apply = [](Views t, double factor) {
-    for (std::int64_t i = 0; i < t[0].numel(); ++i) {
-      detail::store_from_double(t[1].dtype, t[1].data, i, factor * detail::load_as_double(t[0].dtype, t[0].data, i));
+  const auto [in, out] = c.ids("x", "y");
+  auto apply = [=](CaseTensors t, double factor) {
+    for (std::int64_t i = 0; i < t[in].numel(); ++i) {
+      detail::store_from_double(t[out].dtype, t[out].data, i, factor * detail::load_as_double(t[in].dtype, t[in].data, i));
     }
   };
-  c.entry = [=](Views t, cudaStream_t) {
+  c.entry = [=](CaseTensors t, cudaStream_t) {
     if (throw_unsupported) throw Unsupported("no kernel for this dtype yet");
     apply(t, 2.0 * scale);
   };
-  c.reference = [=](Views t) {
-    EXPECT_EQ(t[0].dtype, DType::kFloat64);  // float64 copies of the inputs
+  c.reference = [=](CaseTensors t) {
+    EXPECT_EQ(t[in].dtype, DType::kFloat64);  // float64 copies of the inputs
     apply(t, 2.0);
   };
   return c;
@@ -151,9 +152,9 @@ struct ReferenceOnlyFixture : EngineFixture {
     registry.add_op({"reference_only", "test", "M x N", [calls](std::span<const std::int64_t> s, DType d) {
                        Case c = doubling_case(s, d, 1.0, false);
                        c.op = "reference_only";
-                       c.entry = [](Views, cudaStream_t) { detail::throw_no_cuda_kernel("reference_only"); };
+                       c.entry = [](CaseTensors, cudaStream_t) { detail::throw_no_cuda_kernel("reference_only"); };
                        auto reference = c.reference;
-                       c.reference = [calls, reference](Views t) {
+                       c.reference = [calls, reference](CaseTensors t) {
                          ++*calls;
                          reference(t);
                        };
@@ -225,7 +226,7 @@ TEST_F(EngineFixture, InterruptStopsTheWaitForASlowReference) {
                      Case c = doubling_case(s, d, 1.0, false);
                      c.op = "slow";
                      auto reference = c.reference;
-                     c.reference = [finish, reference](Views t) {
+                     c.reference = [finish, reference](CaseTensors t) {
                        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
                        while (!finish->load() && std::chrono::steady_clock::now() < until) {
                          std::this_thread::sleep_for(std::chrono::milliseconds(5));
@@ -276,7 +277,7 @@ TEST_F(EngineFixture, OptInImplementationsRunOnlyWhenNamed) {
     return [supported](const Case& c) -> std::optional<Implementation> {
       Implementation impl;
       impl.run = supported ? doubling_case(c.shape, c.dtype, 1.0, false).entry
-                           : [](Views, cudaStream_t) { throw UnsupportedVariantError("not for this shape"); };
+                           : [](CaseTensors, cudaStream_t) { throw UnsupportedVariantError("not for this shape"); };
       return impl;
     };
   };
@@ -360,7 +361,7 @@ TEST_F(EngineFixture, InterruptKeepsWhatWasMeasured) {
 
 // A full host set of a case's tensors with the gate's inputs, after `entry` ran on the gated
 // views; returns the gate's verdict.
-GateResult gate_on_cpu(const Case& c, const GateData& gate, const std::function<void(Views, cudaStream_t)>& entry) {
+GateResult gate_on_cpu(const Case& c, const GateData& gate, const std::function<void(CaseTensors, cudaStream_t)>& entry) {
   std::vector<OwnedTensor> tensors;
   for (const TensorSpec& spec : c.tensors) tensors.emplace_back(spec.dtype, spec.shape, Device::cpu());
   gate.load_inputs(tensors);
@@ -394,9 +395,9 @@ TEST(BenchGate, SampledGateCatchesAWrongImplementation) {
   // Wrong in one row only: caught when the sample holds it, as every sampled row is compared.
   const Case one_row = doubling_case(shape, DType::kFloat32, 1.0, false);
   auto corrupt_row = [&](std::int64_t row) {
-    return [&, row](Views t, cudaStream_t s) {
+    return [&, row, y = one_row.id("y")](CaseTensors t, cudaStream_t s) {
       one_row.entry(t, s);
-      static_cast<float*>(t[1].data)[row * shape[1]] += 1.0f;
+      static_cast<float*>(t[y].data)[row * shape[1]] += 1.0f;
     };
   };
   int caught = 0;
@@ -414,19 +415,45 @@ Case column_sum_case(std::span<const std::int64_t> shape, double scale, bool row
   c.tensors.push_back(colsum);
   c.rows_independent = false;
   const std::int64_t case_rows = shape[0];
-  auto apply = [=](Views t, double factor, std::int64_t rows) {
-    const std::int64_t n = t[0].size(1);
-    for (std::int64_t j = 0; j < n; ++j) detail::store_from_double(t[2].dtype, t[2].data, j, 0.0);
+  const auto [in, out, sums] = c.ids("x", "y", "colsum");
+  auto apply = [=](CaseTensors t, double factor, std::int64_t rows) {
+    const std::int64_t n = t[in].size(1);
+    for (std::int64_t j = 0; j < n; ++j) detail::store_from_double(t[sums].dtype, t[sums].data, j, 0.0);
     for (std::int64_t i = 0; i < rows * n; ++i) {
-      const double x = detail::load_as_double(t[0].dtype, t[0].data, i);
-      detail::store_from_double(t[1].dtype, t[1].data, i, factor * 2.0 * x);
-      const double sum = detail::load_as_double(t[2].dtype, t[2].data, i % n) + factor * x;
-      detail::store_from_double(t[2].dtype, t[2].data, i % n, sum);
+      const double x = detail::load_as_double(t[in].dtype, t[in].data, i);
+      detail::store_from_double(t[out].dtype, t[out].data, i, factor * 2.0 * x);
+      const double sum = detail::load_as_double(t[sums].dtype, t[sums].data, i % n) + factor * x;
+      detail::store_from_double(t[sums].dtype, t[sums].data, i % n, sum);
     }
   };
-  c.entry = [=](Views t, cudaStream_t) { apply(t, scale, rows_from_case ? case_rows : t[0].size(0)); };
-  c.reference = [=](Views t) { apply(t, 1.0, t[0].size(0)); };
+  c.entry = [=](CaseTensors t, cudaStream_t) { apply(t, scale, rows_from_case ? case_rows : t[in].size(0)); };
+  c.reference = [=](CaseTensors t) { apply(t, 1.0, t[in].size(0)); };
   return c;
+}
+
+// Cases read their tensors by the names they declare; a name they do not declare is a clear
+// error when the case is built, not a wrong buffer at run time.
+TEST(BenchRegistry, CasesNameTheirTensors) {
+  const std::int64_t shape[] = {4, 8};
+  Case c = doubling_case(shape, DType::kFloat32, 1.0, false);
+  EXPECT_EQ(c.id("x").index, 0u);
+  EXPECT_EQ(c.id("y").index, 1u);
+  c.spec("y").tolerance = 0.5;
+  EXPECT_EQ(c.tensors[1].tolerance, 0.5);
+  try {
+    c.id("z");
+    FAIL() << "no error for an undeclared tensor";
+  } catch (const std::logic_error& e) {
+    EXPECT_STREQ(e.what(), "bench case 'double': no tensor named 'z' (it declares x, y)");
+  }
+  // Every registered case declares the tensors its entry point reads.
+  for (const std::string& op : Registry::global().op_names()) {
+    const OpInfo* info = Registry::global().find_op(op);
+    const auto configs = Registry::global().suite("smoke");
+    const auto config = std::find_if(configs.begin(), configs.end(), [&](const Config& k) { return k.op == op; });
+    if (config == configs.end()) continue;
+    EXPECT_NO_THROW(info->make(config->shape, config->dtype)) << op;
+  }
 }
 
 TEST(BenchGate, CoupledRowsOfALargeCaseAreGatedOnAPrefixProblem) {
@@ -465,7 +492,7 @@ TEST(BenchGate, CoupledRowsOfALargeCaseAreGatedOnAPrefixProblem) {
 // Attention splits into kv-head groups: above the FLOP limit the gate checks a run of them, and
 // still catches an implementation that is wrong there.
 TEST(BenchGate, ComputeBoundCasesAreGatedOnARunOfIndependentGroups) {
-  const OpInfo* op = Registry::global().find_op("attention_fwd");
+  const OpInfo* op = Registry::global().find_op("attention_forward");
   ASSERT_NE(op, nullptr);
   const std::vector<std::int64_t> shape = {2, 8, 4, 48, 16, 1};  // B Hq Hkv S D causal
   const Case c = op->make(shape, DType::kFloat32);
@@ -478,10 +505,11 @@ TEST(BenchGate, ComputeBoundCasesAreGatedOnARunOfIndependentGroups) {
   EXPECT_TRUE(right.passed) << right.message;
   EXPECT_EQ(right.rows_checked, 2);
   EXPECT_EQ(right.rows_total, 4);
-  const GateResult wrong = gate_on_cpu(c, gate, [&](Views t, cudaStream_t s) {
+  const TensorId out_id = c.id("out");
+  const GateResult wrong = gate_on_cpu(c, gate, [&](CaseTensors t, cudaStream_t s) {
     c.entry(t, s);
-    auto* out = static_cast<float*>(t[3].data);
-    for (std::int64_t i = 0; i < t[3].numel(); ++i) out[i] *= 1.01f;
+    auto* out = static_cast<float*>(t[out_id].data);
+    for (std::int64_t i = 0; i < t[out_id].numel(); ++i) out[i] *= 1.01f;
   });
   EXPECT_FALSE(wrong.passed);
   EXPECT_NE(wrong.message.find("groups"), std::string::npos) << wrong.message;
@@ -564,8 +592,8 @@ TEST_F(EngineFixture, PrefixGateRunsEveryImplementationOnThePrefixProblemAndTime
     impl.name = "planned";
     impl.on_gpu = false;
     impl.baseline = true;
-    impl.run = [&, rows = c.shape[0], entry = c.entry](Views t, cudaStream_t s) {
-      if (t[0].size(0) != rows) throw std::runtime_error("views of another shape than planned");
+    impl.run = [&, rows = c.shape[0], entry = c.entry, x = c.id("x")](CaseTensors t, cudaStream_t s) {
+      if (t[x].size(0) != rows) throw std::runtime_error("views of another shape than planned");
       called_rows.push_back(rows);
       entry(t, s);
     };
@@ -609,8 +637,8 @@ TEST_F(EngineFixture, SampledGateFailsAWrongImplementation) {
 TEST(BenchEngine, NormCasesThroughThePrefixAndSampledGates) {
   RunOptions options;
   options.selection.suites = {"smoke"};
-  options.selection.ops = {"rmsnorm_fwd", "rmsnorm_bwd", "fused_add_rmsnorm_fwd", "fused_add_rmsnorm_bwd",
-                           "layernorm_fwd", "layernorm_bwd"};
+  options.selection.ops = {"rmsnorm_forward", "rmsnorm_backward", "fused_add_rmsnorm_forward", "fused_add_rmsnorm_backward",
+                           "layernorm_forward", "layernorm_backward"};
   options.timing.warmup_ms = 0;
   options.timing.stop.min_time_ms = 0;
   options.timing.stop.timeout_ms = 5;
@@ -622,7 +650,7 @@ TEST(BenchEngine, NormCasesThroughThePrefixAndSampledGates) {
     SCOPED_TRACE(r.key());
     EXPECT_EQ(r.status, Status::kOk) << r.message;
     EXPECT_EQ(r.rows_total, 64);
-    const bool backward = r.op.ends_with("_bwd");
+    const bool backward = r.op.ends_with("_backward");
     EXPECT_EQ(r.rows_coverage, backward ? RowCoverage::kPrefix : RowCoverage::kSample);
     EXPECT_EQ(r.rows_checked, backward ? 16 : 8);
   }
@@ -630,8 +658,8 @@ TEST(BenchEngine, NormCasesThroughThePrefixAndSampledGates) {
 
 TEST(BenchRegistry, NormOpsAreInEveryRowSuite) {
   const Registry& r = Registry::global();
-  for (const char* op : {"rmsnorm_fwd", "rmsnorm_bwd", "fused_add_rmsnorm_fwd", "fused_add_rmsnorm_bwd",
-                         "layernorm_fwd", "layernorm_bwd"}) {
+  for (const char* op : {"rmsnorm_forward", "rmsnorm_backward", "fused_add_rmsnorm_forward", "fused_add_rmsnorm_backward",
+                         "layernorm_forward", "layernorm_backward"}) {
     for (const char* suite : {"smoke", "quack", "quack-m", "dsv3", "llama"}) {
       const auto& configs = r.suite(suite);
       EXPECT_TRUE(std::any_of(configs.begin(), configs.end(), [&](const Config& c) { return c.op == op; }))
@@ -653,15 +681,15 @@ TEST(BenchRegistry, NormVariantsAreOptIn) {
   }
   const std::vector<std::string> all = {"trainscale-registers", "trainscale-two-pass", "trainscale-rows",
                                         "trainscale-pipelined"};
-  for (const char* op : {"rmsnorm_fwd", "rmsnorm_bwd", "fused_add_rmsnorm_fwd", "fused_add_rmsnorm_bwd",
-                         "layernorm_fwd", "layernorm_bwd"}) {
+  for (const char* op : {"rmsnorm_forward", "rmsnorm_backward", "fused_add_rmsnorm_forward", "fused_add_rmsnorm_backward",
+                         "layernorm_forward", "layernorm_backward"}) {
     const Case c = r.find_op(op)->make(std::vector<std::int64_t>{64, 512}, DType::kBFloat16);
     EXPECT_TRUE(r.baselines_for(c, true).size() <= 1) << op;  // cuDNN at most
     std::vector<std::string> forced;
     for (const Implementation& impl : r.baselines_for(c, true, all)) {
       if (impl.name.starts_with("trainscale-")) forced.push_back(impl.name);
     }
-    const bool forward = std::string(op).ends_with("_fwd");
+    const bool forward = std::string(op).ends_with("_forward");
     EXPECT_EQ(forced.size(), forward ? 4u : 2u) << op;
   }
 }

@@ -62,8 +62,8 @@ RunOptions quick_gpu_run(const std::vector<std::string>& ops) {
 
 TEST(BenchGateCuda, NormKernelsAndBaselinesPassThePrefixAndSampledGates) {
   TS_REQUIRE_GPU();
-  const RunOptions options = quick_gpu_run({"rmsnorm_fwd", "rmsnorm_bwd", "fused_add_rmsnorm_fwd",
-                                            "fused_add_rmsnorm_bwd", "layernorm_fwd", "layernorm_bwd"});
+  const RunOptions options = quick_gpu_run({"rmsnorm_forward", "rmsnorm_backward", "fused_add_rmsnorm_forward",
+                                            "fused_add_rmsnorm_backward", "layernorm_forward", "layernorm_backward"});
   RunResult result;
   run_cases(Registry::global(), options, result);
   ASSERT_FALSE(result.rows.empty());
@@ -73,7 +73,7 @@ TEST(BenchGateCuda, NormKernelsAndBaselinesPassThePrefixAndSampledGates) {
     if (r.status == Status::kUnsupported) continue;  // e.g. cuDNN not loadable here
     EXPECT_EQ(r.status, Status::kOk) << r.message;
     EXPECT_EQ(r.rows_total, 64);
-    const bool backward = r.op.ends_with("_bwd");
+    const bool backward = r.op.ends_with("_backward");
     EXPECT_EQ(r.rows_coverage, backward ? RowCoverage::kPrefix : RowCoverage::kSample);
     EXPECT_EQ(r.rows_checked, backward ? 16 : 8);
     EXPECT_GT(r.ms.count, 0);
@@ -86,8 +86,8 @@ TEST(BenchGateCuda, NormKernelsAndBaselinesPassThePrefixAndSampledGates) {
 // the smoke shape (64 x 512) is aligned and short, so every variant runs it.
 TEST(BenchGateCuda, NormVariantsPassTheGatesWhenNamed) {
   TS_REQUIRE_GPU();
-  RunOptions options = quick_gpu_run({"rmsnorm_fwd", "rmsnorm_bwd", "fused_add_rmsnorm_fwd",
-                                      "fused_add_rmsnorm_bwd", "layernorm_fwd", "layernorm_bwd"});
+  RunOptions options = quick_gpu_run({"rmsnorm_forward", "rmsnorm_backward", "fused_add_rmsnorm_forward",
+                                      "fused_add_rmsnorm_backward", "layernorm_forward", "layernorm_backward"});
   options.selection.impls = {"trainscale-registers", "trainscale-two-pass", "trainscale-rows",
                              "trainscale-pipelined"};
   RunResult result;
@@ -111,11 +111,16 @@ void add_wrong(Registry& registry, const std::string& op) {
                      c.op = wrong;
                      RMSNormOptions off;
                      off.weight_offset = 0.05;
-                     if (op == "rmsnorm_fwd") {
-                       c.entry = [=](Views t, cudaStream_t s) { rmsnorm_forward(t[0], t[1], t[2], t[3], off, s); };
+                     if (op == "rmsnorm_forward") {
+                       const auto [x, w, y, rstd] = c.ids("x", "weight", "y", "rstd");
+                       c.entry = [=](CaseTensors t, cudaStream_t s) {
+                         rmsnorm_forward(t[x], t[w], t[y], t[rstd], off, s);
+                       };
                      } else {
-                       c.entry = [=](Views t, cudaStream_t s) {
-                         rmsnorm_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], off, s);
+                       const auto [dy, x, w, rstd, dx, dw, ws] =
+                           c.ids("dy", "x", "weight", "rstd", "dx", "dw", "workspace");
+                       c.entry = [=](CaseTensors t, cudaStream_t s) {
+                         rmsnorm_backward(t[dy], t[x], t[w], t[rstd], t[dx], t[dw], t[ws], off, s);
                        };
                      }
                      return c;
@@ -126,8 +131,8 @@ void add_wrong(Registry& registry, const std::string& op) {
 TEST(BenchGateCuda, WrongKernelsFailThePrefixAndSampledGates) {
   TS_REQUIRE_GPU();
   Registry registry = Registry::global();
-  add_wrong(registry, "rmsnorm_fwd");
-  add_wrong(registry, "rmsnorm_bwd");
+  add_wrong(registry, "rmsnorm_forward");
+  add_wrong(registry, "rmsnorm_backward");
   const RunOptions options = quick_gpu_run({"rmsnorm_fwd_wrong", "rmsnorm_bwd_wrong"});
   RunResult result;
   run_cases(registry, options, result);

@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "bench/compare.h"
+#include "bench/registry.h"
 #include "bench/report_json.h"
 #include "bench/reporters.h"
 #include "trainscale/error.h"
@@ -54,22 +55,22 @@ RunResult sample_run() {
   run.env.command_line = "trainscale-bench --suite smoke";
   run.roofline = Roofline{"NVIDIA H100 80GB HBM3", "580.1", 3000, 2935, 782, 2.5, 4ll << 30, 2ll << 30, 8192,
                           "2026-11-21T00:00:00Z", "measured"};
-  run.rows = {timed_row("rmsnorm_fwd", "trainscale", false, 1.0), timed_row("rmsnorm_fwd", "cudnn", true, 2.0),
-              timed_row("softmax_fwd", "trainscale", false, 1.0), timed_row("softmax_fwd", "cudnn", true, 8.0)};
+  run.rows = {timed_row("rmsnorm_forward", "trainscale", false, 1.0), timed_row("rmsnorm_forward", "cudnn", true, 2.0),
+              timed_row("softmax_forward", "trainscale", false, 1.0), timed_row("softmax_forward", "cudnn", true, 8.0)};
   run.rows[0].rows_checked = 512;
   run.rows[0].rows_coverage = RowCoverage::kSample;
   for (Row* coupled : {&run.rows[2], &run.rows[3]}) {  // a prefix gate, as for a backward's reduction over rows
     coupled->rows_checked = 16;
     coupled->rows_coverage = RowCoverage::kPrefix;
   }
-  Row failed = timed_row("layernorm_fwd", "trainscale", false, 0);
+  Row failed = timed_row("layernorm_forward", "trainscale", false, 0);
   failed.status = Status::kFailed;
   failed.message = "output 'y': NaN at 3, where the reference is finite";
   failed.ms = {};
   failed.gbps = 0;
   failed.pct_roofline.reset();
   run.rows.push_back(failed);
-  run.skipped = {{"rmsnorm_fwd 4194304x4096 bfloat16", "does not fit in device memory"}};
+  run.skipped = {{"rmsnorm_forward 4194304x4096 bfloat16", "does not fit in device memory"}};
   return run;
 }
 
@@ -177,13 +178,13 @@ TEST(BenchMarkdown, GeomeanSpeedupOverEachBaseline) {
   write_markdown(out, run);
   const std::string md = out.str();
   EXPECT_NE(md.find("| cudnn | 2 | 4.000x |"), std::string::npos) << md;
-  EXPECT_NE(md.find("## rmsnorm_fwd"), std::string::npos);
-  EXPECT_NE(md.find("## softmax_fwd"), std::string::npos);
-  EXPECT_NE(md.find("| layernorm_fwd 1024x4096 bfloat16 | trainscale | FAILED |"), std::string::npos) << md;
+  EXPECT_NE(md.find("## rmsnorm_forward"), std::string::npos);
+  EXPECT_NE(md.find("## softmax_forward"), std::string::npos);
+  EXPECT_NE(md.find("| layernorm_forward 1024x4096 bfloat16 | trainscale | FAILED |"), std::string::npos) << md;
   EXPECT_NE(md.find("does not fit in device memory"), std::string::npos);
   EXPECT_NE(md.find("`abc123`"), std::string::npos);
   EXPECT_NE(md.find("bf16 GEMM 782.0 TFLOP/s, empty kernel 2.50 us |"), std::string::npos) << md;
-  EXPECT_NE(md.find("- softmax_fwd 1024x4096 bfloat16: gated on the first 16 of 1024 rows (timed on all)\n"),
+  EXPECT_NE(md.find("- softmax_forward 1024x4096 bfloat16: gated on the first 16 of 1024 rows (timed on all)\n"),
             std::string::npos)
       << md;
 }
@@ -200,11 +201,11 @@ TEST(BenchTerminal, TableHasTheDocumentedColumns) {
   EXPECT_NE(text.find("50.0%"), std::string::npos);
   EXPECT_NE(text.find("FAILED"), std::string::npos);
   // Once per case, not per implementation; sampled rows need no note.
-  const std::string note = "  softmax_fwd 1024x4096 bfloat16: gated on the first 16 of 1024 rows (timed on all)\n";
+  const std::string note = "  softmax_forward 1024x4096 bfloat16: gated on the first 16 of 1024 rows (timed on all)\n";
   EXPECT_NE(text.find("Gated on a prefix problem"), std::string::npos) << text;
   EXPECT_NE(text.find(note), std::string::npos) << text;
   EXPECT_EQ(text.find(note, text.find(note) + 1), std::string::npos) << text;
-  EXPECT_EQ(text.find("rmsnorm_fwd 1024x4096 bfloat16: gated"), std::string::npos) << text;
+  EXPECT_EQ(text.find("rmsnorm_forward 1024x4096 bfloat16: gated"), std::string::npos) << text;
 }
 
 // A median is not known more finely than the timer: 0.06 ms kernels 0.3 us apart with tiny CIs
@@ -263,6 +264,30 @@ TEST(BenchCompare, VerdictsFollowTheNoise) {
   write_comparison(text, c, false);
   EXPECT_NE(text.str().find("SLOWER (regression)"), std::string::npos);
   EXPECT_NE(text.str().find("+10.0%"), std::string::npos);
+}
+
+// Result files from before the ops took their C++ entry points' names (bench/results/h100/)
+// compare row for row with new ones, reported under the new names.
+TEST(BenchCompare, OldOpNamesMatchTheirNewNames) {
+  EXPECT_EQ(current_op_name("rmsnorm_fwd"), "rmsnorm_forward");
+  EXPECT_EQ(current_op_name("gelu_tanh_bwd"), "gelu_backward_tanh");
+  EXPECT_EQ(current_op_name("swiglu_packed_fwd"), "swiglu_forward_packed");
+  EXPECT_EQ(current_op_name("cross_entropy_fwd_bwd"), "cross_entropy_forward_with_grad");
+  EXPECT_EQ(current_op_name("fp8_quant_1x128_t"), "fp8_quantize_1x128_t");
+  EXPECT_EQ(current_op_name("rmsnorm_forward"), "rmsnorm_forward");
+  EXPECT_EQ(current_op_name("newton_schulz"), "newton_schulz");
+  // Every op registered today keeps its name.
+  for (const std::string& op : Registry::global().op_names()) EXPECT_EQ(current_op_name(op), op);
+
+  RunResult old_run, new_run;
+  old_run.rows = {timed_row("rmsnorm_fwd", "trainscale", false, 1.00), timed_row("fp8_quant_row", "trainscale", false, 1.00)};
+  new_run.rows = {timed_row("rmsnorm_forward", "trainscale", false, 0.90),
+                  timed_row("fp8_quantize_row", "trainscale", false, 1.00)};
+  const Comparison c = compare_runs(old_run, new_run, 0.05);
+  ASSERT_EQ(c.rows.size(), 2u);
+  EXPECT_EQ(c.rows[0].verdict, Verdict::kFaster);
+  EXPECT_EQ(c.rows[0].key.rfind("rmsnorm_forward ", 0), 0u) << c.rows[0].key;
+  EXPECT_EQ(c.rows[1].verdict, Verdict::kSame);
 }
 
 }  // namespace

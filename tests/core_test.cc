@@ -143,6 +143,93 @@ TEST(OpChecker, ErrorsNameOpArgumentExpectedAndGot) {
   TS_EXPECT_ERROR(OpChecker("myop").present(f64, "x"), "float64");
 }
 
+TEST(OpChecker, RowLayoutIsWhatRowsAccepted) {
+  float buf[64];
+  for (const TensorView& t : {TensorView(buf, DType::kFloat32, {2, 3, 4}, {30, 10, 1}),
+                              TensorView(buf, DType::kFloat32, {1, 1, 5}, {7, 9, 1}),
+                              TensorView(buf, DType::kFloat32, {3, 1, 4}, {8, 99, 1}),
+                              TensorView(buf, DType::kFloat32, {6})}) {
+    const Rows checked = OpChecker("op").rows(t, "x"), layout = row_layout(t);
+    EXPECT_EQ(layout.rows, checked.rows) << t.describe();
+    EXPECT_EQ(layout.cols, checked.cols) << t.describe();
+    EXPECT_EQ(layout.row_stride, checked.row_stride) << t.describe();
+  }
+}
+
+TEST(OpChecker, LikeChecksDtypeShapeDeviceAndRows) {
+  float buf[64];
+  const TensorView x(buf, DType::kFloat32, {4, 8});
+  OpChecker("op").like(TensorView(buf + 32, DType::kFloat32, {4, 8}, {16, 1}), "y", x, "x");
+  TS_EXPECT_ERROR(OpChecker("op").like(TensorView(), "y", x, "x"), "argument 'y'", "none");
+  TS_EXPECT_ERROR(OpChecker("op").like(TensorView(buf, DType::kFloat16, {4, 8}), "y", x, "x"),
+                  "argument 'y'", "float32 (the dtype of 'x')", "float16");
+  TS_EXPECT_ERROR(OpChecker("op").like(TensorView(buf, DType::kFloat32, {8, 4}), "y", x, "x"),
+                  "argument 'y'", "shape [4, 8] (the shape of 'x')", "[8, 4]");
+  TS_EXPECT_ERROR(OpChecker("op").like(TensorView(buf, DType::kFloat32, {4, 8}, {1, 4}), "y", x, "x"),
+                  "argument 'y'", "stride 1 in the last dimension");
+  TensorView cuda_y = x;
+  cuda_y.device = Device::cuda(0);
+  TS_EXPECT_ERROR(OpChecker("op").present(x, "x").like(cuda_y, "y", x, "x"), "argument 'y'",
+                  "on cpu like 'x'");
+  // matches() leaves the layout free.
+  OpChecker("op").matches(TensorView(buf, DType::kFloat32, {4, 8}, {1, 4}), "y", x, "x");
+}
+
+TEST(OpChecker, Float32OrDtypeOf) {
+  float buf[4];
+  const TensorView bf16(buf, DType::kBFloat16, {2}), f32(buf, DType::kFloat32, {2}),
+      f16(buf, DType::kFloat16, {2});
+  OpChecker("op").float32_or_dtype_of(f32, "w", bf16, "x").float32_or_dtype_of(bf16, "w", bf16, "x");
+  TS_EXPECT_ERROR(OpChecker("op").float32_or_dtype_of(f16, "w", bf16, "x"), "argument 'w'",
+                  "float32 or bfloat16 (the dtype of 'x')", "got float16");
+  TS_EXPECT_ERROR(OpChecker("op").float32_or_dtype_of(f16, "w", f32, "x"),
+                  "expected float32 (the dtype of 'x')");
+}
+
+TEST(OpChecker, DisjointHasOneMeaningPerMode) {
+  float buf[64];
+  const TensorView x(buf, DType::kFloat32, {8});
+  OpChecker("op").disjoint_or_in_place(x, "y", x, "x");
+  OpChecker("op").disjoint_or_in_place(TensorView(buf + 8, DType::kFloat32, {8}), "y", x, "x");
+  OpChecker("op").disjoint_or_in_place(TensorView(), "y", x, "x");
+  TS_EXPECT_ERROR(
+      OpChecker("op").disjoint_or_in_place(TensorView(buf + 1, DType::kFloat32, {8}), "y", x, "x"),
+      "argument 'y'", "disjoint from 'x' or exactly its view (in place)", "partially overlapping");
+  // Heads 0-1 and 2-3 of one [2, 4, 4] buffer: interleaved byte ranges, no shared element.
+  const TensorView q(buf, DType::kFloat32, {2, 2, 4}, {16, 4, 1});
+  const TensorView k(buf + 8, DType::kFloat32, {2, 2, 4}, {16, 4, 1});
+  OpChecker("op").no_overlap(q, "q", k, "k", Disjoint::kElements);
+  TS_EXPECT_ERROR(OpChecker("op").no_overlap(q, "q", k, "k"), "argument 'q'",
+                  "memory disjoint from 'k'", "overlapping views");
+  const TensorView shifted(buf + 4, DType::kFloat32, {2, 2, 4}, {16, 4, 1});
+  TS_EXPECT_ERROR(OpChecker("op").no_overlap(q, "q", shifted, "k", Disjoint::kElements),
+                  "memory disjoint from 'k'");
+}
+
+TEST(OpChecker, OutputsDisjointNamesTheLaterOutputAndAllowsOneInPlacePair) {
+  float buf[64];
+  const TensorView dy(buf, DType::kFloat32, {8}), x(buf + 8, DType::kFloat32, {8});
+  const TensorView dw(buf + 16, DType::kFloat32, {8}), absent;
+  OpChecker("op").outputs_disjoint({{dy, "dx"}, {dw, "dw"}, {absent, "workspace"}},
+                                   {{dy, "dy"}, {x, "x"}}, "dx", "dy");
+  TS_EXPECT_ERROR(OpChecker("op").outputs_disjoint({{dy, "dx"}}, {{dy, "dy"}}),
+                  "argument 'dx'", "memory disjoint from 'dy'", "overlapping views");
+  const TensorView x_over_dy(buf + 4, DType::kFloat32, {8});
+  TS_EXPECT_ERROR(OpChecker("op").outputs_disjoint({{dy, "dx"}, {dw, "dw"}}, {{x_over_dy, "x"}}, "dx", "x"),
+                  "argument 'dx'", "disjoint from 'x' or exactly its view", "partially");
+  TS_EXPECT_ERROR(OpChecker("op").outputs_disjoint({{dw, "dw"}, {dw, "db"}}, {{x, "x"}}),
+                  "argument 'db'", "memory disjoint from 'dw'");
+}
+
+TEST(OpChecker, DistinctElements) {
+  float buf[64];
+  OpChecker("op").distinct_elements(TensorView(buf, DType::kFloat32, {2, 3, 4}, {12, 4, 1}), "out");
+  OpChecker("op").distinct_elements(TensorView(buf, DType::kFloat32, {2, 0, 4}, {0, 0, 1}), "out");
+  TS_EXPECT_ERROR(
+      OpChecker("op").distinct_elements(TensorView(buf, DType::kFloat32, {2, 3, 4}, {12, 2, 1}), "out"),
+      "argument 'out'", "no two elements share memory", "strides [12, 2, 1]");
+}
+
 TEST(Parallel, ChunksCoverRangeOnceAndPropagateExceptions) {
   std::vector<int> hits(1000, 0);
   parallel_for(1000, 7, [&](std::int64_t lo, std::int64_t hi) {

@@ -544,9 +544,12 @@ LinearResult run_flce(const LinearProblem& p, DType stat, const CrossEntropyOpti
                  HostTensor(p.hidden.dtype(), p.hidden.shape(), /*row_pad=*/3),
                  HostTensor(p.weight.dtype(), p.weight.shape()), HostTensor(p.bias.dtype(), p.bias.shape())};
   if (chunk_rows == 0) {
-    fused_linear_cross_entropy_forward(p.hidden.view(), p.weight.view(), p.bias.view(), p.targets.view(),
-                                       r.loss.view(), r.lse.view(), r.grad_hidden.view(),
-                                       r.grad_weight.view(), r.grad_bias.view(), o);
+    fused_linear_cross_entropy_forward({.hidden = p.hidden.view(), .weight = p.weight.view(),
+                                        .bias = p.bias.view(), .targets = p.targets.view(),
+                                        .loss = r.loss.view(), .lse = r.lse.view(),
+                                        .grad_hidden = r.grad_hidden.view(),
+                                        .grad_weight = r.grad_weight.view(),
+                                        .grad_bias = r.grad_bias.view()}, o);
   } else {
     ops::loss::fused_linear_cross_entropy_forward_cpu(p.hidden.view(), p.weight.view(), p.bias.view(),
                                                       p.targets.view(), r.loss.view(), r.lse.view(),
@@ -639,8 +642,9 @@ TEST(FusedLinearCrossEntropy, WithoutBiasOrGradients) {
   const std::int64_t tokens = 5, dim = 4, classes = 6;
   const auto p = make_linear_problem(DType::kFloat32, tokens, dim, classes, -100);
   HostTensor loss(DType::kFloat32, {}), grad_weight(DType::kFloat32, {classes, dim});
-  fused_linear_cross_entropy_forward(p.hidden.view(), p.weight.view(), TensorView(), p.targets.view(),
-                                     loss.view(), TensorView(), TensorView(), grad_weight.view(), TensorView());
+  fused_linear_cross_entropy_forward({.hidden = p.hidden.view(), .weight = p.weight.view(),
+                                      .targets = p.targets.view(), .loss = loss.view(),
+                                      .grad_weight = grad_weight.view()});
   LinearProblem no_bias = p;
   for (std::int64_t v = 0; v < classes; ++v) no_bias.bias.set(v, 0.0);
   const LinearResult r = run_flce(no_bias, DType::kFloat32, {});
@@ -678,7 +682,10 @@ TEST(FusedLinearCrossEntropy, InputErrors) {
   const Args good{p.hidden.view(), p.weight.view(), p.bias.view(), p.targets.view(), loss.view(), lse.view(),
                   gh.view(), gw.view(), gb.view(), {}};
   auto call = [](const Args& a) {
-    fused_linear_cross_entropy_forward(a.hidden, a.weight, a.bias, a.targets, a.loss, a.lse, a.gh, a.gw, a.gb, a.o);
+    fused_linear_cross_entropy_forward({.hidden = a.hidden, .weight = a.weight, .bias = a.bias,
+                                        .targets = a.targets, .loss = a.loss, .lse = a.lse,
+                                        .grad_hidden = a.gh, .grad_weight = a.gw, .grad_bias = a.gb},
+                                       a.o);
   };
   call(good);
   HostTensor h16(DType::kFloat16, {tokens, dim}), w_wide(DType::kFloat32, {classes, dim + 1});

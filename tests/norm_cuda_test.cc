@@ -207,8 +207,9 @@ void check_norm(bool layer) {
           if (layer) {
             layernorm_forward(x64.view(), w64.view(), b64.view(), y64.view(), mean64.view(),
                               rstd64.view());
-            layernorm_backward(dy64.view(), x64.view(), w64.view(), mean64.view(), rstd64.view(),
-                               dx64.view(), dw64.view(), db64.view(), {});
+            layernorm_backward({.dy = dy64.view(), .x = x64.view(), .weight = w64.view(),
+                                .mean = mean64.view(), .rstd = rstd64.view(), .dx = dx64.view(),
+                                .dw = dw64.view(), .db = db64.view()});
             ops::norm::layernorm_forward_cuda(
                 d_x.view(), d_w.view(), d_b.view(), d_y.view(), d_mean.view(), d_rstd.view(),
                 layer_options(forward_variant(s, dt, variant, true)), nullptr);
@@ -338,8 +339,9 @@ void check_long_row_backward(int which) {  // 0 RMSNorm, 1 LayerNorm, 2 fused ad
         const RMSNormOptions rms = rms_options(variant, 0.25);
         if (layer) {
           layernorm_forward(x64.view(), w64.view(), {}, y64.view(), mean64.view(), rstd64.view());
-          layernorm_backward(dy64.view(), x64.view(), w64.view(), mean64.view(), rstd64.view(),
-                             dx64.view(), dw64.view(), db64.view(), {});
+          layernorm_backward({.dy = dy64.view(), .x = x64.view(), .weight = w64.view(),
+                              .mean = mean64.view(), .rstd = rstd64.view(), .dx = dx64.view(),
+                              .dw = dw64.view(), .db = db64.view()});
         } else {
           rmsnorm_forward(x64.view(), w64.view(), y64.view(), rstd64.view(), rms);
           if (which == 0) {
@@ -823,8 +825,9 @@ TEST(NormCuda, WeightGradientIsBitwiseReproducible) {
     for (int run = 0; run < 3; ++run) {
       DeviceTensor d_dw(HostTensor(DType::kFloat32, {cols}), false);
       DeviceTensor d_db(HostTensor(DType::kFloat32, {cols}), false);
-      layernorm_backward(d_dy.view(), d_x.view(), d_w.view(), d_mean.view(), d_rstd.view(),
-                         d_dx.view(), d_dw.view(), d_db.view(), d_ws.view());
+      layernorm_backward({.dy = d_dy.view(), .x = d_x.view(), .weight = d_w.view(),
+                          .mean = d_mean.view(), .rstd = d_rstd.view(), .dx = d_dx.view(),
+                          .dw = d_dw.view(), .db = d_db.view(), .workspace = d_ws.view()});
       results.push_back(d_dw.to_host());
       results.push_back(d_db.to_host());
     }
@@ -913,8 +916,9 @@ TEST(NormCuda, NaNPropagatesToItsRowOnly) {
     DeviceTensor d_ws(byte_buffer(workspace_bytes(kRows, cols, DType::kBFloat16)), false);
     layernorm_forward(d_x.view(), d_w.view(), {}, d_y.view(), d_mean.view(), d_rstd.view());
     d_dx.poison();
-    layernorm_backward(d_dy.view(), d_x.view(), d_w.view(), d_mean.view(), d_rstd.view(),
-                       d_dx.view(), d_dw.view(), {}, d_ws.view());
+    layernorm_backward({.dy = d_dy.view(), .x = d_x.view(), .weight = d_w.view(),
+                        .mean = d_mean.view(), .rstd = d_rstd.view(), .dx = d_dx.view(),
+                        .dw = d_dw.view(), .workspace = d_ws.view()});
     expect_nan_row_only();
   }
 }

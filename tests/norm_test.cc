@@ -366,8 +366,9 @@ TEST(LayerNorm, BackwardMatchesFiniteDifferences) {
     HostTensor dx(DType::kFloat64, shape, /*row_pad=*/4);
     HostTensor dw = with_params ? HostTensor(DType::kFloat64, {7}) : HostTensor{};
     HostTensor db = with_params ? HostTensor(DType::kFloat64, {7}) : HostTensor{};
-    layernorm_backward(dy.view(), x.view(), w.view(), mean.view(), rstd.view(), dx.view(),
-                       dw.view(), db.view(), TensorView{}, options);
+    layernorm_backward({.dy = dy.view(), .x = x.view(), .weight = w.view(), .mean = mean.view(),
+                        .rstd = rstd.view(), .dx = dx.view(), .dw = dw.view(), .db = db.view()},
+                       options);
     const auto xv = x.values(), wv = w.values(), bv = b.values();
     EXPECT_TRUE(test::matches_reference(
         dx.values(),
@@ -429,10 +430,11 @@ TEST(NormBackward, EveryDtypeMatchesFloat64OnTheSameValues) {
 
       layernorm_forward(x.view(), w.view(), TensorView{}, y.view(), mean.view(), rstd.view());
       const auto mean64 = to_float64(mean), ln_rstd64 = to_float64(rstd);
-      layernorm_backward(dy.view(), x.view(), w.view(), mean.view(), rstd.view(), dx.view(),
-                         dw.view(), db.view(), TensorView{});
-      layernorm_backward(dy64.view(), x64.view(), w64.view(), mean64.view(), ln_rstd64.view(),
-                         dx64.view(), dw64.view(), db64.view(), TensorView{});
+      layernorm_backward({.dy = dy.view(), .x = x.view(), .weight = w.view(), .mean = mean.view(),
+                          .rstd = rstd.view(), .dx = dx.view(), .dw = dw.view(), .db = db.view()});
+      layernorm_backward({.dy = dy64.view(), .x = x64.view(), .weight = w64.view(),
+                          .mean = mean64.view(), .rstd = ln_rstd64.view(), .dx = dx64.view(),
+                          .dw = dw64.view(), .db = db64.view()});
       check(dx, dx64, dw, dw64);
       EXPECT_TRUE(test::matches_reference(db.values(), db64.values(), test::tolerance(param_dt)));
     }
@@ -489,10 +491,11 @@ TEST(NormBackward, InPlaceEqualsOutOfPlace) {
 
   in_place = dy;
   layernorm_forward(x.view(), w.view(), TensorView{}, y.view(), mean.view(), rstd.view());
-  layernorm_backward(dy.view(), x.view(), w.view(), mean.view(), rstd.view(), dx.view(),
-                     dw.view(), db.view(), TensorView{});
-  layernorm_backward(in_place.view(), x.view(), w.view(), mean.view(), rstd.view(),
-                     in_place.view(), dw.view(), db.view(), TensorView{});
+  layernorm_backward({.dy = dy.view(), .x = x.view(), .weight = w.view(), .mean = mean.view(),
+                      .rstd = rstd.view(), .dx = dx.view(), .dw = dw.view(), .db = db.view()});
+  layernorm_backward({.dy = in_place.view(), .x = x.view(), .weight = w.view(),
+                      .mean = mean.view(), .rstd = rstd.view(), .dx = in_place.view(),
+                      .dw = dw.view(), .db = db.view()});
   EXPECT_TRUE(bitwise_equal(in_place, dx));
 }
 
@@ -520,10 +523,10 @@ TEST(NormBackward, ParameterGradientsAreBitwiseReproducible) {
   EXPECT_TRUE(test::matches_reference(dw1.values(), dw_ref, test::tolerance(DType::kFloat32)));
 
   layernorm_forward(x.view(), w.view(), TensorView{}, y.view(), mean.view(), rstd.view());
-  layernorm_backward(dy.view(), x.view(), w.view(), mean.view(), rstd.view(), dx.view(),
-                     dw1.view(), db1.view(), TensorView{});
-  layernorm_backward(dy.view(), x.view(), w.view(), mean.view(), rstd.view(), dx.view(),
-                     dw2.view(), db2.view(), TensorView{});
+  layernorm_backward({.dy = dy.view(), .x = x.view(), .weight = w.view(), .mean = mean.view(),
+                      .rstd = rstd.view(), .dx = dx.view(), .dw = dw1.view(), .db = db1.view()});
+  layernorm_backward({.dy = dy.view(), .x = x.view(), .weight = w.view(), .mean = mean.view(),
+                      .rstd = rstd.view(), .dx = dx.view(), .dw = dw2.view(), .db = db2.view()});
   EXPECT_TRUE(bitwise_equal(dw1, dw2));
   EXPECT_TRUE(bitwise_equal(db1, db2));
   EXPECT_TRUE(test::matches_reference(db1.values(), db_ref, test::tolerance(DType::kFloat32)));
@@ -550,8 +553,8 @@ TEST(Norm, ZeroRowsWriteZeroParameterGradients) {
                              dw.view(), TensorView{});
   EXPECT_EQ(dw.values(), zeros);
   dw.fill_nan();
-  layernorm_backward(y.view(), x.view(), w.view(), stat.view(), stat2.view(), dx.view(),
-                     dw.view(), db.view(), TensorView{});
+  layernorm_backward({.dy = y.view(), .x = x.view(), .weight = w.view(), .mean = stat.view(),
+                      .rstd = stat2.view(), .dx = dx.view(), .dw = dw.view(), .db = db.view()});
   EXPECT_EQ(dw.values(), zeros);
   EXPECT_EQ(db.values(), zeros);
 }
@@ -590,8 +593,8 @@ TEST(Norm, NaNPropagatesThroughItsRow) {
     layernorm_forward(x.view(), w.view(), w.view(), y.view(), mean.view(), rstd.view());
     expect_only_row_nan(y, n, 1);
     expect_only_row_nan(mean, 1, 1);
-    layernorm_backward(dy.view(), x.view(), w.view(), mean.view(), rstd.view(), dx.view(),
-                       dw.view(), db.view(), TensorView{});
+    layernorm_backward({.dy = dy.view(), .x = x.view(), .weight = w.view(), .mean = mean.view(),
+                        .rstd = rstd.view(), .dx = dx.view(), .dw = dw.view(), .db = db.view()});
     expect_only_row_nan(dx, n, 1);
     expect_only_row_nan(dw, n, 0);
     EXPECT_TRUE(std::isfinite(db.at(0)));  // db = sum(dy) never touches x
@@ -891,38 +894,47 @@ TEST_F(ErrorFixture, LayerNormForward) {
 
 TEST_F(ErrorFixture, LayerNormBackward) {
   const TensorView none;
-  TS_EXPECT_ERROR(layernorm_backward(dy.view(), x.view(), w.view(), none, rstd.view(), dx.view(),
-                                     dw.view(), db.view(), none),
+  TS_EXPECT_ERROR(layernorm_backward({.dy = dy.view(), .x = x.view(), .weight = w.view(),
+                                      .rstd = rstd.view(), .dx = dx.view(), .dw = dw.view(),
+                                      .db = db.view()}),
                   "layernorm_backward", "argument 'mean'", "a tensor");
-  TS_EXPECT_ERROR(layernorm_backward(dy.view(), x.view(), w.view(), mean.view(), none, dx.view(),
-                                     dw.view(), db.view(), none),
+  TS_EXPECT_ERROR(layernorm_backward({.dy = dy.view(), .x = x.view(), .weight = w.view(),
+                                      .mean = mean.view(), .dx = dx.view(), .dw = dw.view(),
+                                      .db = db.view()}),
                   "layernorm_backward", "argument 'rstd'", "a tensor");
-  TS_EXPECT_ERROR(layernorm_backward(x16.view(), x.view(), w.view(), mean.view(), rstd.view(),
-                                     dx.view(), dw.view(), db.view(), none),
+  TS_EXPECT_ERROR(layernorm_backward({.dy = x16.view(), .x = x.view(), .weight = w.view(),
+                                      .mean = mean.view(), .rstd = rstd.view(), .dx = dx.view(),
+                                      .dw = dw.view(), .db = db.view()}),
                   "layernorm_backward", "argument 'dy'", "float16");
-  TS_EXPECT_ERROR(layernorm_backward(dy.view(), x.view(), none, mean.view(), rstd.view(),
-                                     dx.view(), dw.view(), db.view(), none),
+  TS_EXPECT_ERROR(layernorm_backward({.dy = dy.view(), .x = x.view(), .mean = mean.view(),
+                                      .rstd = rstd.view(), .dx = dx.view(), .dw = dw.view(),
+                                      .db = db.view()}),
                   "layernorm_backward", "argument 'dw'", "no tensor");
-  TS_EXPECT_ERROR(layernorm_backward(dy.view(), x.view(), w.view(), mean.view(), rstd.view(),
-                                     dx.view(), dw.view(), mean.view(), none),
+  TS_EXPECT_ERROR(layernorm_backward({.dy = dy.view(), .x = x.view(), .weight = w.view(),
+                                      .mean = mean.view(), .rstd = rstd.view(), .dx = dx.view(),
+                                      .dw = dw.view(), .db = mean.view()}),
                   "layernorm_backward", "argument 'db'", "size 8");
-  TS_EXPECT_ERROR(layernorm_backward(dy.view(), x.view(), w.view(), mean.view(), rstd.view(),
-                                     dx.view(), dw.view(), dw.view(), none),
+  TS_EXPECT_ERROR(layernorm_backward({.dy = dy.view(), .x = x.view(), .weight = w.view(),
+                                      .mean = mean.view(), .rstd = rstd.view(), .dx = dx.view(),
+                                      .dw = dw.view(), .db = dw.view()}),
                   "layernorm_backward", "argument 'db'", "disjoint from 'dw'");
-  TS_EXPECT_ERROR(layernorm_backward(dy.view(), x.view(), w.view(), mean.view(), rstd.view(),
-                                     dx.view(), dw.view(), db.view(), mean.view()),
+  TS_EXPECT_ERROR(layernorm_backward({.dy = dy.view(), .x = x.view(), .weight = w.view(),
+                                      .mean = mean.view(), .rstd = rstd.view(), .dx = dx.view(),
+                                      .dw = dw.view(), .db = db.view(), .workspace = mean.view()}),
                   "layernorm_backward", "argument 'workspace'", "disjoint from 'mean'");
-  TS_EXPECT_ERROR(layernorm_backward(dy.view(), x.view(), w.view(), mean.view(), rstd.view(),
-                                     slice(0), dw.view(), db.view(), slice(4)),
+  TS_EXPECT_ERROR(layernorm_backward({.dy = dy.view(), .x = x.view(), .weight = w.view(),
+                                      .mean = mean.view(), .rstd = rstd.view(), .dx = slice(0),
+                                      .dw = dw.view(), .db = db.view(), .workspace = slice(4)}),
                   "layernorm_backward", "argument 'workspace'", "disjoint from 'dx'");
-  TS_EXPECT_ERROR(layernorm_backward(dy.view(), x.view(), w.view(), mean.view(), rstd.view(),
-                                     dx.view(), dw.view(), db.view(), none, {.eps = NAN}),
+  TS_EXPECT_ERROR(layernorm_backward({.dy = dy.view(), .x = x.view(), .weight = w.view(),
+                                      .mean = mean.view(), .rstd = rstd.view(), .dx = dx.view(),
+                                      .dw = dw.view(), .db = db.view()}, {.eps = NAN}),
                   "layernorm_backward", "argument 'options.eps'");
   // Host memory labelled as CUDA: only safe to pass where no GPU can run it.
   if (!test::cuda_available()) {
-    TS_EXPECT_ERROR(layernorm_backward(on_cuda(dy.view()), on_cuda(x.view()), none,
-                                       on_cuda(mean.view()), on_cuda(rstd.view()),
-                                       on_cuda(dx.view()), none, none, none),
+    TS_EXPECT_ERROR(layernorm_backward({.dy = on_cuda(dy.view()), .x = on_cuda(x.view()),
+                                        .mean = on_cuda(mean.view()), .rstd = on_cuda(rstd.view()),
+                                        .dx = on_cuda(dx.view())}),
                     "layernorm_backward", "CUDA");
   }
 }

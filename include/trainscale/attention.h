@@ -23,12 +23,24 @@ void attention_forward(const TensorView& q, const TensorView& k, const TensorVie
                        TensorView out, TensorView lse, const AttentionOptions& options = {},
                        cudaStream_t stream = nullptr);
 
+// The tensors of attention_backward, named at the call so that none can be swapped:
+//   attention_backward({.dout = dout, .q = q, .k = k, .v = v, .out = out, .lse = lse,
+//                       .dq = dq, .dk = dk, .dv = dv}, options, stream);
 // dout and out like the forward's out, lse as the forward wrote it (both required: the
 // backward recomputes P = exp(S - lse) and D_i = rowsum(dout * out) as a kernel does).
 // dq like q; dk, dv like k, v (all three required, written in full).
-void attention_backward(const TensorView& dout, const TensorView& q, const TensorView& k,
-                        const TensorView& v, const TensorView& out, const TensorView& lse,
-                        TensorView dq, TensorView dk, TensorView dv,
-                        const AttentionOptions& options = {}, cudaStream_t stream = nullptr);
+struct AttentionBackwardArgs {
+  TensorView dout;
+  TensorView q;
+  TensorView k;
+  TensorView v;
+  TensorView out;
+  TensorView lse;
+  TensorView dq;
+  TensorView dk;
+  TensorView dv;
+};
+void attention_backward(const AttentionBackwardArgs& args, const AttentionOptions& options = {},
+                        cudaStream_t stream = nullptr);
 
 }  // namespace trainscale

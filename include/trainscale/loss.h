@@ -59,11 +59,21 @@ void cross_entropy_backward(const TensorView& grad_loss, const TensorView& logit
 // float16, bfloat16; float64 on the CPU). targets, loss, lse: as cross_entropy_forward with
 // M = T. grad_hidden [T, H], grad_weight [V, H], grad_bias [V] (needs bias): optional outputs,
 // dtypes of their inputs, computed in the same pass for an upstream gradient of 1 (of the
-// sum of loss for kNone).
-void fused_linear_cross_entropy_forward(const TensorView& hidden, const TensorView& weight,
-                                        const TensorView& bias, const TensorView& targets,
-                                        TensorView loss, TensorView lse, TensorView grad_hidden,
-                                        TensorView grad_weight, TensorView grad_bias,
+// sum of loss for kNone). The tensors are named at the call so that none can be swapped:
+//   fused_linear_cross_entropy_forward({.hidden = h, .weight = w, .targets = t, .loss = loss},
+//                                      options, stream);
+struct FusedLinearCrossEntropyArgs {
+  TensorView hidden;
+  TensorView weight;
+  TensorView bias;  // optional
+  TensorView targets;
+  TensorView loss;
+  TensorView lse;          // optional
+  TensorView grad_hidden;  // optional
+  TensorView grad_weight;  // optional
+  TensorView grad_bias;    // optional, needs bias
+};
+void fused_linear_cross_entropy_forward(const FusedLinearCrossEntropyArgs& args,
                                         const CrossEntropyOptions& options = {},
                                         cudaStream_t stream = nullptr);
 

@@ -85,12 +85,22 @@ void layernorm_forward(const TensorView& x, const TensorView& weight, const Tens
                        TensorView y, TensorView mean, TensorView rstd,
                        const LayerNormOptions& options = {}, cudaStream_t stream = nullptr);
 
-// mean, rstd: as saved by layernorm_forward (required). dx: like x; may be exactly dy's view.
-// dw / db: like weight / bias, required iff those are given. workspace as in rmsnorm_backward.
-void layernorm_backward(const TensorView& dy, const TensorView& x, const TensorView& weight,
-                        const TensorView& mean, const TensorView& rstd, TensorView dx,
-                        TensorView dw, TensorView db, TensorView workspace,
-                        const LayerNormOptions& options = {}, cudaStream_t stream = nullptr);
+// The tensors of layernorm_backward, named at the call so that none can be swapped:
+//   layernorm_backward({.dy = dy, .x = x, .weight = w, .mean = mean, .rstd = rstd, .dx = dx,
+//                       .dw = dw, .workspace = ws}, options, stream);
+struct LayerNormBackwardArgs {
+  TensorView dy;
+  TensorView x;
+  TensorView weight;  // optional
+  TensorView mean;    // as saved by layernorm_forward (required)
+  TensorView rstd;    // likewise
+  TensorView dx;      // like x; may be exactly dy's view
+  TensorView dw;      // like weight, required iff weight is given
+  TensorView db;      // like a bias, optional (the bias is no input of the backward pass)
+  TensorView workspace;  // as in rmsnorm_backward
+};
+void layernorm_backward(const LayerNormBackwardArgs& args, const LayerNormOptions& options = {},
+                        cudaStream_t stream = nullptr);
 
 // Bytes of scratch the CUDA backward passes need for `rows` x `cols` inputs of `dtype` (the
 // weight- and bias-gradient partial sums, one row per block); 0 on the CPU. Pass at least this

@@ -238,7 +238,7 @@ tb::BaselineFactory python_factory(const PythonBaseline& baseline, int device) {
       const bool unsupported = dynamic_cast<const tb::Unsupported*>(&e) != nullptr;
       tb::Implementation failing;
       failing.on_gpu = on_gpu;
-      failing.run = [what, unsupported](tb::Views, cudaStream_t) {
+      failing.run = [what, unsupported](tb::CaseTensors, cudaStream_t) {
         if (unsupported) throw tb::Unsupported(what);
         throw std::runtime_error("setting up the baseline: " + what);
       };
@@ -253,12 +253,12 @@ tb::BaselineFactory python_factory(const PythonBaseline& baseline, int device) {
     const std::vector<tb::TensorSpec> specs = c.tensors;
     std::size_t expected = 0;
     for (const auto& spec : specs) expected += tb::is_checked_output(spec.role) ? 1 : 0;
-    auto run_of = [state, specs](tb::Views t) -> py::object& {
-      py::object& run = state->runs[t[0].data];
+    auto run_of = [state, specs](tb::CaseTensors t) -> py::object& {
+      py::object& run = state->runs[t.all()[0].data];
       if (!run) {
         py::dict inputs;
         for (std::size_t i = 0; i < specs.size(); ++i) {
-          if (tb::has_input_data(specs[i].role)) inputs[py::str(specs[i].name)] = tensor_of(t[i]);
+          if (tb::has_input_data(specs[i].role)) inputs[py::str(specs[i].name)] = tensor_of(t.all()[i]);
         }
         call_python([&] { run = state->setup(inputs); });
       }
@@ -277,10 +277,10 @@ tb::BaselineFactory python_factory(const PythonBaseline& baseline, int device) {
     tb::Implementation impl;
     impl.on_gpu = on_gpu;
     impl.capturable = false;
-    impl.run = [=](tb::Views t, cudaStream_t stream) {
+    impl.run = [=](tb::CaseTensors t, cudaStream_t stream) {
       on_stream(stream, [&] { call_python([&] { run_of(t)(); }); });
     };
-    impl.gate_run = [=, name = baseline.name](tb::Views t, cudaStream_t stream) {
+    impl.gate_run = [=, name = baseline.name](tb::CaseTensors t, cudaStream_t stream) {
       on_stream(stream, [&] {
         call_python([&] {
           py::object result = run_of(t)();
@@ -291,7 +291,7 @@ tb::BaselineFactory python_factory(const PythonBaseline& baseline, int device) {
           }
           std::size_t k = 0;
           for (std::size_t i = 0; i < specs.size(); ++i) {
-            if (tb::is_checked_output(specs[i].role)) tensor_of(t[i]).copy_(outs[k++].cast<at::Tensor>());
+            if (tb::is_checked_output(specs[i].role)) tensor_of(t.all()[i]).copy_(outs[k++].cast<at::Tensor>());
           }
         });
       });

@@ -13,15 +13,15 @@ from trainscale import _C, bench
 
 FAST = ["--timeout-ms", "30", "--min-time-ms", "2", "--min-samples", "3", "--warmup-ms", "1", "--quiet"]
 CPU = FAST + ["--device", "cpu"]
-OPS = "rmsnorm_fwd,rmsnorm_bwd,fused_add_rmsnorm_fwd,layernorm_fwd,layernorm_bwd,gelu_fwd,gelu_bwd," \
-      "gelu_tanh_bwd,silu_bwd,swiglu_fwd,swiglu_bwd,swiglu_packed_fwd,swiglu_packed_bwd,rope_fwd,rope_bwd," \
-      "fp8_quant_row,fp8_quant_1x128"
+OPS = "rmsnorm_forward,rmsnorm_backward,fused_add_rmsnorm_forward,layernorm_forward,layernorm_backward,gelu_forward,gelu_backward," \
+      "gelu_backward_tanh,silu_backward,swiglu_forward,swiglu_backward,swiglu_forward_packed,swiglu_backward_packed,rope_forward,rope_backward," \
+      "fp8_quantize_row,fp8_quantize_1x128"
 
 
 def test_registry_through_binding():
     assert "smoke" in _C.suite_names() and "llama" in _C.suite_names()
     configs = _C.suite_configs(["smoke"])
-    assert ("rmsnorm_fwd", (64, 512), "bfloat16") in configs
+    assert ("rmsnorm_forward", (64, 512), "bfloat16") in configs
     assert {op for op, _, _ in configs} >= set(OPS.split(","))
     with pytest.raises(ValueError, match="suite_configs: argument 'suites': unknown suite 'nope'"):
         _C.suite_configs(["nope"])
@@ -47,13 +47,13 @@ def test_smoke_json(tmp_path):
         assert r["gate"]["rel_l2"] <= r["gate"]["tolerance"]
         assert r["baseline"] == (r["impl"] == "torch")
     assert (tmp_path / "s.csv").read_text().startswith("case,")
-    assert "rmsnorm_fwd" in (tmp_path / "s.md").read_text()
+    assert "rmsnorm_forward" in (tmp_path / "s.md").read_text()
 
 
 def test_gate_catches_wrong_baseline(tmp_path, monkeypatch):
-    monkeypatch.setitem(bench._TORCH, "gelu_fwd", lambda t, _: t["x"] * 2)
+    monkeypatch.setitem(bench._TORCH, "gelu_forward", lambda t, _: t["x"] * 2)
     out = tmp_path / "bad.json"
-    rc = bench.main(["--ops", "gelu_fwd", "--dtype", "fp32", "--impl", "torch", "--json", str(out)] + CPU)
+    rc = bench.main(["--ops", "gelu_forward", "--dtype", "fp32", "--impl", "torch", "--json", str(out)] + CPU)
     (row,) = json.load(open(out))["rows"]
     # Reported FAILED; only a failure of ours fails the run.
     assert rc == 0 and row["status"] == "failed" and row["gate"]["rel_l2"] > row["gate"]["tolerance"]
@@ -61,7 +61,7 @@ def test_gate_catches_wrong_baseline(tmp_path, monkeypatch):
 
 def test_torch_compile_row(tmp_path):
     out = tmp_path / "compile.json"
-    rc = bench.main(["--ops", "swiglu_fwd", "--dtype", "fp32", "--impl", "torch-compile", "--json", str(out)] + CPU)
+    rc = bench.main(["--ops", "swiglu_forward", "--dtype", "fp32", "--impl", "torch-compile", "--json", str(out)] + CPU)
     (row,) = json.load(open(out))["rows"]
     if row["status"] == "failed" and ("Inductor" in row["message"] or "compiler" in row["message"]):
         pytest.skip(f"inductor cannot compile on this CPU: {row['message'][:200]}")
@@ -71,7 +71,7 @@ def test_torch_compile_row(tmp_path):
 def test_plot(tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "p.png"
-    bench.main(["--ops", "gelu_fwd", "--impl", "cpu-ref,torch", "--plot", str(png)] + CPU)
+    bench.main(["--ops", "gelu_forward", "--impl", "cpu-ref,torch", "--plot", str(png)] + CPU)
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
@@ -80,7 +80,7 @@ def test_gpu_rows(tmp_path):
     """On the GPU: ours and the PyTorch baselines (fp8 included: bit-exact) pass the gate and are
     timed with CUDA events."""
     out = tmp_path / "gpu.json"
-    ops = "rmsnorm_fwd,layernorm_bwd,swiglu_fwd,rope_fwd,fp8_quant_row,fp8_quant_1x128"
+    ops = "rmsnorm_forward,layernorm_backward,swiglu_forward,rope_forward,fp8_quantize_row,fp8_quantize_1x128"
     rc = bench.main(["--suite", "smoke", "--ops", ops, "--dtype", "bf16", "--impl", "trainscale,torch",
                      "--json", str(out)] + FAST)
     doc = json.load(open(out))
@@ -99,4 +99,4 @@ def test_cli_usage_errors():
     assert run.returncode == 2 and "run_bench: argument 'ops': unknown op 'nope'" in run.stderr
     run = subprocess.run([sys.executable, "-m", "trainscale.bench", "--list", "--suite", "smoke"],
                          capture_output=True, text=True)
-    assert run.returncode == 0 and "rmsnorm_fwd 64x512 bfloat16" in run.stdout
+    assert run.returncode == 0 and "rmsnorm_forward 64x512 bfloat16" in run.stdout

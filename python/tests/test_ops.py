@@ -158,12 +158,12 @@ def test_opcheck():
     # The dispatcher-level checks (schema, fake impl vs real, autograd registration).
     from torch.library import opcheck
     x, w = torch.randn(4, 16), torch.randn(16)
-    opcheck(torch.ops.trainscale.rmsnorm_fwd, (x, w, 1e-6, 0.0))
-    opcheck(torch.ops.trainscale.layernorm_fwd, (x, w, w, 1e-5))
-    opcheck(torch.ops.trainscale.fused_add_rmsnorm_fwd, (x.clone(), x.clone(), w, 1e-6, 0.0))
-    opcheck(torch.ops.trainscale.swiglu_packed_fwd, (x,))
-    opcheck(torch.ops.trainscale.gelu_fwd, (x, "tanh"))
-    opcheck(torch.ops.trainscale.rope_fwd, (torch.randn(1, 3, 2, 8), None, None, None, None,
+    opcheck(torch.ops.trainscale.rmsnorm_forward, (x, w, 1e-6, 0.0))
+    opcheck(torch.ops.trainscale.layernorm_forward, (x, w, w, 1e-5))
+    opcheck(torch.ops.trainscale.fused_add_rmsnorm_forward, (x.clone(), x.clone(), w, 1e-6, 0.0))
+    opcheck(torch.ops.trainscale.swiglu_forward_packed, (x,))
+    opcheck(torch.ops.trainscale.gelu_forward, (x, "tanh"))
+    opcheck(torch.ops.trainscale.rope_forward, (torch.randn(1, 3, 2, 8), None, None, None, None,
                                             False, -1, 10000.0))
     opcheck(torch.ops.trainscale.fp8_quantize, (x, torch.float8_e4m3fn, "1x128", False, False),
             test_utils=("test_schema", "test_faketensor"))

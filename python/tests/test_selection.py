@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import trainscale as ts
-from trainscale import _C, functional, reference, selection
+from trainscale import _C, activation, norm, reference, selection
 
 
 @pytest.fixture(autouse=True)
@@ -39,7 +39,7 @@ def test_switch_validation():
 
 def test_false_uses_pytorch(monkeypatch):
     calls = []
-    monkeypatch.setattr(functional, "_rms_norm", lambda *a: calls.append("ours"))
+    monkeypatch.setattr(norm, "_rms_norm", lambda *a: calls.append("ours"))
     x = torch.randn(4, 32)
     ts.config.use_rmsnorm = False
     torch.testing.assert_close(ts.rms_norm(x), reference.rms_norm(x))
@@ -81,7 +81,7 @@ def test_cache_is_read_back(tmp_path, monkeypatch):
     with open(path, "w") as f:
         json.dump({"schema": "trainscale-selection", "choices": {key: {"impl": "trainscale", "reason": "test"}}}, f)
     calls = []
-    monkeypatch.setattr(torch.ops.trainscale, "gelu_fwd", lambda *a: calls.append(a) or a[0])
+    monkeypatch.setattr(torch.ops.trainscale, "gelu_forward", lambda *a: calls.append(a) or a[0])
     ts.gelu(x)
     assert len(calls) == 1
 
@@ -95,7 +95,7 @@ def test_default_location(tmp_path):
 def test_fallback_when_ours_raises(tmp_path, monkeypatch):
     def broken(*args):
         raise RuntimeError("no kernel for this")
-    monkeypatch.setattr(functional, "_swiglu", broken)
+    monkeypatch.setattr(activation, "_swiglu", broken)
     ts.config.use_swiglu = "auto"
     ts.config.cache_dir = str(tmp_path)
     a, b = torch.randn(4, 8), torch.randn(4, 8)

@@ -14,7 +14,8 @@ except ImportError as _e:
         f"trainscale: the compiled extension (_C.so) cannot be imported ({_e}); "
         "install the package with `pip install .` from the repository root") from _e
 
-from . import _ops  # noqa: E402,F401  (fake impls and autograd registrations)
+# The family modules register the ops' fake implementations and autograd formulas.
+from . import activation, fp8, norm, rope  # noqa: E402,F401
 from .functional import (  # noqa: E402
     apply_rotary,
     fp8_quantize,

@@ -64,25 +64,25 @@ def _layer_norm_fwd(x, w, b):
 
 # op -> (inputs, untimed state) -> outputs, in PyTorch. `prep` (optional) builds the state once.
 _TORCH = {
-    "rmsnorm_fwd": lambda t, _: ref.rms_norm_with_rstd(t["x"], t["weight"]),
-    "rmsnorm_bwd": lambda t, _: _rms_bwd(t["dy"], t["x"], t["weight"], t["rstd"]),
-    "fused_add_rmsnorm_fwd": lambda t, _: _fused_add_rms(t["x"], t["residual"], t["weight"]),
-    "layernorm_fwd": lambda t, _: _layer_norm_fwd(t["x"], t["weight"], t["bias"]),
-    "layernorm_bwd": lambda t, bias: _layer_norm_bwd(t["dy"], t["x"], t["weight"], bias, t["mean"], t["rstd"]),
-    "gelu_fwd": lambda t, _: F.gelu(t["x"]),
-    "gelu_bwd": lambda t, _: _aten.gelu_backward(t["dy"], t["x"]),
-    "gelu_tanh_fwd": lambda t, _: F.gelu(t["x"], approximate="tanh"),
-    "gelu_tanh_bwd": lambda t, _: _aten.gelu_backward(t["dy"], t["x"], approximate="tanh"),
-    "silu_fwd": lambda t, _: F.silu(t["x"]),
-    "silu_bwd": lambda t, _: _aten.silu_backward(t["dy"], t["x"]),
-    "swiglu_fwd": lambda t, _: F.silu(t["a"]) * t["b"],
-    "swiglu_bwd": lambda t, _: _swiglu_bwd(t["dy"], t["a"], t["b"]),
-    "swiglu_packed_fwd": lambda t, _: ref.swiglu(t["ab"]),
-    "swiglu_packed_bwd": lambda t, _: torch.cat(_swiglu_bwd(t["dy"], *t["ab"].chunk(2, -1)), -1),
-    "rope_fwd": lambda t, cs: _rope(t, *cs),
-    "rope_bwd": lambda t, cs: _rope(t, cs[0], -cs[1]),  # rotation by -angle
-    "fp8_quant_row": lambda t, _: ref.fp8_quantize(t["x"], granularity="row"),
-    "fp8_quant_1x128": lambda t, _: ref.fp8_quantize(t["x"], granularity="1x128"),
+    "rmsnorm_forward": lambda t, _: ref.rms_norm_with_rstd(t["x"], t["weight"]),
+    "rmsnorm_backward": lambda t, _: _rms_bwd(t["dy"], t["x"], t["weight"], t["rstd"]),
+    "fused_add_rmsnorm_forward": lambda t, _: _fused_add_rms(t["x"], t["residual"], t["weight"]),
+    "layernorm_forward": lambda t, _: _layer_norm_fwd(t["x"], t["weight"], t["bias"]),
+    "layernorm_backward": lambda t, bias: _layer_norm_bwd(t["dy"], t["x"], t["weight"], bias, t["mean"], t["rstd"]),
+    "gelu_forward": lambda t, _: F.gelu(t["x"]),
+    "gelu_backward": lambda t, _: _aten.gelu_backward(t["dy"], t["x"]),
+    "gelu_forward_tanh": lambda t, _: F.gelu(t["x"], approximate="tanh"),
+    "gelu_backward_tanh": lambda t, _: _aten.gelu_backward(t["dy"], t["x"], approximate="tanh"),
+    "silu_forward": lambda t, _: F.silu(t["x"]),
+    "silu_backward": lambda t, _: _aten.silu_backward(t["dy"], t["x"]),
+    "swiglu_forward": lambda t, _: F.silu(t["a"]) * t["b"],
+    "swiglu_backward": lambda t, _: _swiglu_bwd(t["dy"], t["a"], t["b"]),
+    "swiglu_forward_packed": lambda t, _: ref.swiglu(t["ab"]),
+    "swiglu_backward_packed": lambda t, _: torch.cat(_swiglu_bwd(t["dy"], *t["ab"].chunk(2, -1)), -1),
+    "rope_forward": lambda t, cs: _rope(t, *cs),
+    "rope_backward": lambda t, cs: _rope(t, cs[0], -cs[1]),  # rotation by -angle
+    "fp8_quantize_row": lambda t, _: ref.fp8_quantize(t["x"], granularity="row"),
+    "fp8_quantize_1x128": lambda t, _: ref.fp8_quantize(t["x"], granularity="1x128"),
 }
 
 
@@ -93,7 +93,7 @@ def _prep(op, t):
     if op.startswith("rope"):
         q = t["q"]
         return ref.rope_angles(torch.arange(q.shape[1], device=q.device), q.shape[-1], 10000.0)
-    if op == "layernorm_bwd":
+    if op == "layernorm_backward":
         return torch.zeros_like(t["weight"])
     return None
 
@@ -186,10 +186,10 @@ def _liger_baseline():
             return run
         return setup
 
-    setups = {"rmsnorm_fwd": rms_fwd, "rmsnorm_bwd": rms_bwd, "fused_add_rmsnorm_fwd": fused_add_fwd,
-              "layernorm_fwd": ln_fwd, "layernorm_bwd": ln_bwd,
-              "swiglu_fwd": lambda t: (lambda: swiglu_forward(t["a"], t["b"])[2]), "swiglu_bwd": swiglu_bwd,
-              "rope_fwd": rope(False), "rope_bwd": rope(True)}
+    setups = {"rmsnorm_forward": rms_fwd, "rmsnorm_backward": rms_bwd, "fused_add_rmsnorm_forward": fused_add_fwd,
+              "layernorm_forward": ln_fwd, "layernorm_backward": ln_bwd,
+              "swiglu_forward": lambda t: (lambda: swiglu_forward(t["a"], t["b"])[2]), "swiglu_backward": swiglu_bwd,
+              "rope_forward": rope(False), "rope_backward": rope(True)}
     return lambda op, shape, dtype: setups.get(op)
 
 
@@ -205,7 +205,7 @@ def _quack_baseline():
             out = rmsnorm_fwd(t["x"], t["weight"], eps=1e-6, store_rstd=True)
             return out[0], out[-1]
         return run
-    return lambda op, shape, dtype: setup if op == "rmsnorm_fwd" else None
+    return lambda op, shape, dtype: setup if op == "rmsnorm_forward" else None
 
 
 def baselines(use_gpu):

@@ -4,6 +4,8 @@
 #include <cmath>
 #include <map>
 #include <ostream>
+#include <string_view>
+#include <utility>
 
 #include "bench/reporters.h"
 
@@ -48,9 +50,9 @@ double uncertainty_ms(const Row& r) {
   return std::max(r.ms.rel_noise * r.ms.median, resolution);
 }
 
-RowComparison compare_row(const Row* old_row, const Row* new_row, double threshold) {
+RowComparison compare_row(const Row* old_row, const Row* new_row, std::string key, double threshold) {
   RowComparison c;
-  c.key = (old_row ? old_row : new_row)->key();
+  c.key = std::move(key);
   c.old_row = old_row;
   c.new_row = new_row;
   if (!old_row) {
@@ -83,19 +85,78 @@ RowComparison compare_row(const Row* old_row, const Row* new_row, double thresho
 
 }  // namespace
 
+std::string_view current_op_name(std::string_view op) {
+  // Bench op names before the ops took their C++ entry points' names (result files written
+  // then, e.g. bench/results/h100/, compare with new ones), sorted.
+  static constexpr std::pair<std::string_view, std::string_view> kRenamed[] = {
+    {"attention_bwd", "attention_backward"},
+    {"attention_fwd", "attention_forward"},
+    {"cross_entropy_fwd", "cross_entropy_forward"},
+    {"cross_entropy_fwd_bwd", "cross_entropy_forward_with_grad"},
+    {"fp8_quant_128x128", "fp8_quantize_128x128"},
+    {"fp8_quant_128x128_t", "fp8_quantize_128x128_t"},
+    {"fp8_quant_1x128", "fp8_quantize_1x128"},
+    {"fp8_quant_1x128_t", "fp8_quantize_1x128_t"},
+    {"fp8_quant_row", "fp8_quantize_row"},
+    {"fp8_quant_tensor", "fp8_quantize_tensor"},
+    {"fused_add_rmsnorm_bwd", "fused_add_rmsnorm_backward"},
+    {"fused_add_rmsnorm_fwd", "fused_add_rmsnorm_forward"},
+    {"geglu_bwd", "geglu_backward"},
+    {"geglu_fwd", "geglu_forward"},
+    {"gelu_bwd", "gelu_backward"},
+    {"gelu_fwd", "gelu_forward"},
+    {"gelu_tanh_bwd", "gelu_backward_tanh"},
+    {"gelu_tanh_fwd", "gelu_forward_tanh"},
+    {"layernorm_bwd", "layernorm_backward"},
+    {"layernorm_fwd", "layernorm_forward"},
+    {"mse_bwd", "mse_backward"},
+    {"mse_fwd", "mse_forward"},
+    {"rmsnorm_bwd", "rmsnorm_backward"},
+    {"rmsnorm_fwd", "rmsnorm_forward"},
+    {"rope_bwd", "rope_backward"},
+    {"rope_fwd", "rope_forward"},
+    {"silu_bwd", "silu_backward"},
+    {"silu_fwd", "silu_forward"},
+    {"softmax_bwd", "softmax_backward"},
+    {"softmax_fwd", "softmax_forward"},
+    {"swiglu_bwd", "swiglu_backward"},
+    {"swiglu_fwd", "swiglu_forward"},
+    {"swiglu_packed_bwd", "swiglu_backward_packed"},
+    {"swiglu_packed_fwd", "swiglu_forward_packed"},
+  };
+  const auto it = std::lower_bound(std::begin(kRenamed), std::end(kRenamed), op,
+                                   [](const auto& entry, std::string_view name) { return entry.first < name; });
+  return it != std::end(kRenamed) && it->first == op ? it->second : op;
+}
+
+namespace {
+
+// Row::key() with the op under its current name: "<op> <shape> <dtype> | <impl>".
+std::string current_key(const Row& r) {
+  const std::string key = r.key();
+  const std::size_t end = key.find(' ');
+  const std::string_view op = std::string_view(key).substr(0, end);
+  const std::string_view current = current_op_name(op);
+  return current == op ? key : std::string(current) + key.substr(op.size());
+}
+
+}  // namespace
+
 Comparison compare_runs(const RunResult& old_run, const RunResult& new_run, double threshold) {
   Comparison comparison;
   comparison.threshold = threshold;
   std::map<std::string, const Row*> old_by_key;
-  for (const Row& r : old_run.rows) old_by_key[r.key()] = &r;
+  for (const Row& r : old_run.rows) old_by_key[current_key(r)] = &r;
   for (const Row& r : new_run.rows) {
-    const auto it = old_by_key.find(r.key());
+    const std::string key = current_key(r);
+    const auto it = old_by_key.find(key);
     const Row* old_row = it == old_by_key.end() ? nullptr : it->second;
-    comparison.rows.push_back(compare_row(old_row, &r, threshold));
+    comparison.rows.push_back(compare_row(old_row, &r, key, threshold));
     if (old_row) old_by_key.erase(it);
   }
   for (const Row& r : old_run.rows) {
-    if (old_by_key.count(r.key())) comparison.rows.push_back(compare_row(&r, nullptr, threshold));
+    const std::string key = current_key(r);
+    if (old_by_key.count(key)) comparison.rows.push_back(compare_row(&r, nullptr, key, threshold));
   }
   return comparison;
 }

@@ -6,6 +6,7 @@
 
 #include <iosfwd>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "bench/result.h"
@@ -31,7 +32,12 @@ struct Comparison {
   bool regressed() const;
 };
 
-// `threshold`: fraction (0.05 for 5%).
+// The current name of a bench op: an op renamed since (rmsnorm_fwd -> rmsnorm_forward, ...)
+// gets its new name, any other name comes back unchanged.
+std::string_view current_op_name(std::string_view op);
+
+// `threshold`: fraction (0.05 for 5%). Rows are matched by case and implementation, the ops
+// under their current names, so results written before a rename still compare.
 Comparison compare_runs(const RunResult& old_run, const RunResult& new_run, double threshold);
 
 void write_comparison(std::ostream& out, const Comparison& comparison, bool markdown);

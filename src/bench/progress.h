@@ -1,4 +1,4 @@
-// The progress line on stderr: "[3/40] rmsnorm_fwd 32768x4096 bfloat16  elapsed 0:12  ETA 2:41".
+// The progress line on stderr: "[3/40] rmsnorm_forward 32768x4096 bfloat16  elapsed 0:12  ETA 2:41".
 #pragma once
 
 #include <chrono>

@@ -22,6 +22,16 @@ std::string Case::shape_str() const { return bench::shape_str(shape); }
 
 std::string Case::name() const { return op + " " + shape_str() + " " + dtype_name(dtype); }
 
+TensorId Case::id(std::string_view name) const {
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].name == name) return {i};
+  }
+  std::string declared;
+  for (const TensorSpec& t : tensors) declared += (declared.empty() ? "" : ", ") + t.name;
+  throw std::logic_error("bench case '" + op + "': no tensor named '" + std::string(name) +
+                         "' (it declares " + (declared.empty() ? "none" : declared) + ")");
+}
+
 std::optional<DType> parse_dtype(const std::string& name) {
   static const std::map<std::string, DType> kNames = {
       {"fp64", DType::kFloat64},      {"float64", DType::kFloat64},

@@ -8,6 +8,7 @@
 // run only when named in the selection's implementations, and are reported like baselines.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -16,6 +17,7 @@
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "trainscale/tensor.h"
@@ -57,8 +59,26 @@ struct TensorSpec {
   int group_dim = -1;
 };
 
-// Views of a case's tensors, in the order of Case::tensors.
-using Views = std::span<const TensorView>;
+// One of a case's tensors, resolved from the name its TensorSpec declares when the case is
+// built (Case::id), so a call reads its view without a lookup.
+struct TensorId {
+  std::size_t index = 0;
+};
+
+// Views of a case's tensors, in the order of Case::tensors. Entry points and baselines read
+// them by TensorId (there is no operator[] by position: a reordered list of specs then cannot
+// feed the wrong buffer); code that walks every tensor with its spec uses all().
+class CaseTensors {
+ public:
+  // Implicit: the engine and the gate pass their vectors of views as they are.
+  CaseTensors(std::span<const TensorView> views) : views_(views) {}
+  CaseTensors(const std::vector<TensorView>& views) : views_(views) {}
+  const TensorView& operator[](TensorId id) const { return views_[id.index]; }
+  std::span<const TensorView> all() const { return views_; }
+
+ private:
+  std::span<const TensorView> views_;
+};
 
 // Thrown by an implementation that cannot run this case (dtype, shape or device it lacks):
 // the row is reported UNSUPPORTED, not FAILED.
@@ -72,11 +92,11 @@ struct Implementation {
   std::string name;  // "trainscale", "cpu-ref", "cudnn", "trainscale-rows", ...
   bool on_gpu = true;
   bool baseline = false;  // baselines and opt-in implementations: paired with ours in reports
-  std::function<void(Views tensors, cudaStream_t stream)> run;
+  std::function<void(CaseTensors tensors, cudaStream_t stream)> run;
   // The gate's call, when it differs from `run`: an implementation that returns fresh outputs
   // (PyTorch callables) copies them into the case's tensors here, and `run`, which is timed,
   // does not. Unset: `run`.
-  std::function<void(Views tensors, cudaStream_t stream)> gate_run;
+  std::function<void(CaseTensors tensors, cudaStream_t stream)> gate_run;
   // Scratch memory the implementation allocates per call (counted in peak memory).
   std::int64_t workspace_bytes = 0;
   // Whether `run` may be captured in a CUDA graph (batch mode). PyTorch callables may not: the
@@ -85,7 +105,7 @@ struct Implementation {
 };
 
 struct Case {
-  std::string op;      // "rmsnorm_fwd"
+  std::string op;      // "rmsnorm_forward"
   std::string family;  // "norm"
   std::vector<std::int64_t> shape;
   DType dtype = DType::kBFloat16;
@@ -95,9 +115,9 @@ struct Case {
   Bound bound = Bound::kMemory;
   // Our entry point; the engine calls it with CPU views ("cpu-ref") or CUDA views
   // ("trainscale").
-  std::function<void(Views tensors, cudaStream_t stream)> entry;
+  std::function<void(CaseTensors tensors, cudaStream_t stream)> entry;
   // The fp64 reference on CPU views whose dtypes follow TensorSpec::reference_dtype.
-  std::function<void(Views tensors)> reference;
+  std::function<void(CaseTensors tensors)> reference;
   // Row i of every row_wise output depends only on row i of the row_wise inputs (and on the
   // other, whole, tensors): the gate may sample rows of large cases. Otherwise (a weight
   // gradient sums over rows) it may gate large cases on a prefix problem (GateLimits).
@@ -109,8 +129,19 @@ struct Case {
   // consecutive groups. 0: no groups.
   std::int64_t groups = 0;
 
+  // The tensor this case declares as `name`; throws std::logic_error, naming the case's tensors,
+  // for a name it does not declare.
+  TensorId id(std::string_view name) const;
+  template <class... Names>
+  std::array<TensorId, sizeof...(Names)> ids(const Names&... names) const {
+    return {id(names)...};
+  }
+
+  // The spec of the tensor declared as `name` (same error as id()).
+  TensorSpec& spec(std::string_view name) { return tensors[id(name).index]; }
+
   std::string shape_str() const;  // "32768x4096"
-  std::string name() const;       // "rmsnorm_fwd 32768x4096 bfloat16"
+  std::string name() const;       // "rmsnorm_forward 32768x4096 bfloat16"
 };
 
 // Builds an op's case for one config; throws Unsupported for a shape or dtype it lacks.

@@ -31,7 +31,7 @@ const char* coverage_name(RowCoverage coverage);  // "all", "sample", "prefix", 
 std::optional<RowCoverage> parse_coverage(const std::string& name);
 
 struct Row {
-  std::string case_name;  // "rmsnorm_fwd 32768x4096 bfloat16"
+  std::string case_name;  // "rmsnorm_forward 32768x4096 bfloat16"
   std::string op, family, shape, dtype;
   std::string impl;  // "trainscale", "cpu-ref", baseline name
   bool baseline = false;

@@ -1,7 +1,9 @@
 #include "core/check.h"
 
 #include <algorithm>
+#include <array>
 #include <cstdio>
+#include <string_view>
 #include <utility>
 
 #if TRAINSCALE_HAVE_CUDA
@@ -175,12 +177,61 @@ OpChecker& OpChecker::unit_last_stride(const TensorView& t, const char* name) {
   return *this;
 }
 
+bool injective_layout(const std::array<std::int64_t, kMaxDims>& shape,
+                      const std::array<std::int64_t, kMaxDims>& strides, int ndim) {
+  for (int d = 0; d < ndim; ++d) {
+    if (shape[d] <= 1) continue;
+    std::int64_t finer_reach = 0;
+    for (int e = 0; e < ndim; ++e) {
+      const bool finer = strides[e] < strides[d] || (strides[e] == strides[d] && e < d);
+      if (e != d && finer && shape[e] > 1) finer_reach += (shape[e] - 1) * strides[e];
+    }
+    if (strides[d] <= finer_reach) return false;
+  }
+  return true;
+}
+
+namespace {
+
+// True when a and b are slices of one injective layout that differ along a single dim over
+// non-intersecting index ranges: q and k as head ranges of one fused QKV buffer, whose byte
+// ranges interleave although no element is shared.
+bool disjoint_slices(const TensorView& a, const TensorView& b) {
+  if (a.dtype != b.dtype || a.ndim != b.ndim ||
+      !std::equal(a.strides.begin(), a.strides.begin() + a.ndim, b.strides.begin())) {
+    return false;
+  }
+  const auto element = static_cast<std::int64_t>(a.element_size());
+  const std::int64_t byte_delta = static_cast<std::int64_t>(
+      reinterpret_cast<std::uintptr_t>(b.data) - reinterpret_cast<std::uintptr_t>(a.data));
+  if (byte_delta % element != 0) return false;
+  const std::int64_t delta = byte_delta / element;
+  for (int h = 0; h < a.ndim; ++h) {
+    const std::int64_t step = a.strides[h];
+    if (step <= 0 || delta % step != 0) continue;
+    const std::int64_t shift = delta / step;  // b's index 0 along h is a's index `shift`
+    if (shift < a.shape[h] && -shift < b.shape[h]) continue;  // the index ranges intersect
+    std::array<std::int64_t, kMaxDims> extent{};
+    for (int d = 0; d < a.ndim; ++d) extent[d] = std::max(a.shape[d], b.shape[d]);
+    extent[h] = std::max(a.shape[h], shift + b.shape[h]) - std::min<std::int64_t>(0, shift);
+    if (injective_layout(extent, a.strides, a.ndim)) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+bool disjoint(const TensorView& a, const TensorView& b, Disjoint how) {
+  if (!a.defined() || !b.defined()) return true;
+  const auto [a_lo, a_hi] = byte_extent(a);
+  const auto [b_lo, b_hi] = byte_extent(b);
+  if (a_hi <= b_lo || b_hi <= a_lo) return true;
+  return how == Disjoint::kElements && disjoint_slices(a, b);
+}
+
 OpChecker& OpChecker::no_overlap(const TensorView& a, const char* a_name, const TensorView& b,
-                                 const char* b_name) {
-  if (!a.defined() || !b.defined()) return *this;
-  auto [a_lo, a_hi] = byte_extent(a);
-  auto [b_lo, b_hi] = byte_extent(b);
-  if (a_lo < b_hi && b_lo < a_hi) {
+                                 const char* b_name, Disjoint how) {
+  if (!disjoint(a, b, how)) {
     throw_arg_error(op_, a_name, std::string("memory disjoint from '") + b_name + "'",
                     "overlapping views");
   }
@@ -193,12 +244,10 @@ bool same_view(const TensorView& a, const TensorView& b) {
          std::equal(a.strides.begin(), a.strides.begin() + std::max(a.ndim, 0), b.strides.begin());
 }
 
-OpChecker& OpChecker::in_place_or_disjoint(const TensorView& out, const char* out_name,
-                                           const TensorView& in, const char* in_name) {
-  if (!out.defined() || !in.defined() || same_view(out, in)) return *this;
-  auto [out_lo, out_hi] = byte_extent(out);
-  auto [in_lo, in_hi] = byte_extent(in);
-  if (out_lo < in_hi && in_lo < out_hi) {
+OpChecker& OpChecker::disjoint_or_in_place(const TensorView& out, const char* out_name,
+                                           const TensorView& in, const char* in_name,
+                                           Disjoint how) {
+  if (!(same_view(out, in) || disjoint(out, in, how))) {
     throw_arg_error(op_, out_name,
                     std::string("memory disjoint from '") + in_name + "' or exactly its view (in place)",
                     "a partially overlapping view");
@@ -206,36 +255,99 @@ OpChecker& OpChecker::in_place_or_disjoint(const TensorView& out, const char* ou
   return *this;
 }
 
+OpChecker& OpChecker::outputs_disjoint(std::initializer_list<Arg> outputs,
+                                       std::initializer_list<Arg> inputs,
+                                       const char* in_place_output, const char* in_place_input) {
+  const auto is = [](const char* a, const char* b) {
+    return b != nullptr && std::string_view(a) == b;
+  };
+  for (auto out = outputs.begin(); out != outputs.end(); ++out) {
+    for (const Arg& in : inputs) {
+      if (is(out->name, in_place_output) && is(in.name, in_place_input)) {
+        disjoint_or_in_place(out->view, out->name, in.view, in.name);
+      } else {
+        no_overlap(out->view, out->name, in.view, in.name);
+      }
+    }
+    for (auto earlier = outputs.begin(); earlier != out; ++earlier) {
+      no_overlap(out->view, out->name, earlier->view, earlier->name);
+    }
+  }
+  return *this;
+}
+
+OpChecker& OpChecker::distinct_elements(const TensorView& t, const char* name) {
+  if (t.numel() > 0 && !injective_layout(t.shape, t.strides, t.ndim)) {
+    throw_arg_error(op_, name, "strides under which no two elements share memory",
+                    "strides " + t.strides_str() + " for shape " + t.shape_str());
+  }
+  return *this;
+}
+
+OpChecker& OpChecker::float32_or_dtype_of(const TensorView& t, const char* name,
+                                          const TensorView& ref, const char* ref_name) {
+  if (t.dtype == DType::kFloat32 || t.dtype == ref.dtype) return *this;
+  const std::string ref_dtype =
+      std::string(dtype_name(ref.dtype)) + " (the dtype of '" + ref_name + "')";
+  throw_arg_error(op_, name, ref.dtype == DType::kFloat32 ? ref_dtype : "float32 or " + ref_dtype,
+                  dtype_name(t.dtype));
+}
+
+OpChecker& OpChecker::matches(const TensorView& t, const char* name, const TensorView& ref,
+                              const char* ref_name) {
+  return present(t, name).same_dtype(t, name, ref, ref_name).same_shape(t, name, ref, ref_name);
+}
+
+OpChecker& OpChecker::like(const TensorView& t, const char* name, const TensorView& ref,
+                           const char* ref_name) {
+  matches(t, name, ref, ref_name).rows(t, name);
+  return *this;
+}
+
+Rows OpChecker::float_rows(const TensorView& t, const char* name) {
+  return present(t, name).dtype_in(t, name, kFloatDTypes).rows(t, name);
+}
+
+Rows OpChecker::matrix(const TensorView& t, const char* name,
+                        std::initializer_list<DType> allowed) {
+  return present(t, name).dtype_in(t, name, allowed).ndim(t, name, 2).rows(t, name);
+}
+
 void OpChecker::fail(const char* arg, std::string_view expected, std::string_view got) const {
   throw_arg_error(op_, arg, expected, got);
 }
 
-Rows OpChecker::rows(const TensorView& t, const char* name) const {
-  if (t.ndim < 1) throw_arg_error(op_, name, "at least 1 dimension", "a scalar");
+Rows row_layout(const TensorView& t) {
   Rows r;
   r.cols = t.size(-1);
+  r.rows = 1;
+  for (int d = 0; d < t.ndim - 1; ++d) r.rows *= t.shape[d];
+  r.row_stride = r.cols;  // a single row, or rows of size-1 leading dims only
+  for (int d = t.ndim - 2; d >= 0; --d) {
+    if (t.shape[d] != 1) {
+      r.row_stride = t.strides[d];
+      break;
+    }
+  }
+  return r;
+}
+
+Rows OpChecker::rows(const TensorView& t, const char* name) const {
+  if (t.ndim < 1) throw_arg_error(op_, name, "at least 1 dimension", "a scalar");
+  const Rows r = row_layout(t);
   if (r.cols > 1 && t.stride(-1) != 1) {
     throw_arg_error(op_, name, "stride 1 in the last dimension",
                     "strides " + t.strides_str() + " for shape " + t.shape_str());
   }
-  r.rows = 1;
-  for (int d = 0; d < t.ndim - 1; ++d) r.rows *= t.shape[d];
-  // Leading dims must collapse into rows of one stride.
-  std::int64_t row_stride = -1;
+  // Leading dims must collapse into rows of one stride: each steps over the finer ones.
+  std::int64_t inner = 1;  // rows spanned by one step of dim d
   for (int d = t.ndim - 2; d >= 0; --d) {
-    if (t.shape[d] == 1) continue;
-    if (row_stride < 0) {
-      row_stride = t.strides[d];
-    } else {
-      std::int64_t inner = 1;
-      for (int e = d + 1; e < t.ndim - 1; ++e) inner *= t.shape[e];
-      if (t.strides[d] != row_stride * inner) {
-        throw_arg_error(op_, name, "leading dimensions that flatten into evenly strided rows",
-                        "strides " + t.strides_str() + " for shape " + t.shape_str());
-      }
+    if (t.shape[d] != 1 && t.strides[d] != r.row_stride * inner) {
+      throw_arg_error(op_, name, "leading dimensions that flatten into evenly strided rows",
+                      "strides " + t.strides_str() + " for shape " + t.shape_str());
     }
+    inner *= t.shape[d];
   }
-  r.row_stride = row_stride < 0 ? r.cols : row_stride;
   if (r.rows > 1 && r.row_stride < r.cols) {
     throw_arg_error(op_, name, "a row stride >= the row length " + std::to_string(r.cols),
                     "row stride " + std::to_string(r.row_stride));

@@ -2,10 +2,12 @@
 //   trainscale::<op>: argument '<arg>': expected <what was expected>, got <what was given>
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <initializer_list>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include "trainscale/error.h"
 #include "trainscale/tensor.h"
@@ -27,6 +29,10 @@ std::string dtype_list(std::initializer_list<DType> dtypes);  // "float32, bfloa
 // A number for a message, shortest form (%g): "1e-06", "0.5", "inf", "nan".
 std::string format_number(double v);
 
+// The floating-point activations an op accepts (float64: the CPU reference only).
+inline constexpr std::initializer_list<DType> kFloatDTypes = {DType::kFloat32, DType::kFloat16,
+                                                              DType::kBFloat16, DType::kFloat64};
+
 // A tensor seen as M rows of N contiguous elements: leading dims flattened into rows,
 // which must share one row stride (so a [B, S, N] view with padded rows is fine).
 struct Rows {
@@ -35,9 +41,27 @@ struct Rows {
   std::int64_t row_stride = 0;  // elements
 };
 
-// Every entry point starts with one, so it also opens the NVTX range named after the op (seen
-// in Nsight Systems and the PyTorch profiler), closed when the entry point returns. Without a
-// profiler attached a range costs two calls through NVTX's no-op function pointers.
+// The row layout of a view OpChecker::rows() accepted, without checking it again: kernels
+// and references read the layout of arguments their entry point validated.
+Rows row_layout(const TensorView& t);
+
+// What "disjoint" means for no_overlap and disjoint_or_in_place.
+enum class Disjoint {
+  kBytes,     // the byte ranges [lowest, highest] the two views can touch do not intersect
+  kElements,  // no element in common: also slices of one buffer whose byte ranges interleave
+              // (q and k head ranges of a fused QKV buffer), when the kernel was built for them
+};
+
+// An argument and the name messages give it.
+struct Arg {
+  const TensorView& view;
+  const char* name;
+};
+
+// Every entry point checks its arguments with one OpChecker; the first failing check throws.
+// It also opens the NVTX range named after the op (seen in Nsight Systems and the PyTorch
+// profiler), closed when the entry point returns. Without a profiler attached a range costs two
+// calls through NVTX's no-op function pointers.
 class OpChecker {
  public:
   explicit OpChecker(const char* op);
@@ -55,6 +79,9 @@ class OpChecker {
   OpChecker& dtype_in(const TensorView& t, const char* name, std::initializer_list<DType> allowed);
   OpChecker& same_dtype(const TensorView& t, const char* name, const TensorView& ref,
                         const char* ref_name);
+  // float32, or the dtype of `ref` (parameters and buffers kept in float32 beside activations).
+  OpChecker& float32_or_dtype_of(const TensorView& t, const char* name, const TensorView& ref,
+                                 const char* ref_name);
   OpChecker& ndim(const TensorView& t, const char* name, int expected);
   OpChecker& ndim_at_least(const TensorView& t, const char* name, int expected);
   OpChecker& dim_size(const TensorView& t, const char* name, int dim, std::int64_t expected,
@@ -63,12 +90,37 @@ class OpChecker {
                         const char* ref_name);
   OpChecker& contiguous(const TensorView& t, const char* name);
   OpChecker& unit_last_stride(const TensorView& t, const char* name);
-  // An output documented as in place: exactly `in`'s view (same_view), or disjoint from it.
-  OpChecker& in_place_or_disjoint(const TensorView& out, const char* out_name, const TensorView& in,
-                                  const char* in_name);
-  // Byte ranges of a and b must not intersect (outputs vs inputs, outputs vs outputs).
+  // No two elements of the view share an address (an output written by many threads).
+  OpChecker& distinct_elements(const TensorView& t, const char* name);
+
+  // present(), with the dtype and shape of `ref` (and so, through present(), its device).
+  OpChecker& matches(const TensorView& t, const char* name, const TensorView& ref,
+                     const char* ref_name);
+  // matches() and rows(): a row tensor like `ref`, with a row stride of its own.
+  OpChecker& like(const TensorView& t, const char* name, const TensorView& ref,
+                  const char* ref_name);
+  // present() and a floating-point dtype (kFloatDTypes), seen as rows: the activation the
+  // other arguments of a row op are measured against.
+  Rows float_rows(const TensorView& t, const char* name);
+  // present(), a dtype of `allowed`, and 2 dimensions with contiguous rows.
+  Rows matrix(const TensorView& t, const char* name,
+              std::initializer_list<DType> allowed = kFloatDTypes);
+
+  // a and b are disjoint (absent views are disjoint from everything).
   OpChecker& no_overlap(const TensorView& a, const char* a_name, const TensorView& b,
-                        const char* b_name);
+                        const char* b_name, Disjoint how = Disjoint::kBytes);
+  // An output that may be written in place over an input: exactly `in`'s view (same_view), or
+  // disjoint from it.
+  OpChecker& disjoint_or_in_place(const TensorView& out, const char* out_name,
+                                  const TensorView& in, const char* in_name,
+                                  Disjoint how = Disjoint::kBytes);
+  // Every output disjoint (kBytes) from every input and from the other outputs; absent views
+  // are skipped. The one pair (in_place_output, in_place_input), named as in the lists, is
+  // checked with disjoint_or_in_place instead (dx written over dy).
+  OpChecker& outputs_disjoint(std::initializer_list<Arg> outputs, std::initializer_list<Arg> inputs,
+                              const char* in_place_output = nullptr,
+                              const char* in_place_input = nullptr);
+
   // Throws the argument error. Callers test their condition first, so the message strings are
   // only built for a failing call, never on the hot path of a valid one.
   [[noreturn]] void fail(const char* arg, std::string_view expected, std::string_view got) const;
@@ -77,6 +129,7 @@ class OpChecker {
   Device device() const { return device_; }
   bool on_cuda() const { return device_.is_cuda(); }
 
+  // The tensor as rows: at least 1 dim, stride 1 in the last, leading dims of one row stride.
   Rows rows(const TensorView& t, const char* name) const;
 
  private:
@@ -107,5 +160,13 @@ bool ran_on_cuda(const OpChecker& c, Launch&& launch) {
 
 // Lowest and one-past-highest byte a view can touch (equal when empty).
 std::pair<std::uintptr_t, std::uintptr_t> byte_extent(const TensorView& t);
+
+// Whether a and b are disjoint in the sense of `how` (absent views are disjoint).
+bool disjoint(const TensorView& a, const TensorView& b, Disjoint how);
+
+// Sufficient condition for no two indices of `shape` under `strides` sharing an address: every
+// stride exceeds the largest offset the finer dims (smaller stride; ties by position) reach.
+bool injective_layout(const std::array<std::int64_t, kMaxDims>& shape,
+                      const std::array<std::int64_t, kMaxDims>& strides, int ndim);
 
 }  // namespace trainscale::detail

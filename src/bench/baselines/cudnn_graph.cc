@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <map>
 #include <memory>
@@ -201,21 +202,25 @@ std::optional<fe::DataType_t> io_type(DType dtype) {
 
 Implementation unsupported(std::string why) {
   Implementation impl;
-  impl.run = [why = std::move(why)](Views, cudaStream_t) { throw Unsupported(why); };
+  impl.run = [why = std::move(why)](CaseTensors, cudaStream_t) { throw Unsupported(why); };
   return impl;
 }
 
 Implementation graph_baseline(const Case& c, std::vector<Binding> bindings, const std::string& params,
                               const DescribeGraph& describe) {
-  if (c.tensors.size() != bindings.size()) {
-    return unsupported("cudnn: case " + c.name() + " has " + std::to_string(c.tensors.size()) +
-                       " tensors, the cuDNN baseline expects " + std::to_string(bindings.size()));
-  }
-  for (std::size_t i = 0; i < bindings.size(); ++i) {
-    if (c.tensors[i].name != bindings[i].name) {
-      return unsupported("cudnn: case " + c.name() + " tensor " + std::to_string(i) + " is '" + c.tensors[i].name +
-                         "', expected '" + bindings[i].name + "'");
-    }
+  // Each bound tensor's place in the case, resolved once.
+  struct Bound {
+    TensorId id;
+    std::int64_t uid;
+    const char* name;
+  };
+  std::vector<Bound> bound;
+  for (const Binding& b : bindings) {
+    if (b.uid == 0) continue;
+    const bool declared = std::any_of(c.tensors.begin(), c.tensors.end(),
+                                      [&](const TensorSpec& spec) { return spec.name == b.name; });
+    if (!declared) return unsupported("cudnn: case " + c.name() + " has no tensor '" + b.name + "'");
+    bound.push_back({c.id(b.name), b.uid, b.name});
   }
   const CudnnLibrary& lib = cudnn_library();
   if (!lib.ok) return unsupported("cudnn: " + lib.error);
@@ -226,12 +231,11 @@ Implementation graph_baseline(const Case& c, std::vector<Binding> bindings, cons
     auto workspace = std::make_shared<DeviceBuffer>(graph->workspace_bytes);
     Implementation impl;
     impl.workspace_bytes = graph->workspace_bytes;
-    impl.run = [graph, workspace, handle, bindings = std::move(bindings)](Views t, cudaStream_t stream) {
+    impl.run = [graph, workspace, handle, bound = std::move(bound)](CaseTensors t, cudaStream_t stream) {
       std::unordered_map<std::int64_t, void*> pack;
-      for (std::size_t i = 0; i < bindings.size(); ++i) {
-        if (bindings[i].uid == 0) continue;
-        if (!t[i].is_contiguous()) throw Unsupported(std::string("cudnn: '") + bindings[i].name + "' is not contiguous");
-        pack.emplace(bindings[i].uid, t[i].data);
+      for (const Bound& b : bound) {
+        if (!t[b.id].is_contiguous()) throw Unsupported(std::string("cudnn: '") + b.name + "' is not contiguous");
+        pack.emplace(b.uid, t[b.id].data);
       }
       const cudnnStatus_t status = fe::detail::set_stream(handle, stream);
       if (status != CUDNN_STATUS_SUCCESS) {

@@ -32,10 +32,10 @@ namespace trainscale::bench::cudnn {
 
 namespace fe = cudnn_frontend;
 
-// The graph tensor uid that the case tensor at the same index binds to (0: not bound, e.g.
-// our own workspace, which cuDNN does not use).
+// The graph tensor uid that a case tensor, named as the case declares it, binds to (0: not
+// bound, e.g. our own workspace, which cuDNN does not use).
 struct Binding {
-  const char* name;  // the case tensor's name, checked
+  const char* name;
   std::int64_t uid;
 };
 
@@ -49,11 +49,10 @@ std::optional<fe::DataType_t> io_type(DType dtype);
 // An implementation that only reports why it cannot run (an UNSUPPORTED row).
 Implementation unsupported(std::string why);
 
-// The baseline for case `c`. Checks that the case's tensors are named as `bindings` says,
-// loads libcudnn, builds the graph `describe` gives (once per device, case and `params`, then
-// cached for the process) and allocates its workspace here (declared as workspace_bytes), so
-// only the execution is timed; the implementation binds the case's tensors by index (they must
-// be contiguous). Never throws: whatever fails gives an implementation that reports itself
+// The baseline for case `c`. Finds the case's tensors by the names `bindings` gives, loads
+// libcudnn, builds the graph `describe` gives (once per device, case and `params`, then cached
+// for the process) and allocates its workspace here (declared as workspace_bytes), so only the
+// execution is timed; the implementation binds those tensors (they must be contiguous). Never throws: whatever fails gives an implementation that reports itself
 // Unsupported with the reason and the cuDNN that was loaded.
 Implementation graph_baseline(const Case& c, std::vector<Binding> bindings, const std::string& params,
                               const DescribeGraph& describe);

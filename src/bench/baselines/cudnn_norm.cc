@@ -21,8 +21,8 @@ namespace fe = cudnn::fe;
 // Graph tensor uids.
 enum Uid : std::int64_t { kX = 1, kWeight, kBias, kY, kMean, kRstd, kDy, kDx, kDw, kDb };
 
-// The case's tensors, in order, and the graph tensor each binds to (our own backward workspace:
-// none, cuDNN does not use it).
+// The case's tensors and the graph tensor each binds to (our own backward workspace: none, cuDNN
+// does not use it).
 std::vector<Binding> bindings_of(CudnnNormOp op) {
   switch (op) {
     case CudnnNormOp::kRmsNormForward:

@@ -12,21 +12,23 @@ using Gated = void (*)(const TensorView&, const TensorView&, TensorView, cudaStr
 using GatedBackward = void (*)(const TensorView&, const TensorView&, const TensorView&, TensorView, TensorView,
                                cudaStream_t);
 
-void gelu_fwd(const TensorView& x, TensorView y, cudaStream_t s) { gelu_forward(x, y, GeluApproximation::kNone, s); }
-void gelu_bwd(const TensorView& dy, const TensorView& x, TensorView dx, cudaStream_t s) {
+void gelu_erf_forward(const TensorView& x, TensorView y, cudaStream_t s) {
+  gelu_forward(x, y, GeluApproximation::kNone, s);
+}
+void gelu_erf_backward(const TensorView& dy, const TensorView& x, TensorView dx, cudaStream_t s) {
   gelu_backward(dy, x, dx, GeluApproximation::kNone, s);
 }
-void gelu_tanh_fwd(const TensorView& x, TensorView y, cudaStream_t s) {
+void gelu_tanh_forward(const TensorView& x, TensorView y, cudaStream_t s) {
   gelu_forward(x, y, GeluApproximation::kTanh, s);
 }
-void gelu_tanh_bwd(const TensorView& dy, const TensorView& x, TensorView dx, cudaStream_t s) {
+void gelu_tanh_backward(const TensorView& dy, const TensorView& x, TensorView dx, cudaStream_t s) {
   gelu_backward(dy, x, dx, GeluApproximation::kTanh, s);
 }
-void geglu_fwd(const TensorView& a, const TensorView& b, TensorView y, cudaStream_t s) {
+void geglu_erf_forward(const TensorView& a, const TensorView& b, TensorView y, cudaStream_t s) {
   geglu_forward(a, b, y, GeluApproximation::kNone, s);
 }
-void geglu_bwd(const TensorView& dy, const TensorView& a, const TensorView& b, TensorView da, TensorView db,
-               cudaStream_t s) {
+void geglu_erf_backward(const TensorView& dy, const TensorView& a, const TensorView& b, TensorView da,
+                        TensorView db, cudaStream_t s) {
   geglu_backward(dy, a, b, da, db, GeluApproximation::kNone, s);
 }
 
@@ -45,8 +47,9 @@ CaseFactory unary_forward(const char* op, Unary fn) {
   return [=](std::span<const std::int64_t> shape, DType dtype) {
     const Shape mn(shape.begin(), shape.end());
     Case c = elementwise(op, shape, dtype, {input("x", dtype, mn), output("y", dtype, mn)}, 8.0);
-    c.entry = [=](Views t, cudaStream_t s) { fn(t[0], t[1], s); };
-    c.reference = [=](Views t) { fn(t[0], t[1], nullptr); };
+    const auto [x, y] = c.ids("x", "y");
+    c.entry = [=](CaseTensors t, cudaStream_t s) { fn(t[x], t[y], s); };
+    c.reference = on_cpu(c.entry);
     return c;
   };
 }
@@ -56,8 +59,9 @@ CaseFactory unary_backward(const char* op, UnaryBackward fn) {
     const Shape mn(shape.begin(), shape.end());
     Case c = elementwise(op, shape, dtype, {input("dy", dtype, mn), input("x", dtype, mn), output("dx", dtype, mn)},
                          12.0);
-    c.entry = [=](Views t, cudaStream_t s) { fn(t[0], t[1], t[2], s); };
-    c.reference = [=](Views t) { fn(t[0], t[1], t[2], nullptr); };
+    const auto [dy, x, dx] = c.ids("dy", "x", "dx");
+    c.entry = [=](CaseTensors t, cudaStream_t s) { fn(t[dy], t[x], t[dx], s); };
+    c.reference = on_cpu(c.entry);
     return c;
   };
 }
@@ -70,8 +74,9 @@ CaseFactory packed_forward(const char* op, PackedForward fn) {
     const Shape mf(shape.begin(), shape.end());
     const Shape m2f{mf[0], 2 * mf[1]};
     Case c = elementwise(op, shape, dtype, {input("ab", dtype, m2f), output("y", dtype, mf)}, 9.0);
-    c.entry = [=](Views t, cudaStream_t s) { fn(t[0], t[1], s); };
-    c.reference = [=](Views t) { fn(t[0], t[1], nullptr); };
+    const auto [ab, y] = c.ids("ab", "y");
+    c.entry = [=](CaseTensors t, cudaStream_t s) { fn(t[ab], t[y], s); };
+    c.reference = on_cpu(c.entry);
     return c;
   };
 }
@@ -82,8 +87,9 @@ CaseFactory packed_backward(const char* op, PackedBackward fn) {
     const Shape m2f{mf[0], 2 * mf[1]};
     Case c = elementwise(op, shape, dtype, {input("dy", dtype, mf), input("ab", dtype, m2f), output("dab", dtype, m2f)},
                          14.0);
-    c.entry = [=](Views t, cudaStream_t s) { fn(t[0], t[1], t[2], s); };
-    c.reference = [=](Views t) { fn(t[0], t[1], t[2], nullptr); };
+    const auto [dy, ab, dab] = c.ids("dy", "ab", "dab");
+    c.entry = [=](CaseTensors t, cudaStream_t s) { fn(t[dy], t[ab], t[dab], s); };
+    c.reference = on_cpu(c.entry);
     return c;
   };
 }
@@ -92,8 +98,9 @@ CaseFactory gated_forward(const char* op, Gated fn) {
   return [=](std::span<const std::int64_t> shape, DType dtype) {
     const Shape mf(shape.begin(), shape.end());
     Case c = elementwise(op, shape, dtype, {input("a", dtype, mf), input("b", dtype, mf), output("y", dtype, mf)}, 9.0);
-    c.entry = [=](Views t, cudaStream_t s) { fn(t[0], t[1], t[2], s); };
-    c.reference = [=](Views t) { fn(t[0], t[1], t[2], nullptr); };
+    const auto [a, b, y] = c.ids("a", "b", "y");
+    c.entry = [=](CaseTensors t, cudaStream_t s) { fn(t[a], t[b], t[y], s); };
+    c.reference = on_cpu(c.entry);
     return c;
   };
 }
@@ -105,37 +112,38 @@ CaseFactory gated_backward(const char* op, GatedBackward fn) {
                          {input("dy", dtype, mf), input("a", dtype, mf), input("b", dtype, mf), output("da", dtype, mf),
                           output("db", dtype, mf)},
                          14.0);
-    c.entry = [=](Views t, cudaStream_t s) { fn(t[0], t[1], t[2], t[3], t[4], s); };
-    c.reference = [=](Views t) { fn(t[0], t[1], t[2], t[3], t[4], nullptr); };
+    const auto [dy, a, b, da, db] = c.ids("dy", "a", "b", "da", "db");
+    c.entry = [=](CaseTensors t, cudaStream_t s) { fn(t[dy], t[a], t[b], t[da], t[db], s); };
+    c.reference = on_cpu(c.entry);
     return c;
   };
 }
 
 const Registrar kRegister([](Registry& r) {
-  r.add_op({"gelu_fwd", "activation", "M x N", unary_forward("gelu_fwd", gelu_fwd)});
-  r.add_op({"gelu_bwd", "activation", "M x N", unary_backward("gelu_bwd", gelu_bwd)});
-  r.add_op({"gelu_tanh_fwd", "activation", "M x N", unary_forward("gelu_tanh_fwd", gelu_tanh_fwd)});
-  r.add_op({"gelu_tanh_bwd", "activation", "M x N", unary_backward("gelu_tanh_bwd", gelu_tanh_bwd)});
-  r.add_op({"silu_fwd", "activation", "M x N", unary_forward("silu_fwd", silu_forward)});
-  r.add_op({"silu_bwd", "activation", "M x N", unary_backward("silu_bwd", silu_backward)});
-  r.add_op({"swiglu_fwd", "activation", "M x F", gated_forward("swiglu_fwd", swiglu_forward)});
-  r.add_op({"swiglu_bwd", "activation", "M x F", gated_backward("swiglu_bwd", swiglu_backward)});
-  r.add_op({"geglu_fwd", "activation", "M x F", gated_forward("geglu_fwd", geglu_fwd)});
-  r.add_op({"geglu_bwd", "activation", "M x F", gated_backward("geglu_bwd", geglu_bwd)});
-  r.add_op({"swiglu_packed_fwd", "activation", "M x F", packed_forward("swiglu_packed_fwd", swiglu_forward_packed)});
-  r.add_op({"swiglu_packed_bwd", "activation", "M x F", packed_backward("swiglu_packed_bwd", swiglu_backward_packed)});
+  r.add_op({"gelu_forward", "activation", "M x N", unary_forward("gelu_forward", gelu_erf_forward)});
+  r.add_op({"gelu_backward", "activation", "M x N", unary_backward("gelu_backward", gelu_erf_backward)});
+  r.add_op({"gelu_forward_tanh", "activation", "M x N", unary_forward("gelu_forward_tanh", gelu_tanh_forward)});
+  r.add_op({"gelu_backward_tanh", "activation", "M x N", unary_backward("gelu_backward_tanh", gelu_tanh_backward)});
+  r.add_op({"silu_forward", "activation", "M x N", unary_forward("silu_forward", silu_forward)});
+  r.add_op({"silu_backward", "activation", "M x N", unary_backward("silu_backward", silu_backward)});
+  r.add_op({"swiglu_forward", "activation", "M x F", gated_forward("swiglu_forward", swiglu_forward)});
+  r.add_op({"swiglu_backward", "activation", "M x F", gated_backward("swiglu_backward", swiglu_backward)});
+  r.add_op({"geglu_forward", "activation", "M x F", gated_forward("geglu_forward", geglu_erf_forward)});
+  r.add_op({"geglu_backward", "activation", "M x F", gated_backward("geglu_backward", geglu_erf_backward)});
+  r.add_op({"swiglu_forward_packed", "activation", "M x F", packed_forward("swiglu_forward_packed", swiglu_forward_packed)});
+  r.add_op({"swiglu_backward_packed", "activation", "M x F", packed_backward("swiglu_backward_packed", swiglu_backward_packed)});
   const auto bf16 = std::vector<DType>{DType::kBFloat16};
-  for (const char* op : {"gelu_fwd", "gelu_bwd", "gelu_tanh_fwd", "gelu_tanh_bwd", "silu_fwd", "silu_bwd", "swiglu_fwd",
-                         "swiglu_bwd", "swiglu_packed_fwd", "swiglu_packed_bwd", "geglu_fwd", "geglu_bwd"}) {
+  for (const char* op : {"gelu_forward", "gelu_backward", "gelu_forward_tanh", "gelu_backward_tanh", "silu_forward", "silu_backward", "swiglu_forward",
+                         "swiglu_backward", "swiglu_forward_packed", "swiglu_backward_packed", "geglu_forward", "geglu_backward"}) {
     r.add_configs("smoke", op, {{64, 512}}, {DType::kFloat32, DType::kBFloat16});
   }
   // Llama-3-8B MLP at 8192 tokens, and 16384 x 14336 (docs/perf/activation.md).
-  for (const char* op : {"swiglu_fwd", "swiglu_bwd", "swiglu_packed_fwd", "swiglu_packed_bwd"}) {
+  for (const char* op : {"swiglu_forward", "swiglu_backward", "swiglu_forward_packed", "swiglu_backward_packed"}) {
     r.add_configs("llama", op, {{kLlamaTokens, kLlamaFfn}, {2 * kLlamaTokens, kLlamaFfn}}, bf16);
   }
   // Issue 5's gelu-tanh target shape (a GPT-style MLP's 4h activation).
-  for (const char* op : {"gelu_tanh_fwd", "gelu_tanh_bwd"}) r.add_configs("llama", op, {{16384, 4096}}, bf16);
-  for (const char* op : {"gelu_fwd", "silu_fwd"}) r.add_configs("sweep", op, sweep_row_shapes(), bf16);
+  for (const char* op : {"gelu_forward_tanh", "gelu_backward_tanh"}) r.add_configs("llama", op, {{16384, 4096}}, bf16);
+  for (const char* op : {"gelu_forward", "silu_forward"}) r.add_configs("sweep", op, sweep_row_shapes(), bf16);
 });
 
 }  // namespace

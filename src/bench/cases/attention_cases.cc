@@ -50,7 +50,7 @@ void group_by_kv_head(Case& c, const Dims& d) {
 }
 
 Case attention_forward_case(std::span<const std::int64_t> shape, DType dtype) {
-  Case c = begin_case("attention_fwd", "attention", shape, dtype, 6, kDoc);
+  Case c = begin_case("attention_forward", "attention", shape, dtype, 6, kDoc);
   const Dims d = dims_of(c);
   const AttentionOptions options = options_of(d);
   c.tensors = {input("q", dtype, {d.b, d.s, d.hq, d.d}), input("k", dtype, {d.b, d.s, d.hkv, d.d}),
@@ -60,13 +60,14 @@ Case attention_forward_case(std::span<const std::int64_t> shape, DType dtype) {
   c.flops = forward_flops(d);
   c.bound = Bound::kCompute;
   group_by_kv_head(c, d);
-  c.entry = [options](Views t, cudaStream_t s) { attention_forward(t[0], t[1], t[2], t[3], t[4], options, s); };
-  c.reference = [options](Views t) { attention_forward(t[0], t[1], t[2], t[3], t[4], options); };
+  const auto [q, k, v, out, lse] = c.ids("q", "k", "v", "out", "lse");
+  c.entry = [=](CaseTensors t, cudaStream_t s) { attention_forward(t[q], t[k], t[v], t[out], t[lse], options, s); };
+  c.reference = on_cpu(c.entry);
   return c;
 }
 
 Case attention_backward_case(std::span<const std::int64_t> shape, DType dtype) {
-  Case c = begin_case("attention_bwd", "attention", shape, dtype, 6, kDoc);
+  Case c = begin_case("attention_backward", "attention", shape, dtype, 6, kDoc);
   const Dims d = dims_of(c);
   const AttentionOptions options = options_of(d);
   const Shape q_shape = {d.b, d.s, d.hq, d.d}, kv_shape = {d.b, d.s, d.hkv, d.d};
@@ -77,12 +78,13 @@ Case attention_backward_case(std::span<const std::int64_t> shape, DType dtype) {
   c.flops = 2.5 * forward_flops(d);  // 5 GEMMs to the forward's 2
   c.bound = Bound::kCompute;
   group_by_kv_head(c, d);
-  c.entry = [options](Views t, cudaStream_t s) {
-    attention_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], options, s);
+  const auto [dout, q, k, v, out, lse, dq, dk, dv] = c.ids("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv");
+  c.entry = [=](CaseTensors t, cudaStream_t s) {
+    attention_backward({.dout = t[dout], .q = t[q], .k = t[k], .v = t[v], .out = t[out], .lse = t[lse],
+                        .dq = t[dq], .dk = t[dk], .dv = t[dv]},
+                       options, s);
   };
-  c.reference = [options](Views t) {
-    attention_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], options);
-  };
+  c.reference = on_cpu(c.entry);
   return c;
 }
 
@@ -102,10 +104,10 @@ std::vector<Shape> attention_suite() {
 }
 
 const Registrar kRegister([](Registry& r) {
-  r.add_op({"attention_fwd", "attention", kDoc, attention_forward_case});
-  r.add_op({"attention_bwd", "attention", kDoc, attention_backward_case});
+  r.add_op({"attention_forward", "attention", kDoc, attention_forward_case});
+  r.add_op({"attention_backward", "attention", kDoc, attention_backward_case});
   const auto bf16 = std::vector<DType>{DType::kBFloat16};
-  for (const char* op : {"attention_fwd", "attention_bwd"}) {
+  for (const char* op : {"attention_forward", "attention_backward"}) {
     r.add_configs("smoke", op, {{1, 4, 2, 64, 32, 1}}, {DType::kFloat32, DType::kBFloat16});
     r.add_configs("attention", op, attention_suite(), bf16);
     r.add_configs("llama", op, {{1, kLlamaHeads, kLlamaKvHeads, kLlamaTokens, kLlamaHeadDim, 1}}, bf16);
@@ -113,10 +115,10 @@ const Registrar kRegister([](Registry& r) {
 
   // cuDNN SDPA (same tensors, causal flag and default scale as the cases; lse is its stats).
   if (cudnn_baselines_built()) {
-    r.add_baseline("attention_fwd", "cudnn", [](const Case& c) {
+    r.add_baseline("attention_forward", "cudnn", [](const Case& c) {
       return cudnn_sdpa_baseline(CudnnSdpaOp::kForward, c, options_of(dims_of(c)));
     });
-    r.add_baseline("attention_bwd", "cudnn", [](const Case& c) {
+    r.add_baseline("attention_backward", "cudnn", [](const Case& c) {
       return cudnn_sdpa_baseline(CudnnSdpaOp::kBackward, c, options_of(dims_of(c)));
     });
   }

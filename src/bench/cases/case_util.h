@@ -50,6 +50,13 @@ inline TensorSpec in_out(std::string name, DType dtype, Shape shape, bool row_wi
   return t;
 }
 
+using Entry = std::function<void(CaseTensors tensors, cudaStream_t stream)>;
+
+// A reference that is the entry's own call on the CPU views (no stream).
+inline std::function<void(CaseTensors)> on_cpu(Entry entry) {
+  return [entry = std::move(entry)](CaseTensors t) { entry(t, nullptr); };
+}
+
 // Workspace of `bytes` bytes for the CUDA path.
 TensorSpec scratch(std::string name, std::int64_t bytes);
 // A CUDA workspace size query, or 0 where it cannot be answered (no CUDA build or device).

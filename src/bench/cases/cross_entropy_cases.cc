@@ -16,30 +16,30 @@ Case cross_entropy_case(const char* op, std::span<const std::int64_t> shape, DTy
   targets.lo = 0;
   targets.hi = static_cast<double>(v - 1);
   c.tensors = {logits, targets, output("loss", DType::kFloat32, {}, false), output("lse", DType::kFloat32, {m})};
-  c.tensors[2].reference_dtype = DType::kFloat64;
+  c.spec("loss").reference_dtype = DType::kFloat64;
   if (with_grad) c.tensors.push_back(output("grad_logits", dtype, {m, v}));
   c.bytes = traffic(c.tensors);
   c.flops = (with_grad ? 7.0 : 4.0) * static_cast<double>(m * v);  // max, exp, sum (+ softmax, gradient)
-  c.entry = [with_grad](Views t, cudaStream_t s) {
-    cross_entropy_forward(t[0], t[1], t[2], t[3], with_grad ? t[4] : TensorView{}, {}, s);
+  const auto [logits_id, targets_id, loss, lse] = c.ids("logits", "targets", "loss", "lse");
+  const std::optional<TensorId> grad = with_grad ? std::optional(c.id("grad_logits")) : std::nullopt;
+  c.entry = [=](CaseTensors t, cudaStream_t s) {
+    cross_entropy_forward(t[logits_id], t[targets_id], t[loss], t[lse], grad ? t[*grad] : TensorView{}, {}, s);
   };
-  c.reference = [with_grad](Views t) {
-    cross_entropy_forward(t[0], t[1], t[2], t[3], with_grad ? t[4] : TensorView{});
-  };
+  c.reference = on_cpu(c.entry);
   return c;
 }
 
 const Registrar kRegister([](Registry& r) {
-  r.add_op({"cross_entropy_fwd", "loss", "M x V",
-            [](std::span<const std::int64_t> s, DType d) { return cross_entropy_case("cross_entropy_fwd", s, d, false); }});
-  r.add_op({"cross_entropy_fwd_bwd", "loss", "M x V (gradient in the same pass)",
-            [](std::span<const std::int64_t> s, DType d) { return cross_entropy_case("cross_entropy_fwd_bwd", s, d, true); }});
+  r.add_op({"cross_entropy_forward", "loss", "M x V",
+            [](std::span<const std::int64_t> s, DType d) { return cross_entropy_case("cross_entropy_forward", s, d, false); }});
+  r.add_op({"cross_entropy_forward_with_grad", "loss", "M x V (gradient in the same pass)",
+            [](std::span<const std::int64_t> s, DType d) { return cross_entropy_case("cross_entropy_forward_with_grad", s, d, true); }});
   const auto bf16 = std::vector<DType>{DType::kBFloat16};
   std::vector<Shape> dsv3;
   for (std::int64_t m : {4096, 16384, 65536}) {
     for (std::int64_t v : {3072, 6144, 8192, 12288}) dsv3.push_back({m, v});
   }
-  for (const char* op : {"cross_entropy_fwd", "cross_entropy_fwd_bwd"}) {
+  for (const char* op : {"cross_entropy_forward", "cross_entropy_forward_with_grad"}) {
     r.add_configs("smoke", op, {{64, 1000}}, {DType::kFloat32, DType::kBFloat16});
     r.add_configs("quack", op, quack_shapes(), bf16);
     r.add_configs("dsv3", op, dsv3, bf16);

@@ -32,8 +32,8 @@ Case fp8_quantize_case(const char* op, std::span<const std::int64_t> shape, DTyp
     t.reference_dtype = t.dtype;
     t.tolerance = 0.0;
   }
-  c.tensors[0].lo = -100.0;
-  c.tensors[0].hi = 100.0;
+  c.spec("x").lo = -100.0;
+  c.spec("x").hi = 100.0;
   c.bytes = traffic(c.tensors);
   c.flops = 3.0 * static_cast<double>(m * n);  // |x|, max, divide
   // A tensor-wide amax or a transposed copy couples rows: the gate compares every row.
@@ -41,13 +41,16 @@ Case fp8_quantize_case(const char* op, std::span<const std::int64_t> shape, DTyp
                        granularity != Fp8Granularity::kBlock128x128;
   Fp8QuantizeOptions options;
   options.granularity = granularity;
+  const auto [x, q, scales] = c.ids("x", "q", "scales");
   if (transposed) {
-    c.entry = [options](Views t, cudaStream_t s) { fp8_quantize(t[0], t[1], t[2], t[3], t[4], options, s); };
-    c.reference = [options](Views t) { fp8_quantize(t[0], t[1], t[2], t[3], t[4], options); };
+    const auto [q_t, scales_t] = c.ids("q_t", "scales_t");
+    c.entry = [=](CaseTensors t, cudaStream_t s) {
+      fp8_quantize(t[x], t[q], t[scales], t[q_t], t[scales_t], options, s);
+    };
   } else {
-    c.entry = [options](Views t, cudaStream_t s) { fp8_quantize(t[0], t[1], t[2], {}, {}, options, s); };
-    c.reference = [options](Views t) { fp8_quantize(t[0], t[1], t[2], {}, {}, options); };
+    c.entry = [=](CaseTensors t, cudaStream_t s) { fp8_quantize(t[x], t[q], t[scales], {}, {}, options, s); };
   }
+  c.reference = on_cpu(c.entry);
   return c;
 }
 
@@ -57,12 +60,12 @@ struct Fp8Op {
   bool transposed;
 };
 constexpr Fp8Op kFp8Ops[] = {
-    {"fp8_quant_tensor", Fp8Granularity::kTensor, false},
-    {"fp8_quant_row", Fp8Granularity::kRow, false},
-    {"fp8_quant_1x128", Fp8Granularity::kTile1x128, false},
-    {"fp8_quant_128x128", Fp8Granularity::kBlock128x128, false},
-    {"fp8_quant_1x128_t", Fp8Granularity::kTile1x128, true},
-    {"fp8_quant_128x128_t", Fp8Granularity::kBlock128x128, true},
+    {"fp8_quantize_tensor", Fp8Granularity::kTensor, false},
+    {"fp8_quantize_row", Fp8Granularity::kRow, false},
+    {"fp8_quantize_1x128", Fp8Granularity::kTile1x128, false},
+    {"fp8_quantize_128x128", Fp8Granularity::kBlock128x128, false},
+    {"fp8_quantize_1x128_t", Fp8Granularity::kTile1x128, true},
+    {"fp8_quantize_128x128_t", Fp8Granularity::kBlock128x128, true},
 };
 
 const Registrar kRegister([](Registry& r) {

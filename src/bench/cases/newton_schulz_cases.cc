@@ -17,8 +17,9 @@ Case newton_schulz_case(std::span<const std::int64_t> shape, DType dtype) {
   const NewtonSchulzOptions options;
   c.flops = options.steps * (4.0 * r * r * n + 2.0 * r * r * r);
   c.bound = Bound::kCompute;
-  c.entry = [](Views t, cudaStream_t s) { newton_schulz(t[0], t[1], {}, {}, s); };
-  c.reference = [](Views t) { newton_schulz(t[0], t[1]); };
+  const auto [g, out] = c.ids("g", "out");
+  c.entry = [=](CaseTensors t, cudaStream_t s) { newton_schulz(t[g], t[out], {}, {}, s); };
+  c.reference = on_cpu(c.entry);
   return c;
 }
 

@@ -27,8 +27,6 @@ TensorSpec workspace_for(std::int64_t m, std::int64_t n, DType dtype) {
 
 double elements(const Case& c) { return static_cast<double>(numel(c.shape)); }
 
-using Entry = std::function<void(Views, cudaStream_t)>;
-
 RMSNormOptions rms(NormVariant variant) {
   RMSNormOptions o;
   o.variant = variant;
@@ -41,126 +39,145 @@ LayerNormOptions layer(NormVariant variant) {
   return o;
 }
 
-// Our entry point of each op, with the kernel variant it forces (kAuto for the case itself).
-Entry rmsnorm_forward_entry(NormVariant v) {
-  return [o = rms(v)](Views t, cudaStream_t s) { rmsnorm_forward(t[0], t[1], t[2], t[3], o, s); };
+// Our entry point of each op on a case's tensors, with the kernel variant it forces (kAuto for
+// the case itself). The backward passes take the case's workspace, except in the reference
+// (`workspace` false), whose CPU path has no use for one; the forward passes have none.
+Entry rmsnorm_forward_entry(const Case& c, NormVariant v, bool /*workspace: none*/) {
+  const auto [x, weight, y, rstd] = c.ids("x", "weight", "y", "rstd");
+  return [=, o = rms(v)](CaseTensors t, cudaStream_t s) { rmsnorm_forward(t[x], t[weight], t[y], t[rstd], o, s); };
 }
-Entry rmsnorm_backward_entry(NormVariant v) {
-  return [o = rms(v)](Views t, cudaStream_t s) { rmsnorm_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], o, s); };
-}
-Entry fused_add_rmsnorm_forward_entry(NormVariant v) {
-  return [o = rms(v)](Views t, cudaStream_t s) { fused_add_rmsnorm_forward(t[0], t[1], t[2], t[3], o, s); };
-}
-Entry fused_add_rmsnorm_backward_entry(NormVariant v) {
-  return [o = rms(v)](Views t, cudaStream_t s) {
-    fused_add_rmsnorm_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], o, s);
+Entry rmsnorm_backward_entry(const Case& c, NormVariant v, bool workspace) {
+  const auto [dy, x, weight, rstd, dx, dw, ws] = c.ids("dy", "x", "weight", "rstd", "dx", "dw", "workspace");
+  return [=, o = rms(v)](CaseTensors t, cudaStream_t s) {
+    rmsnorm_backward(t[dy], t[x], t[weight], t[rstd], t[dx], t[dw], workspace ? t[ws] : TensorView{}, o, s);
   };
 }
-Entry layernorm_forward_entry(NormVariant v) {
-  return [o = layer(v)](Views t, cudaStream_t s) { layernorm_forward(t[0], t[1], t[2], t[3], t[4], t[5], o, s); };
+Entry fused_add_rmsnorm_forward_entry(const Case& c, NormVariant v, bool /*workspace: none*/) {
+  const auto [x, residual, weight, rstd] = c.ids("x", "residual", "weight", "rstd");
+  return [=, o = rms(v)](CaseTensors t, cudaStream_t s) {
+    fused_add_rmsnorm_forward(t[x], t[residual], t[weight], t[rstd], o, s);
+  };
 }
-Entry layernorm_backward_entry(NormVariant v) {
-  return [o = layer(v)](Views t, cudaStream_t s) {
-    layernorm_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], o, s);
+Entry fused_add_rmsnorm_backward_entry(const Case& c, NormVariant v, bool workspace) {
+  const auto [dy, d_residual, residual, weight, rstd, dx, dw, ws] =
+      c.ids("dy", "d_residual", "residual", "weight", "rstd", "dx", "dw", "workspace");
+  return [=, o = rms(v)](CaseTensors t, cudaStream_t s) {
+    fused_add_rmsnorm_backward(t[dy], t[d_residual], t[residual], t[weight], t[rstd], t[dx], t[dw],
+                               workspace ? t[ws] : TensorView{}, o, s);
+  };
+}
+Entry layernorm_forward_entry(const Case& c, NormVariant v, bool /*workspace: none*/) {
+  const auto [x, weight, bias, y, mean, rstd] = c.ids("x", "weight", "bias", "y", "mean", "rstd");
+  return [=, o = layer(v)](CaseTensors t, cudaStream_t s) {
+    layernorm_forward(t[x], t[weight], t[bias], t[y], t[mean], t[rstd], o, s);
+  };
+}
+Entry layernorm_backward_entry(const Case& c, NormVariant v, bool workspace) {
+  const auto [dy, x, weight, mean, rstd, dx, dw, db, ws] =
+      c.ids("dy", "x", "weight", "mean", "rstd", "dx", "dw", "db", "workspace");
+  return [=, o = layer(v)](CaseTensors t, cudaStream_t s) {
+    layernorm_backward({.dy = t[dy], .x = t[x], .weight = t[weight], .mean = t[mean], .rstd = t[rstd],
+                        .dx = t[dx], .dw = t[dw], .db = t[db], .workspace = workspace ? t[ws] : TensorView{}},
+                       o, s);
   };
 }
 
 Case rmsnorm_forward_case(std::span<const std::int64_t> shape, DType dtype) {
-  Case c = begin_case("rmsnorm_fwd", "norm", shape, dtype, 2, "MxN");
+  Case c = begin_case("rmsnorm_forward", "norm", shape, dtype, 2, "MxN");
   const std::int64_t m = c.shape[0], n = c.shape[1];
   c.tensors = {input("x", dtype, {m, n}), input("weight", dtype, {n}, false), output("y", dtype, {m, n}),
                output("rstd", DType::kFloat32, {m})};
   c.bytes = traffic(c.tensors);
   c.flops = 4.0 * elements(c);  // square, accumulate, two scalings
   c.rows_independent = true;
-  c.entry = rmsnorm_forward_entry(NormVariant::kAuto);
-  c.reference = [](Views t) { rmsnorm_forward(t[0], t[1], t[2], t[3]); };
+  c.entry = rmsnorm_forward_entry(c, NormVariant::kAuto, true);
+  c.reference = on_cpu(c.entry);
   return c;
 }
 
 Case rmsnorm_backward_case(std::span<const std::int64_t> shape, DType dtype) {
-  Case c = begin_case("rmsnorm_bwd", "norm", shape, dtype, 2, "MxN");
+  Case c = begin_case("rmsnorm_backward", "norm", shape, dtype, 2, "MxN");
   const std::int64_t m = c.shape[0], n = c.shape[1];
   c.tensors = {input("dy", dtype, {m, n}),  input("x", dtype, {m, n}),     input("weight", dtype, {n}, false),
                saved_rstd(m),               output("dx", dtype, {m, n}),   output("dw", dtype, {n}, false),
                workspace_for(m, n, dtype)};
   c.bytes = traffic(c.tensors);
   c.flops = 8.0 * elements(c);
-  c.entry = rmsnorm_backward_entry(NormVariant::kAuto);
-  c.reference = [](Views t) { rmsnorm_backward(t[0], t[1], t[2], t[3], t[4], t[5], TensorView{}); };
+  c.entry = rmsnorm_backward_entry(c, NormVariant::kAuto, true);
+  c.reference = on_cpu(rmsnorm_backward_entry(c, NormVariant::kAuto, false));
   return c;
 }
 
 Case fused_add_rmsnorm_case(std::span<const std::int64_t> shape, DType dtype) {
-  Case c = begin_case("fused_add_rmsnorm_fwd", "norm", shape, dtype, 2, "MxN");
+  Case c = begin_case("fused_add_rmsnorm_forward", "norm", shape, dtype, 2, "MxN");
   const std::int64_t m = c.shape[0], n = c.shape[1];
   c.tensors = {in_out("x", dtype, {m, n}), in_out("residual", dtype, {m, n}), input("weight", dtype, {n}, false),
                output("rstd", DType::kFloat32, {m})};
   // rstd comes from the residual rounded to `dtype`; the fp64 reference keeps the exact sum.
-  c.tensors[3].tolerance = default_tolerance(dtype);
+  c.spec("rstd").tolerance = default_tolerance(dtype);
   c.bytes = traffic(c.tensors);
   c.flops = 5.0 * elements(c);
   c.rows_independent = true;
-  c.entry = fused_add_rmsnorm_forward_entry(NormVariant::kAuto);
-  c.reference = [](Views t) { fused_add_rmsnorm_forward(t[0], t[1], t[2], t[3]); };
+  c.entry = fused_add_rmsnorm_forward_entry(c, NormVariant::kAuto, true);
+  c.reference = on_cpu(c.entry);
   return c;
 }
 
 // The gradient reaches the residual stream twice: through the norm (dy) and straight from the
 // next layer (d_residual); dx carries their sum back to both inputs of the add.
 Case fused_add_rmsnorm_backward_case(std::span<const std::int64_t> shape, DType dtype) {
-  Case c = begin_case("fused_add_rmsnorm_bwd", "norm", shape, dtype, 2, "MxN");
+  Case c = begin_case("fused_add_rmsnorm_backward", "norm", shape, dtype, 2, "MxN");
   const std::int64_t m = c.shape[0], n = c.shape[1];
   c.tensors = {input("dy", dtype, {m, n}),       input("d_residual", dtype, {m, n}), input("residual", dtype, {m, n}),
                input("weight", dtype, {n}, false), saved_rstd(m),                     output("dx", dtype, {m, n}),
                output("dw", dtype, {n}, false),  workspace_for(m, n, dtype)};
   c.bytes = traffic(c.tensors);
-  c.flops = 9.0 * elements(c);  // rmsnorm_bwd's 8 and the add
-  c.entry = fused_add_rmsnorm_backward_entry(NormVariant::kAuto);
-  c.reference = [](Views t) { fused_add_rmsnorm_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], TensorView{}); };
+  c.flops = 9.0 * elements(c);  // rmsnorm_backward's 8 and the add
+  c.entry = fused_add_rmsnorm_backward_entry(c, NormVariant::kAuto, true);
+  c.reference = on_cpu(fused_add_rmsnorm_backward_entry(c, NormVariant::kAuto, false));
   return c;
 }
 
 Case layernorm_forward_case(std::span<const std::int64_t> shape, DType dtype) {
-  Case c = begin_case("layernorm_fwd", "norm", shape, dtype, 2, "MxN");
+  Case c = begin_case("layernorm_forward", "norm", shape, dtype, 2, "MxN");
   const std::int64_t m = c.shape[0], n = c.shape[1];
   c.tensors = {input("x", dtype, {m, n}),  input("weight", dtype, {n}, false), input("bias", dtype, {n}, false),
                output("y", dtype, {m, n}), output("mean", DType::kFloat32, {m}), output("rstd", DType::kFloat32, {m})};
   c.bytes = traffic(c.tensors);
   c.flops = 7.0 * elements(c);
   c.rows_independent = true;
-  c.entry = layernorm_forward_entry(NormVariant::kAuto);
-  c.reference = [](Views t) { layernorm_forward(t[0], t[1], t[2], t[3], t[4], t[5]); };
+  c.entry = layernorm_forward_entry(c, NormVariant::kAuto, true);
+  c.reference = on_cpu(c.entry);
   return c;
 }
 
 Case layernorm_backward_case(std::span<const std::int64_t> shape, DType dtype) {
-  Case c = begin_case("layernorm_bwd", "norm", shape, dtype, 2, "MxN");
+  Case c = begin_case("layernorm_backward", "norm", shape, dtype, 2, "MxN");
   const std::int64_t m = c.shape[0], n = c.shape[1];
   c.tensors = {input("dy", dtype, {m, n}),        input("x", dtype, {m, n}),        input("weight", dtype, {n}, false),
                input("mean", DType::kFloat32, {m}), saved_rstd(m),                  output("dx", dtype, {m, n}),
                output("dw", dtype, {n}, false),   output("db", dtype, {n}, false), workspace_for(m, n, dtype)};
   c.bytes = traffic(c.tensors);
   c.flops = 10.0 * elements(c);
-  c.entry = layernorm_backward_entry(NormVariant::kAuto);
-  c.reference = [](Views t) { layernorm_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], TensorView{}); };
+  c.entry = layernorm_backward_entry(c, NormVariant::kAuto, true);
+  c.reference = on_cpu(layernorm_backward_entry(c, NormVariant::kAuto, false));
   return c;
 }
 
 struct NormOp {
   const char* name;
   CaseFactory make;
-  Entry (*entry)(NormVariant);
+  Entry (*entry)(const Case&, NormVariant, bool workspace);
   bool forward;
 };
 
 const NormOp kOps[] = {
-    {"rmsnorm_fwd", rmsnorm_forward_case, rmsnorm_forward_entry, true},
-    {"rmsnorm_bwd", rmsnorm_backward_case, rmsnorm_backward_entry, false},
-    {"fused_add_rmsnorm_fwd", fused_add_rmsnorm_case, fused_add_rmsnorm_forward_entry, true},
-    {"fused_add_rmsnorm_bwd", fused_add_rmsnorm_backward_case, fused_add_rmsnorm_backward_entry, false},
-    {"layernorm_fwd", layernorm_forward_case, layernorm_forward_entry, true},
-    {"layernorm_bwd", layernorm_backward_case, layernorm_backward_entry, false},
+    {"rmsnorm_forward", rmsnorm_forward_case, rmsnorm_forward_entry, true},
+    {"rmsnorm_backward", rmsnorm_backward_case, rmsnorm_backward_entry, false},
+    {"fused_add_rmsnorm_forward", fused_add_rmsnorm_case, fused_add_rmsnorm_forward_entry, true},
+    {"fused_add_rmsnorm_backward", fused_add_rmsnorm_backward_case, fused_add_rmsnorm_backward_entry, false},
+    {"layernorm_forward", layernorm_forward_case, layernorm_forward_entry, true},
+    {"layernorm_backward", layernorm_backward_case, layernorm_backward_entry, false},
 };
 
 struct ForcedVariant {
@@ -182,39 +199,39 @@ const Registrar kRegister([](Registry& r) {
     // A variant that cannot run a shape throws UnsupportedVariantError: the row is UNSUPPORTED.
     for (const ForcedVariant& forced : kForcedVariants) {
       if (forced.forward_only && !op.forward) continue;
-      r.add_opt_in(op.name, forced.impl, [entry = op.entry(forced.variant)](const Case&) {
+      r.add_opt_in(op.name, forced.impl, [entry = op.entry, variant = forced.variant](const Case& c) {
         Implementation impl;
-        impl.run = entry;
+        impl.run = entry(c, variant, true);
         return std::optional<Implementation>(std::move(impl));
       });
     }
   }
   const auto bf16 = std::vector<DType>{DType::kBFloat16};
-  for (const char* op : {"rmsnorm_fwd", "rmsnorm_bwd", "fused_add_rmsnorm_fwd", "fused_add_rmsnorm_bwd", "layernorm_fwd",
-                         "layernorm_bwd"}) {
+  for (const char* op : {"rmsnorm_forward", "rmsnorm_backward", "fused_add_rmsnorm_forward", "fused_add_rmsnorm_backward", "layernorm_forward",
+                         "layernorm_backward"}) {
     r.add_configs("smoke", op, {{64, 512}}, {DType::kFloat32, DType::kBFloat16});
     r.add_configs("quack", op, quack_shapes(), bf16);
     r.add_configs("quack-m", op, quack_m_shapes(), bf16);
     r.add_configs("dsv3", op, dsv3_row_shapes(), bf16);
     r.add_configs("llama", op, {{kLlamaTokens, kLlamaHidden}}, bf16);
   }
-  for (const char* op : {"rmsnorm_fwd", "layernorm_fwd"}) r.add_configs("sweep", op, sweep_row_shapes(), bf16);
+  for (const char* op : {"rmsnorm_forward", "layernorm_forward"}) r.add_configs("sweep", op, sweep_row_shapes(), bf16);
 
   // cuDNN baselines (same tensors and eps as our entry points; the cases use weight offset 0).
-  // cuDNN has no fused residual-add + RMSNorm, so fused_add_rmsnorm_fwd / _bwd have no baseline.
+  // cuDNN has no fused residual-add + RMSNorm, so fused_add_rmsnorm_forward / _backward have no baseline.
   if (cudnn_baselines_built()) {
     const double rms_eps = RMSNormOptions{}.eps, rms_offset = RMSNormOptions{}.weight_offset;
     const double ln_eps = LayerNormOptions{}.eps;
-    r.add_baseline("rmsnorm_fwd", "cudnn", [=](const Case& c) {
+    r.add_baseline("rmsnorm_forward", "cudnn", [=](const Case& c) {
       return cudnn_norm_baseline(CudnnNormOp::kRmsNormForward, c, rms_eps, rms_offset);
     });
-    r.add_baseline("rmsnorm_bwd", "cudnn", [=](const Case& c) {
+    r.add_baseline("rmsnorm_backward", "cudnn", [=](const Case& c) {
       return cudnn_norm_baseline(CudnnNormOp::kRmsNormBackward, c, rms_eps, rms_offset);
     });
-    r.add_baseline("layernorm_fwd", "cudnn", [=](const Case& c) {
+    r.add_baseline("layernorm_forward", "cudnn", [=](const Case& c) {
       return cudnn_norm_baseline(CudnnNormOp::kLayerNormForward, c, ln_eps);
     });
-    r.add_baseline("layernorm_bwd", "cudnn", [=](const Case& c) {
+    r.add_baseline("layernorm_backward", "cudnn", [=](const Case& c) {
       return cudnn_norm_baseline(CudnnNormOp::kLayerNormBackward, c, ln_eps);
     });
   }

@@ -21,23 +21,26 @@ Case rope_case(const char* op, std::span<const std::int64_t> shape, DType dtype)
 }
 
 Case rope_forward_case(std::span<const std::int64_t> shape, DType dtype) {
-  Case c = rope_case("rope_fwd", shape, dtype);
-  c.entry = [](Views t, cudaStream_t s) { rope_forward(t[0], t[1], t[2], t[3], {}, {}, {}, {}, s); };
-  c.reference = [](Views t) { rope_forward(t[0], t[1], t[2], t[3], {}, {}, {}); };
+  Case c = rope_case("rope_forward", shape, dtype);
+  const auto [q, k, q_out, k_out] = c.ids("q", "k", "q_out", "k_out");
+  c.entry = [=](CaseTensors t, cudaStream_t s) { rope_forward(t[q], t[k], t[q_out], t[k_out], {}, {}, {}, {}, s); };
+  c.reference = on_cpu(c.entry);
   return c;
 }
 
 Case rope_backward_case(std::span<const std::int64_t> shape, DType dtype) {
-  Case c = rope_case("rope_bwd", shape, dtype);
-  c.entry = [](Views t, cudaStream_t s) { rope_backward(t[0], t[1], t[2], t[3], {}, {}, {}, {}, s); };
-  c.reference = [](Views t) { rope_backward(t[0], t[1], t[2], t[3], {}, {}, {}); };
+  Case c = rope_case("rope_backward", shape, dtype);
+  // The gradients take the forward's places: dq_out and dk_out in q and k, dq and dk in the outputs.
+  const auto [dq_out, dk_out, dq, dk] = c.ids("q", "k", "q_out", "k_out");
+  c.entry = [=](CaseTensors t, cudaStream_t s) { rope_backward(t[dq_out], t[dk_out], t[dq], t[dk], {}, {}, {}, {}, s); };
+  c.reference = on_cpu(c.entry);
   return c;
 }
 
 const Registrar kRegister([](Registry& r) {
-  r.add_op({"rope_fwd", "rope", kDoc, rope_forward_case});
-  r.add_op({"rope_bwd", "rope", kDoc, rope_backward_case});
-  for (const char* op : {"rope_fwd", "rope_bwd"}) {
+  r.add_op({"rope_forward", "rope", kDoc, rope_forward_case});
+  r.add_op({"rope_backward", "rope", kDoc, rope_backward_case});
+  for (const char* op : {"rope_forward", "rope_backward"}) {
     r.add_configs("smoke", op, {{2, 16, 4, 2, 64}}, {DType::kFloat32, DType::kBFloat16});
     // Llama-3-8B at 8192 tokens, and the baseline shape of docs/perf/rope.md (4 x 4096 tokens).
     r.add_configs("llama", op,

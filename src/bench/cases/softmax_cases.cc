@@ -6,42 +6,44 @@ namespace trainscale::bench::cases {
 namespace {
 
 Case softmax_forward_case(std::span<const std::int64_t> shape, DType dtype) {
-  Case c = begin_case("softmax_fwd", "softmax", shape, dtype, 2, "MxN");
+  Case c = begin_case("softmax_forward", "softmax", shape, dtype, 2, "MxN");
   const Shape& mn = c.shape;
   c.tensors = {input("x", dtype, mn), output("y", dtype, mn)};
-  c.tensors[0].lo = -8.0;
-  c.tensors[0].hi = 8.0;
+  c.spec("x").lo = -8.0;
+  c.spec("x").hi = 8.0;
   c.bytes = traffic(c.tensors);
   c.flops = 5.0 * static_cast<double>(numel(mn));  // max, subtract, exp, sum, scale
   c.rows_independent = true;
-  c.entry = [](Views t, cudaStream_t s) { softmax_forward(t[0], t[1], s); };
-  c.reference = [](Views t) { softmax_forward(t[0], t[1]); };
+  const auto [x, y] = c.ids("x", "y");
+  c.entry = [=](CaseTensors t, cudaStream_t s) { softmax_forward(t[x], t[y], s); };
+  c.reference = on_cpu(c.entry);
   return c;
 }
 
 Case softmax_backward_case(std::span<const std::int64_t> shape, DType dtype) {
-  Case c = begin_case("softmax_bwd", "softmax", shape, dtype, 2, "MxN");
+  Case c = begin_case("softmax_backward", "softmax", shape, dtype, 2, "MxN");
   const Shape& mn = c.shape;
   c.tensors = {input("dy", dtype, mn), input("y", dtype, mn), output("dx", dtype, mn)};
-  c.tensors[1].lo = 0.0;  // probabilities
+  c.spec("y").lo = 0.0;  // probabilities
   c.bytes = traffic(c.tensors);
   c.flops = 4.0 * static_cast<double>(numel(mn));
   c.rows_independent = true;
-  c.entry = [](Views t, cudaStream_t s) { softmax_backward(t[0], t[1], t[2], s); };
-  c.reference = [](Views t) { softmax_backward(t[0], t[1], t[2]); };
+  const auto [dy, y, dx] = c.ids("dy", "y", "dx");
+  c.entry = [=](CaseTensors t, cudaStream_t s) { softmax_backward(t[dy], t[y], t[dx], s); };
+  c.reference = on_cpu(c.entry);
   return c;
 }
 
 const Registrar kRegister([](Registry& r) {
-  r.add_op({"softmax_fwd", "softmax", "M x N", softmax_forward_case});
-  r.add_op({"softmax_bwd", "softmax", "M x N", softmax_backward_case});
+  r.add_op({"softmax_forward", "softmax", "M x N", softmax_forward_case});
+  r.add_op({"softmax_backward", "softmax", "M x N", softmax_backward_case});
   const auto bf16 = std::vector<DType>{DType::kBFloat16};
-  for (const char* op : {"softmax_fwd", "softmax_bwd"}) {
+  for (const char* op : {"softmax_forward", "softmax_backward"}) {
     r.add_configs("smoke", op, {{64, 512}}, {DType::kFloat32, DType::kBFloat16});
     r.add_configs("quack", op, quack_shapes(), bf16);
     r.add_configs("dsv3", op, dsv3_row_shapes(), bf16);
   }
-  r.add_configs("sweep", "softmax_fwd", sweep_row_shapes(), bf16);
+  r.add_configs("sweep", "softmax_forward", sweep_row_shapes(), bf16);
 });
 
 }  // namespace

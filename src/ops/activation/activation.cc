@@ -18,23 +18,10 @@ namespace {
 
 using ops::activation::Activation;
 
-constexpr auto kFloatTypes = {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kFloat64};
 void check_approximation(detail::OpChecker& c, GeluApproximation approx) {
   if (!(approx == GeluApproximation::kNone || approx == GeluApproximation::kTanh))
     c.fail("approx", "GeluApproximation::kNone or kTanh",
            "value " + std::to_string(static_cast<int>(approx)));
-}
-
-// The tensor every other argument of the call is compared with.
-void check_first_input(detail::OpChecker& c, const TensorView& t, const char* name) {
-  c.present(t, name).dtype_in(t, name, kFloatTypes);
-  c.rows(t, name);
-}
-
-void check_like(detail::OpChecker& c, const TensorView& t, const char* name, const TensorView& ref,
-                const char* ref_name) {
-  c.present(t, name).same_dtype(t, name, ref, ref_name).same_shape(t, name, ref, ref_name);
-  c.rows(t, name);
 }
 
 // ab [..., 2F] seen as its a (first F columns) or b (last F columns) half.
@@ -50,7 +37,7 @@ TensorView packed_half(const TensorView& ab, Half half) {
 }
 
 void check_packed(detail::OpChecker& c, const TensorView& ab) {
-  check_first_input(c, ab, "ab");
+  c.float_rows(ab, "ab");
   if (!(ab.size(-1) % 2 == 0))
     c.fail("ab", "an even last dim (the a and b halves of [..., 2F])", "shape " + ab.shape_str());
 }
@@ -69,9 +56,9 @@ void check_packed_half_like(detail::OpChecker& c, const TensorView& t, const cha
 
 void plain_forward(detail::OpChecker& c, Activation act, const TensorView& x, TensorView y,
                    cudaStream_t stream) {
-  check_first_input(c, x, "x");
-  check_like(c, y, "y", x, "x");
-  c.in_place_or_disjoint(y, "y", x, "x");
+  c.float_rows(x, "x");
+  c.like(y, "y", x, "x");
+  c.disjoint_or_in_place(y, "y", x, "x");
   if (detail::ran_on_cuda(c, [&] {
         ops::activation::activation_forward_cuda(act, x, y, stream, c.op());
       })) {
@@ -82,11 +69,11 @@ void plain_forward(detail::OpChecker& c, Activation act, const TensorView& x, Te
 
 void plain_backward(detail::OpChecker& c, Activation act, const TensorView& dy, const TensorView& x,
                     TensorView dx, cudaStream_t stream) {
-  check_first_input(c, x, "x");
-  check_like(c, dy, "dy", x, "x");
-  check_like(c, dx, "dx", x, "x");
-  c.in_place_or_disjoint(dx, "dx", dy, "dy");
-  c.in_place_or_disjoint(dx, "dx", x, "x");
+  c.float_rows(x, "x");
+  c.like(dy, "dy", x, "x");
+  c.like(dx, "dx", x, "x");
+  c.disjoint_or_in_place(dx, "dx", dy, "dy");
+  c.disjoint_or_in_place(dx, "dx", x, "x");
   if (detail::ran_on_cuda(c, [&] {
         ops::activation::activation_backward_cuda(act, dy, x, dx, stream, c.op());
       })) {
@@ -97,11 +84,11 @@ void plain_backward(detail::OpChecker& c, Activation act, const TensorView& dy, 
 
 void gated_forward(detail::OpChecker& c, Activation act, const TensorView& a, const TensorView& b,
                    TensorView y, cudaStream_t stream) {
-  check_first_input(c, a, "a");
-  check_like(c, b, "b", a, "a");
-  check_like(c, y, "y", a, "a");
-  c.in_place_or_disjoint(y, "y", a, "a");
-  c.in_place_or_disjoint(y, "y", b, "b");
+  c.float_rows(a, "a");
+  c.like(b, "b", a, "a");
+  c.like(y, "y", a, "a");
+  c.disjoint_or_in_place(y, "y", a, "a");
+  c.disjoint_or_in_place(y, "y", b, "b");
   if (detail::ran_on_cuda(c, [&] {
         ops::activation::gated_forward_cuda(act, a, b, y, stream, c.op());
       })) {
@@ -112,14 +99,14 @@ void gated_forward(detail::OpChecker& c, Activation act, const TensorView& a, co
 
 void gated_backward(detail::OpChecker& c, Activation act, const TensorView& dy, const TensorView& a,
                     const TensorView& b, TensorView da, TensorView db, cudaStream_t stream) {
-  check_first_input(c, a, "a");
-  check_like(c, b, "b", a, "a");
-  check_like(c, dy, "dy", a, "a");
+  c.float_rows(a, "a");
+  c.like(b, "b", a, "a");
+  c.like(dy, "dy", a, "a");
   for (auto [grad, name] : {std::pair{da, "da"}, std::pair{db, "db"}}) {
-    check_like(c, grad, name, a, "a");
-    c.in_place_or_disjoint(grad, name, dy, "dy");
-    c.in_place_or_disjoint(grad, name, a, "a");
-    c.in_place_or_disjoint(grad, name, b, "b");
+    c.like(grad, name, a, "a");
+    c.disjoint_or_in_place(grad, name, dy, "dy");
+    c.disjoint_or_in_place(grad, name, a, "a");
+    c.disjoint_or_in_place(grad, name, b, "b");
   }
   c.no_overlap(da, "da", db, "db");
   if (detail::ran_on_cuda(c, [&] {
@@ -148,8 +135,8 @@ void packed_backward(detail::OpChecker& c, Activation act, const TensorView& dy,
                      const TensorView& ab, TensorView dab, cudaStream_t stream) {
   check_packed(c, ab);
   check_packed_half_like(c, dy, "dy", ab);
-  check_like(c, dab, "dab", ab, "ab");
-  c.in_place_or_disjoint(dab, "dab", ab, "ab");
+  c.like(dab, "dab", ab, "ab");
+  c.disjoint_or_in_place(dab, "dab", ab, "ab");
   c.no_overlap(dab, "dab", dy, "dy");
   const TensorView a = packed_half(ab, Half::kA), b = packed_half(ab, Half::kB);
   const TensorView da = packed_half(dab, Half::kA), db = packed_half(dab, Half::kB);

@@ -127,13 +127,12 @@ void with_form(Activation act, Fn&& fn) {
 template <template <class> class Form, std::size_t NIn, std::size_t NOut>
 void run(Activation act, const char* op, const std::array<TensorView, NIn>& in,
          const std::array<TensorView, NOut>& out, cudaStream_t stream) {
-  const detail::OpChecker c(op);
-  const detail::Rows shape = c.rows(in[0], "input");
+  const detail::Rows shape = detail::row_layout(in[0]);
   std::array<StridedRows, NIn> in_rows;
   std::array<StridedRows, NOut> out_rows;
-  for (std::size_t n = 0; n < NIn; ++n) in_rows[n] = {in[n].data, c.rows(in[n], "input").row_stride};
+  for (std::size_t n = 0; n < NIn; ++n) in_rows[n] = {in[n].data, detail::row_layout(in[n]).row_stride};
   for (std::size_t n = 0; n < NOut; ++n) {
-    out_rows[n] = {out[n].data, c.rows(out[n], "output").row_stride};
+    out_rows[n] = {out[n].data, detail::row_layout(out[n]).row_stride};
   }
   with_form<Form>(act, [&](auto form) {
     detail::dispatch_activation_dtype(in[0].dtype, op, [&](auto tag) {

@@ -58,11 +58,6 @@ void with_activation(Activation act, Fn&& fn) {
   }
 }
 
-// Row layout of a view the entry point already validated (so this cannot throw).
-detail::Rows row_layout(const TensorView& t) {
-  return detail::OpChecker("activation reference").rows(t, "tensor");
-}
-
 // out[k](i, j) = fn(in(i, j))[k] for every element of views sharing one rows x cols shape.
 // Every input of an element is read before any output of it is written, so an output may be
 // the same view as an input.
@@ -71,9 +66,9 @@ void for_each_element(const std::array<TensorView, NumIn>& in,
                       const std::array<TensorView, NumOut>& out, Fn fn) {
   std::array<std::int64_t, NumIn> in_stride;
   std::array<std::int64_t, NumOut> out_stride;
-  for (std::size_t k = 0; k < NumIn; ++k) in_stride[k] = row_layout(in[k]).row_stride;
-  for (std::size_t k = 0; k < NumOut; ++k) out_stride[k] = row_layout(out[k]).row_stride;
-  const detail::Rows shape = row_layout(out[0]);
+  for (std::size_t k = 0; k < NumIn; ++k) in_stride[k] = detail::row_layout(in[k]).row_stride;
+  for (std::size_t k = 0; k < NumOut; ++k) out_stride[k] = detail::row_layout(out[k]).row_stride;
+  const detail::Rows shape = detail::row_layout(out[0]);
   const std::int64_t rows_per_chunk =
       std::max<std::int64_t>(1, 16384 / std::max<std::int64_t>(shape.cols, 1));
   detail::parallel_for(shape.rows, rows_per_chunk, [&](std::int64_t lo, std::int64_t hi) {

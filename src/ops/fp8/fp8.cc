@@ -1,8 +1,6 @@
 #include <algorithm>
 #include <initializer_list>
-#include <iterator>
 #include <string>
-#include <utility>
 
 #include "ops/fp8/fp8_internal.h"
 
@@ -83,13 +81,6 @@ void check_options(detail::OpChecker& c, const Fp8QuantizeOptions& options) {
            std::string("true with granularity ") + fp8_granularity_name(g));
 }
 
-// A 2-D [rows, cols] tensor of one of `dtypes` with contiguous rows.
-void check_matrix(detail::OpChecker& c, const TensorView& t, const char* name,
-                  std::initializer_list<DType> dtypes) {
-  c.present(t, name).dtype_in(t, name, dtypes).ndim(t, name, 2);
-  c.rows(t, name);
-}
-
 // The scales of an [rows, cols] matrix: contiguous float32 in the grid's shape.
 void check_scales(detail::OpChecker& c, const TensorView& t, const char* name,
                   const Fp8QuantizeOptions& options, std::int64_t rows, std::int64_t cols) {
@@ -112,9 +103,9 @@ void fp8_quantize(const TensorView& x, TensorView q, TensorView scales, TensorVi
                   TensorView scales_t, const Fp8QuantizeOptions& options, cudaStream_t stream) {
   detail::OpChecker c("fp8_quantize");
   check_options(c, options);
-  check_matrix(c, x, "x", kHighPrecisionTypes);
+  c.matrix(x, "x", kHighPrecisionTypes);
   const std::int64_t M = x.size(0), N = x.size(1);
-  check_matrix(c, q, "q", kFp8Types);
+  c.matrix(q, "q", kFp8Types);
   c.same_shape(q, "q", x, "x");
   check_scales(c, scales, "scales", options, M, N);
   if (q_t.defined() != scales_t.defined()) {
@@ -122,19 +113,13 @@ void fp8_quantize(const TensorView& x, TensorView q, TensorView scales, TensorVi
                             "a tensor (q_t and scales_t come together)", "none");
   }
   if (q_t.defined()) {
-    check_matrix(c, q_t, "q_t", kFp8Types);
+    c.matrix(q_t, "q_t", kFp8Types);
     c.same_dtype(q_t, "q_t", q, "q");
     c.dim_size(q_t, "q_t", 0, N, "the columns of x").dim_size(q_t, "q_t", 1, M, "the rows of x");
     check_scales(c, scales_t, "scales_t", options, N, M);
   }
-  // Every output disjoint from the input and from the other outputs (absent ones are skipped).
-  const std::pair<const TensorView*, const char*> views[] = {
-      {&x, "x"}, {&q, "q"}, {&scales, "scales"}, {&q_t, "q_t"}, {&scales_t, "scales_t"}};
-  for (std::size_t out = 1; out < std::size(views); ++out) {
-    for (std::size_t other = 0; other < out; ++other) {
-      c.no_overlap(*views[out].first, views[out].second, *views[other].first, views[other].second);
-    }
-  }
+  c.outputs_disjoint({{q, "q"}, {scales, "scales"}, {q_t, "q_t"}, {scales_t, "scales_t"}},
+                     {{x, "x"}});
   if (detail::ran_on_cuda(c, [&] {
       ops::fp8::fp8_quantize_cuda(x, q, scales, q_t, scales_t, options, stream);
       })) {
@@ -147,11 +132,11 @@ void fp8_dequantize(const TensorView& q, const TensorView& scales, TensorView y,
                     const Fp8QuantizeOptions& options, cudaStream_t stream) {
   detail::OpChecker c("fp8_dequantize");
   check_options(c, options);
-  check_matrix(c, q, "q", kFp8Types);
+  c.matrix(q, "q", kFp8Types);
   check_scales(c, scales, "scales", options, q.size(0), q.size(1));
-  check_matrix(c, y, "y", kHighPrecisionTypes);
+  c.matrix(y, "y", kHighPrecisionTypes);
   c.same_shape(y, "y", q, "q");
-  c.no_overlap(y, "y", q, "q").no_overlap(y, "y", scales, "scales");
+  c.outputs_disjoint({{y, "y"}}, {{q, "q"}, {scales, "scales"}});
   if (detail::ran_on_cuda(c, [&] {
       ops::fp8::fp8_dequantize_cuda(q, scales, y, options, stream);
       })) {

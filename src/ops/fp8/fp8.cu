@@ -833,8 +833,7 @@ template <class T, bool kE4M3>
 void quantize(const TensorView& x, TensorView q, TensorView scales, TensorView q_t,
               TensorView scales_t, const Fp8QuantizeOptions& options, cudaStream_t stream) {
   const char* op = "fp8_quantize";
-  const detail::OpChecker c(op);
-  const auto xr = c.rows(x, "x");
+  const auto xr = detail::row_layout(x);
   const std::int64_t M = xr.rows, N = xr.cols;
   const bool transpose = q_t.defined();
   constexpr float kMax = kFp8Max<kE4M3>;
@@ -860,7 +859,7 @@ void quantize(const TensorView& x, TensorView q, TensorView scales, TensorView q
   a.x = x.data;
   a.x_stride = xr.row_stride;
   a.q = static_cast<std::uint8_t*>(q.data);
-  a.q_stride = c.rows(q, "q").row_stride;
+  a.q_stride = detail::row_layout(q).row_stride;
   a.scales = s;
   a.scales_t = s_t;
   a.rows = M;
@@ -877,7 +876,7 @@ void quantize(const TensorView& x, TensorView q, TensorView scales, TensorView q
   a.q_vec16 = aligned_rows(a.q, a.q_stride, 16);
   if (transpose) {
     a.q_t = static_cast<std::uint8_t*>(q_t.data);
-    a.q_t_stride = c.rows(q_t, "q_t").row_stride;
+    a.q_t_stride = detail::row_layout(q_t).row_stride;
     a.q_t_vec = aligned_rows(a.q_t, a.q_t_stride, 16);
   }
 
@@ -1009,15 +1008,14 @@ void fp8_quantize_cuda(const TensorView& x, TensorView q, TensorView scales, Ten
 void fp8_dequantize_cuda(const TensorView& q, const TensorView& scales, TensorView y,
                          const Fp8QuantizeOptions& options, cudaStream_t stream) {
   const char* op = "fp8_dequantize";
-  const detail::OpChecker c(op);
-  const auto qr = c.rows(q, "q");
+  const auto qr = detail::row_layout(q);
   if (qr.rows == 0 || qr.cols == 0) return;
   DequantArgs a{};
   a.q = static_cast<const std::uint8_t*>(q.data);
   a.q_stride = qr.row_stride;
   a.scales = scales.ptr<const float>();
   a.y = y.data;
-  a.y_stride = c.rows(y, "y").row_stride;
+  a.y_stride = detail::row_layout(y).row_stride;
   a.rows = qr.rows;
   a.cols = qr.cols;
   const ScaleGrid grid = scale_grid(options, qr.rows, qr.cols);

@@ -17,8 +17,6 @@ const char* reduction_name(Reduction reduction) {
 
 namespace {
 
-constexpr auto kFloatTypes = {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kFloat64};
-
 constexpr auto kStatTypes = {DType::kFloat32, DType::kFloat64};
 
 // A reduced loss or its upstream gradient: one float32 (or float64) element.
@@ -33,11 +31,10 @@ void check_reduced_value(detail::OpChecker& c, const TensorView& t, const char* 
 // The reduced output / upstream gradient: kNone -> like `a`; otherwise one float32 element.
 void check_loss_value(detail::OpChecker& c, const TensorView& t, const char* name,
                       const TensorView& a, Reduction reduction) {
-  c.present(t, name);
   if (reduction == Reduction::kNone) {
-    c.same_shape(t, name, a, "a").same_dtype(t, name, a, "a");
-    c.rows(t, name);
+    c.like(t, name, a, "a");
   } else {
+    c.present(t, name);
     check_reduced_value(c, t, name, reduction);
   }
 }
@@ -82,40 +79,12 @@ void check_targets(detail::OpChecker& c, const TensorView& targets, std::int64_t
   c.ndim(targets, "targets", 1).dim_size(targets, "targets", 0, rows, rows_of);
 }
 
-// A [rows, cols] matrix with contiguous rows; returns its row count.
-std::int64_t check_matrix(detail::OpChecker& c, const TensorView& t, const char* name) {
-  c.present(t, name).dtype_in(t, name, kFloatTypes).ndim(t, name, 2);
-  return c.rows(t, name).rows;
-}
-
 // [M, V] logits with V >= 1; returns M.
 std::int64_t check_logits(detail::OpChecker& c, const TensorView& logits) {
-  const std::int64_t rows = check_matrix(c, logits, "logits");
+  const std::int64_t rows = c.matrix(logits, "logits").rows;
   if (!(logits.size(1) >= 1))
     c.fail("logits", "at least one class (V >= 1)", "shape " + logits.shape_str());
   return rows;
-}
-
-// Like `ref`: same dtype and shape (and contiguous rows for matrices).
-void check_like(detail::OpChecker& c, const TensorView& t, const char* name, const TensorView& ref,
-                const char* ref_name) {
-  c.present(t, name).same_dtype(t, name, ref, ref_name).same_shape(t, name, ref, ref_name);
-  if (t.ndim == 2) c.rows(t, name);
-}
-struct NamedView {
-  const TensorView* view;
-  const char* name;
-};
-
-// Every output disjoint from every input and from every other output (absent ones skipped).
-void check_disjoint(detail::OpChecker& c, std::initializer_list<NamedView> outputs,
-                    std::initializer_list<NamedView> inputs) {
-  for (auto out = outputs.begin(); out != outputs.end(); ++out) {
-    for (const NamedView& in : inputs) c.no_overlap(*out->view, out->name, *in.view, in.name);
-    for (auto other = outputs.begin(); other != out; ++other) {
-      c.no_overlap(*out->view, out->name, *other->view, other->name);
-    }
-  }
 }
 
 }  // namespace
@@ -123,12 +92,10 @@ void check_disjoint(detail::OpChecker& c, std::initializer_list<NamedView> outpu
 void mse_forward(const TensorView& a, const TensorView& b, TensorView out, Reduction reduction,
                  cudaStream_t stream) {
   detail::OpChecker c("mse_forward");
-  c.present(a, "a").dtype_in(a, "a", kFloatTypes);
-  c.present(b, "b").same_dtype(b, "b", a, "a").same_shape(b, "b", a, "a");
-  c.rows(a, "a");
-  c.rows(b, "b");
+  c.float_rows(a, "a");
+  c.like(b, "b", a, "a");
   check_loss_value(c, out, "out", a, reduction);
-  c.no_overlap(out, "out", a, "a").no_overlap(out, "out", b, "b");
+  c.outputs_disjoint({{out, "out"}}, {{a, "a"}, {b, "b"}});
   if (detail::ran_on_cuda(c, [&] {
       ops::loss::mse_forward_cuda(a, b, out, reduction, stream);
       })) {
@@ -141,18 +108,13 @@ void mse_backward(const TensorView& grad_out, const TensorView& a, const TensorV
                   TensorView grad_a, TensorView grad_b, Reduction reduction,
                   cudaStream_t stream) {
   detail::OpChecker c("mse_backward");
-  c.present(a, "a").dtype_in(a, "a", kFloatTypes);
-  c.present(b, "b").same_dtype(b, "b", a, "a").same_shape(b, "b", a, "a");
-  c.rows(a, "a");
-  c.rows(b, "b");
+  c.float_rows(a, "a");
+  c.like(b, "b", a, "a");
   check_loss_value(c, grad_out, "grad_out", a, reduction);
-  for (auto [g, name] : {std::pair{grad_a, "grad_a"}, std::pair{grad_b, "grad_b"}}) {
-    if (!g.defined()) continue;
-    c.present(g, name).same_dtype(g, name, a, "a").same_shape(g, name, a, "a");
-    c.rows(g, name);
-    c.no_overlap(g, name, a, "a").no_overlap(g, name, b, "b").no_overlap(g, name, grad_out, "grad_out");
-  }
-  c.no_overlap(grad_a, "grad_a", grad_b, "grad_b");
+  if (grad_a.defined()) c.like(grad_a, "grad_a", a, "a");
+  if (grad_b.defined()) c.like(grad_b, "grad_b", a, "a");
+  c.outputs_disjoint({{grad_a, "grad_a"}, {grad_b, "grad_b"}},
+                     {{a, "a"}, {b, "b"}, {grad_out, "grad_out"}});
   if (detail::ran_on_cuda(c, [&] {
       ops::loss::mse_backward_cuda(grad_out, a, b, grad_a, grad_b, reduction, stream);
       })) {
@@ -170,11 +132,9 @@ void cross_entropy_forward(const TensorView& logits, const TensorView& targets, 
   check_options(c, options);
   check_row_loss(c, loss, "loss", rows, "one per row of 'logits'", options.reduction);
   if (lse.defined()) check_row_values(c, lse, "lse", rows, "one per row of 'logits'");
-  if (grad_logits.defined()) check_like(c, grad_logits, "grad_logits", logits, "logits");
-  c.in_place_or_disjoint(grad_logits, "grad_logits", logits, "logits");
-  check_disjoint(c, {{&loss, "loss"}, {&lse, "lse"}, {&grad_logits, "grad_logits"}},
-                 {{&targets, "targets"}});
-  c.no_overlap(loss, "loss", logits, "logits").no_overlap(lse, "lse", logits, "logits");
+  if (grad_logits.defined()) c.like(grad_logits, "grad_logits", logits, "logits");
+  c.outputs_disjoint({{loss, "loss"}, {lse, "lse"}, {grad_logits, "grad_logits"}},
+                     {{logits, "logits"}, {targets, "targets"}}, "grad_logits", "logits");
   if (c.on_cuda()) detail::throw_no_cuda_kernel(c.op());
   ops::loss::cross_entropy_forward_cpu(logits, targets, loss, lse, grad_logits, options);
 }
@@ -189,23 +149,22 @@ void cross_entropy_backward(const TensorView& grad_loss, const TensorView& logit
   check_options(c, options);
   check_row_loss(c, grad_loss, "grad_loss", rows, "one per row of 'logits'", options.reduction);
   check_row_values(c, lse, "lse", rows, "one per row of 'logits'");
-  check_like(c, grad_logits, "grad_logits", logits, "logits");
-  c.in_place_or_disjoint(grad_logits, "grad_logits", logits, "logits");
-  check_disjoint(c, {{&grad_logits, "grad_logits"}},
-                 {{&grad_loss, "grad_loss"}, {&targets, "targets"}, {&lse, "lse"}});
+  c.like(grad_logits, "grad_logits", logits, "logits");
+  c.outputs_disjoint({{grad_logits, "grad_logits"}},
+                     {{grad_loss, "grad_loss"}, {logits, "logits"}, {targets, "targets"}, {lse, "lse"}},
+                     "grad_logits", "logits");
   if (c.on_cuda()) detail::throw_no_cuda_kernel(c.op());
   ops::loss::cross_entropy_backward_cpu(grad_loss, logits, targets, lse, grad_logits, options);
 }
 
-void fused_linear_cross_entropy_forward(const TensorView& hidden, const TensorView& weight,
-                                        const TensorView& bias, const TensorView& targets,
-                                        TensorView loss, TensorView lse, TensorView grad_hidden,
-                                        TensorView grad_weight, TensorView grad_bias,
+void fused_linear_cross_entropy_forward(const FusedLinearCrossEntropyArgs& args,
                                         const CrossEntropyOptions& options,
                                         cudaStream_t /*stream*/) {
+  const auto& [hidden, weight, bias, targets, loss, lse, grad_hidden, grad_weight, grad_bias] =
+      args;
   detail::OpChecker c("fused_linear_cross_entropy_forward");
-  const std::int64_t tokens = check_matrix(c, hidden, "hidden");
-  const std::int64_t classes = check_matrix(c, weight, "weight");
+  const std::int64_t tokens = c.matrix(hidden, "hidden").rows;
+  const std::int64_t classes = c.matrix(weight, "weight").rows;
   c.same_dtype(weight, "weight", hidden, "hidden");
   c.dim_size(weight, "weight", 1, hidden.size(1), "the hidden size of 'hidden'");
   if (!(classes >= 1))
@@ -218,17 +177,16 @@ void fused_linear_cross_entropy_forward(const TensorView& hidden, const TensorVi
   check_options(c, options);
   check_row_loss(c, loss, "loss", tokens, "one per row of 'hidden'", options.reduction);
   if (lse.defined()) check_row_values(c, lse, "lse", tokens, "one per row of 'hidden'");
-  if (grad_hidden.defined()) check_like(c, grad_hidden, "grad_hidden", hidden, "hidden");
-  if (grad_weight.defined()) check_like(c, grad_weight, "grad_weight", weight, "weight");
+  if (grad_hidden.defined()) c.like(grad_hidden, "grad_hidden", hidden, "hidden");
+  if (grad_weight.defined()) c.like(grad_weight, "grad_weight", weight, "weight");
   if (grad_bias.defined()) {
     if (!(bias.defined()))
       c.fail("grad_bias", "a 'bias' to differentiate", "grad_bias without bias");
-    check_like(c, grad_bias, "grad_bias", bias, "bias");
+    c.matches(grad_bias, "grad_bias", bias, "bias");
   }
-  check_disjoint(c,
-                 {{&loss, "loss"}, {&lse, "lse"}, {&grad_hidden, "grad_hidden"},
-                  {&grad_weight, "grad_weight"}, {&grad_bias, "grad_bias"}},
-                 {{&hidden, "hidden"}, {&weight, "weight"}, {&bias, "bias"}, {&targets, "targets"}});
+  c.outputs_disjoint({{loss, "loss"}, {lse, "lse"}, {grad_hidden, "grad_hidden"},
+                      {grad_weight, "grad_weight"}, {grad_bias, "grad_bias"}},
+                     {{hidden, "hidden"}, {weight, "weight"}, {bias, "bias"}, {targets, "targets"}});
   if (c.on_cuda()) detail::throw_no_cuda_kernel(c.op());
   ops::loss::fused_linear_cross_entropy_forward_cpu(hidden, weight, bias, targets, loss, lse,
                                                     grad_hidden, grad_weight, grad_bias, options);

@@ -154,9 +154,7 @@ __global__ void __cluster_dims__(kReduceBlocks, 1, 1) __launch_bounds__(kReduceT
 }
 static_assert(kReduceThreads / 32 == 32, "warp 0 reduces one warp sum per lane");
 
-std::int64_t row_stride(const detail::OpChecker& c, const TensorView& t, const char* name) {
-  return c.rows(t, name).row_stride;
-}
+std::int64_t row_stride(const TensorView& t) { return detail::row_layout(t).row_stride; }
 
 template <class T>
 void launch_reduce(const char* op, std::int64_t rows, std::int64_t cols, const StridedRows& a,
@@ -185,14 +183,13 @@ void launch_reduce(const char* op, std::int64_t rows, std::int64_t cols, const S
 void mse_forward_cuda(const TensorView& a, const TensorView& b, TensorView out,
                       Reduction reduction, cudaStream_t stream) {
   const char* op = "mse_forward";
-  const detail::OpChecker c(op);
-  const detail::Rows shape = c.rows(a, "a");
-  const StridedRows in_a{a.data, shape.row_stride}, in_b{b.data, row_stride(c, b, "b")};
+  const detail::Rows shape = detail::row_layout(a);
+  const StridedRows in_a{a.data, shape.row_stride}, in_b{b.data, row_stride(b)};
   detail::dispatch_activation_dtype(a.dtype, op, [&](auto tag) {
     using T = typename decltype(tag)::type;
     if (reduction == Reduction::kNone) {
       detail::launch_elementwise<T>(op, shape.rows, shape.cols, {in_a, in_b},
-                                    {StridedRows{out.data, row_stride(c, out, "out")}},
+                                    {StridedRows{out.data, row_stride(out)}},
                                     SquaredDiff{}, stream);
     } else {
       const double numel = static_cast<double>(shape.rows) * static_cast<double>(shape.cols);
@@ -207,14 +204,13 @@ void mse_backward_cuda(const TensorView& grad_out, const TensorView& a, const Te
                        cudaStream_t stream) {
   const char* op = "mse_backward";
   if (!grad_a.defined() && !grad_b.defined()) return;
-  const detail::OpChecker c(op);
-  const detail::Rows shape = c.rows(a, "a");
-  const StridedRows in_a{a.data, shape.row_stride}, in_b{b.data, row_stride(c, b, "b")};
+  const detail::Rows shape = detail::row_layout(a);
+  const StridedRows in_a{a.data, shape.row_stride}, in_b{b.data, row_stride(b)};
   // The outputs given: (grad_a, grad_b) -> (g, -g); only one -> sign * g.
   std::array<StridedRows, 2> outs{};
   int n_out = 0;
-  if (grad_a.defined()) outs[n_out++] = {grad_a.data, row_stride(c, grad_a, "grad_a")};
-  if (grad_b.defined()) outs[n_out++] = {grad_b.data, row_stride(c, grad_b, "grad_b")};
+  if (grad_a.defined()) outs[n_out++] = {grad_a.data, row_stride(grad_a)};
+  if (grad_b.defined()) outs[n_out++] = {grad_b.data, row_stride(grad_b)};
   const float sign = grad_a.defined() ? 1.f : -1.f;
   detail::dispatch_activation_dtype(a.dtype, op, [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -223,7 +219,7 @@ void mse_backward_cuda(const TensorView& grad_out, const TensorView& a, const Te
       std::array<StridedRows, kOut> out_rows{};
       for (int n = 0; n < kOut; ++n) out_rows[n] = outs[n];
       if (reduction == Reduction::kNone) {
-        const StridedRows in_g{grad_out.data, row_stride(c, grad_out, "grad_out")};
+        const StridedRows in_g{grad_out.data, row_stride(grad_out)};
         detail::launch_elementwise<T>(op, shape.rows, shape.cols, {in_g, in_a, in_b}, out_rows,
                                       GradFromTensor<kOut>{sign}, stream);
       } else {

@@ -1,20 +1,11 @@
 #include <cmath>
 #include <string>
-#include <utility>
 
 #include "ops/newton_schulz/newton_schulz_internal.h"
 
 namespace trainscale {
 
 namespace {
-
-constexpr auto kFloatTypes = {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kFloat64};
-
-// A [R, C] matrix with contiguous rows.
-void check_matrix(detail::OpChecker& c, const TensorView& t, const char* name) {
-  c.present(t, name).ndim(t, name, 2);
-  c.rows(t, name);
-}
 
 void check_finite(detail::OpChecker& c, double value, const std::string& name, bool non_negative) {
   const bool ok = std::isfinite(value) && (!non_negative || value >= 0);
@@ -50,12 +41,10 @@ void check_newton_schulz_options(detail::OpChecker& c, const NewtonSchulzOptions
 void newton_schulz(const TensorView& g, TensorView out, const NewtonSchulzOptions& options,
                    TensorView workspace, cudaStream_t /*stream*/) {
   detail::OpChecker c("newton_schulz");
-  check_matrix(c, g, "g");
-  c.dtype_in(g, "g", kFloatTypes);
-  check_matrix(c, out, "out");
-  c.same_dtype(out, "out", g, "g").same_shape(out, "out", g, "g").no_overlap(out, "out", g, "g");
+  c.matrix(g, "g");
+  c.like(out, "out", g, "g");
   c.optional(workspace, "workspace");
-  c.no_overlap(workspace, "workspace", g, "g").no_overlap(workspace, "workspace", out, "out");
+  c.outputs_disjoint({{out, "out"}, {workspace, "workspace"}}, {{g, "g"}});
   check_newton_schulz_options(c, options, "options.");
   if (c.on_cuda()) detail::throw_no_cuda_kernel(c.op());
   ops::newton_schulz::newton_schulz_cpu(g, out, options);
@@ -64,24 +53,16 @@ void newton_schulz(const TensorView& g, TensorView out, const NewtonSchulzOption
 void muon_step(TensorView param, const TensorView& grad, TensorView momentum_buffer,
                const MuonOptions& options, TensorView workspace, cudaStream_t /*stream*/) {
   detail::OpChecker c("muon_step");
-  check_matrix(c, param, "param");
-  c.dtype_in(param, "param", kFloatTypes);
-  check_matrix(c, grad, "grad");
-  c.same_dtype(grad, "grad", param, "param").same_shape(grad, "grad", param, "param");
-  check_matrix(c, momentum_buffer, "momentum_buffer");
-  c.same_shape(momentum_buffer, "momentum_buffer", param, "param");
-  if (!(momentum_buffer.dtype == DType::kFloat32 || momentum_buffer.dtype == param.dtype))
-    c.fail("momentum_buffer",
-           std::string("float32 or ") + dtype_name(param.dtype) + " (the dtype of 'param')",
-           dtype_name(momentum_buffer.dtype));
-  c.no_overlap(param, "param", grad, "grad")
-      .no_overlap(momentum_buffer, "momentum_buffer", grad, "grad")
-      .no_overlap(momentum_buffer, "momentum_buffer", param, "param");
+  c.matrix(param, "param");
+  c.like(grad, "grad", param, "param");
+  c.present(momentum_buffer, "momentum_buffer")
+      .float32_or_dtype_of(momentum_buffer, "momentum_buffer", param, "param")
+      .same_shape(momentum_buffer, "momentum_buffer", param, "param");
+  c.rows(momentum_buffer, "momentum_buffer");
   c.optional(workspace, "workspace");
-  for (auto [t, name] : {std::pair{param, "param"}, std::pair{grad, "grad"},
-                         std::pair{momentum_buffer, "momentum_buffer"}}) {
-    c.no_overlap(workspace, "workspace", t, name);
-  }
+  // param and momentum_buffer are updated in place; grad is read only.
+  c.outputs_disjoint({{param, "param"}, {momentum_buffer, "momentum_buffer"}, {workspace, "workspace"}},
+                     {{grad, "grad"}});
   check_finite(c, options.lr, "options.lr", true);
   check_finite(c, options.momentum, "options.momentum", true);
   check_finite(c, options.weight_decay, "options.weight_decay", true);

@@ -97,9 +97,8 @@ Matrix newton_schulz_matrix(const Matrix& g, const NewtonSchulzOptions& options)
 }  // namespace
 
 void newton_schulz_cpu(const TensorView& g, TensorView out, const NewtonSchulzOptions& options) {
-  detail::OpChecker c("newton_schulz");
-  const auto out_layout = c.rows(out, "out");
-  const Matrix x = newton_schulz_matrix(load_matrix(g, c.rows(g, "g")), options);
+  const auto out_layout = detail::row_layout(out);
+  const Matrix x = newton_schulz_matrix(load_matrix(g, detail::row_layout(g)), options);
   for (std::int64_t i = 0; i < x.rows; ++i) {
     for (std::int64_t j = 0; j < x.cols; ++j)
       store_from_double(out.dtype, out.data, i * out_layout.row_stride + j, x(i, j));
@@ -108,10 +107,9 @@ void newton_schulz_cpu(const TensorView& g, TensorView out, const NewtonSchulzOp
 
 void muon_step_cpu(TensorView param, const TensorView& grad, TensorView momentum_buffer,
                    const MuonOptions& options) {
-  detail::OpChecker c("muon_step");
-  const auto param_layout = c.rows(param, "param"),
-             buffer_layout = c.rows(momentum_buffer, "momentum_buffer");
-  const Matrix gradient = load_matrix(grad, c.rows(grad, "grad"));
+  const auto param_layout = detail::row_layout(param),
+             buffer_layout = detail::row_layout(momentum_buffer);
+  const Matrix gradient = load_matrix(grad, detail::row_layout(grad));
   const std::int64_t R = gradient.rows, C = gradient.cols;
   Matrix update(R, C);  // u
   detail::parallel_for(R, grain_for(C), [&](std::int64_t lo, std::int64_t hi) {

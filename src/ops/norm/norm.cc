@@ -1,7 +1,5 @@
 #include <cmath>
-#include <initializer_list>
 #include <string>
-#include <utility>
 
 #include "ops/norm/norm_internal.h"
 
@@ -12,60 +10,10 @@ namespace {
 
 using detail::OpChecker;
 
-constexpr auto kActivationTypes = {DType::kFloat32, DType::kFloat16, DType::kBFloat16,
-                                   DType::kFloat64};
-
-// An argument and the name error messages give it.
-struct Named {
-  const TensorView& view;
-  const char* name;
-};
-// Every output disjoint from every input and from the other outputs, except the one
-// (output, input) pair `in_place` when the two are exactly the same view.
-void check_disjoint(OpChecker& c, std::initializer_list<Named> outputs,
-                    std::initializer_list<Named> inputs,
-                    std::pair<const TensorView*, const TensorView*> in_place = {}) {
-  for (auto out = outputs.begin(); out != outputs.end(); ++out) {
-    for (const Named& in : inputs) {
-      const bool allowed_alias = &out->view == in_place.first && &in.view == in_place.second &&
-                                 detail::same_view(out->view, in.view);
-      if (!allowed_alias) c.no_overlap(out->view, out->name, in.view, in.name);
-    }
-    for (auto earlier = outputs.begin(); earlier != out; ++earlier) {
-      c.no_overlap(out->view, out->name, earlier->view, earlier->name);
-    }
-  }
-}
-
-// The activation every other argument is measured against.
-detail::Rows check_activation(OpChecker& c, const TensorView& t, const char* name) {
-  c.present(t, name).dtype_in(t, name, kActivationTypes);
-  return c.rows(t, name);
-}
-
-// Same shape and dtype as `ref`, rows of its own stride.
-void check_like(OpChecker& c, const TensorView& t, const char* name, const TensorView& ref,
-                const char* ref_name) {
-  c.present(t, name).same_dtype(t, name, ref, ref_name).same_shape(t, name, ref, ref_name);
-  c.rows(t, name);
-}
-
-void check_float32_or_dtype_of(OpChecker& c, const TensorView& t, const char* name,
-                               const TensorView& ref, const char* ref_name) {
-  if (t.dtype == DType::kFloat32 || t.dtype == ref.dtype) return;
-  const std::string ref_dtype = std::string(dtype_name(ref.dtype)) + " (the dtype of '" +
-                                ref_name + "')";
-  detail::throw_arg_error(c.op(), name,
-                          ref.dtype == DType::kFloat32 ? ref_dtype : "float32 or " + ref_dtype,
-                          dtype_name(t.dtype));
-}
-
 // residual of the fused op: x's shape, x's dtype or float32 (a float32 residual stream).
 void check_residual(OpChecker& c, const TensorView& t, const char* name, const TensorView& x,
                     const char* x_name) {
-  c.present(t, name);
-  check_float32_or_dtype_of(c, t, name, x, x_name);
-  c.same_shape(t, name, x, x_name);
+  c.present(t, name).float32_or_dtype_of(t, name, x, x_name).same_shape(t, name, x, x_name);
   c.rows(t, name);
 }
 
@@ -73,8 +21,7 @@ void check_residual(OpChecker& c, const TensorView& t, const char* name, const T
 void check_param(OpChecker& c, const TensorView& p, const char* name, const TensorView& x,
                  const char* x_name, std::int64_t cols) {
   if (!p.defined()) return;
-  c.present(p, name);
-  check_float32_or_dtype_of(c, p, name, x, x_name);
+  c.present(p, name).float32_or_dtype_of(p, name, x, x_name);
   c.ndim(p, name, 1).dim_size(p, name, 0, cols, "the row length").contiguous(p, name);
 }
 
@@ -86,8 +33,7 @@ void check_param_grad(OpChecker& c, const TensorView& g, const char* name, const
       c.fail(name, std::string("no tensor (there is no '") + p_name + "')", g.describe());
     return;
   }
-  c.present(g, name).same_dtype(g, name, p, p_name).same_shape(g, name, p, p_name);
-  c.contiguous(g, name);
+  c.matches(g, name, p, p_name).contiguous(g, name);
 }
 
 // mean / rstd: one element per row, contiguous, float32 (or float64 beside float64
@@ -139,12 +85,12 @@ void check_options(OpChecker& c, const LayerNormOptions& options) {
 void rmsnorm_forward(const TensorView& x, const TensorView& weight, TensorView y, TensorView rstd,
                      const RMSNormOptions& options, cudaStream_t stream) {
   OpChecker c("rmsnorm_forward");
-  const auto rows = check_activation(c, x, "x");
+  const auto rows = c.float_rows(x, "x");
   check_param(c, weight, "weight", x, "x", rows.cols);
-  check_like(c, y, "y", x, "x");
+  c.like(y, "y", x, "x");
   check_optional_stat(c, rstd, "rstd", x, rows.rows);
   check_options(c, options);
-  check_disjoint(c, {{y, "y"}, {rstd, "rstd"}}, {{x, "x"}, {weight, "weight"}});
+  c.outputs_disjoint({{y, "y"}, {rstd, "rstd"}}, {{x, "x"}, {weight, "weight"}});
   if (detail::ran_on_cuda(c, [&] {
       ops::norm::rmsnorm_forward_cuda(x, weight, y, rstd, options, stream);
       })) {
@@ -157,16 +103,16 @@ void rmsnorm_backward(const TensorView& dy, const TensorView& x, const TensorVie
                       const TensorView& rstd, TensorView dx, TensorView dw, TensorView workspace,
                       const RMSNormOptions& options, cudaStream_t stream) {
   OpChecker c("rmsnorm_backward");
-  const auto rows = check_activation(c, x, "x");
-  check_like(c, dy, "dy", x, "x");
+  const auto rows = c.float_rows(x, "x");
+  c.like(dy, "dy", x, "x");
   check_param(c, weight, "weight", x, "x", rows.cols);
   check_stat(c, rstd, "rstd", x, rows.rows);
-  check_like(c, dx, "dx", x, "x");
+  c.like(dx, "dx", x, "x");
   check_param_grad(c, dw, "dw", weight, "weight");
   c.optional(workspace, "workspace");
   check_options(c, options);
-  check_disjoint(c, {{dx, "dx"}, {dw, "dw"}, {workspace, "workspace"}},
-                 {{dy, "dy"}, {x, "x"}, {weight, "weight"}, {rstd, "rstd"}}, {&dx, &dy});
+  c.outputs_disjoint({{dx, "dx"}, {dw, "dw"}, {workspace, "workspace"}},
+                     {{dy, "dy"}, {x, "x"}, {weight, "weight"}, {rstd, "rstd"}}, "dx", "dy");
   if (detail::ran_on_cuda(c, [&] {
       ops::norm::rmsnorm_backward_cuda(dy, x, weight, rstd, dx, dw, workspace, options, stream);
       })) {
@@ -179,12 +125,12 @@ void fused_add_rmsnorm_forward(TensorView x, TensorView residual, const TensorVi
                                TensorView rstd, const RMSNormOptions& options,
                                cudaStream_t stream) {
   OpChecker c("fused_add_rmsnorm_forward");
-  const auto rows = check_activation(c, x, "x");
+  const auto rows = c.float_rows(x, "x");
   check_residual(c, residual, "residual", x, "x");
   check_param(c, weight, "weight", x, "x", rows.cols);
   check_optional_stat(c, rstd, "rstd", x, rows.rows);
   check_options(c, options);
-  check_disjoint(c, {{x, "x"}, {residual, "residual"}, {rstd, "rstd"}}, {{weight, "weight"}});
+  c.outputs_disjoint({{x, "x"}, {residual, "residual"}, {rstd, "rstd"}}, {{weight, "weight"}});
   if (detail::ran_on_cuda(c, [&] {
       ops::norm::fused_add_rmsnorm_forward_cuda(x, residual, weight, rstd, options, stream);
       })) {
@@ -199,19 +145,19 @@ void fused_add_rmsnorm_backward(const TensorView& dy, const TensorView& d_residu
                                 TensorView workspace, const RMSNormOptions& options,
                                 cudaStream_t stream) {
   OpChecker c("fused_add_rmsnorm_backward");
-  const auto rows = check_activation(c, dy, "dy");
+  const auto rows = c.float_rows(dy, "dy");
   check_residual(c, residual, "residual", dy, "dy");
-  if (d_residual.defined()) check_like(c, d_residual, "d_residual", residual, "residual");
+  if (d_residual.defined()) c.like(d_residual, "d_residual", residual, "residual");
   check_param(c, weight, "weight", dy, "dy", rows.cols);
   check_stat(c, rstd, "rstd", dy, rows.rows);
-  check_like(c, dx, "dx", dy, "dy");
+  c.like(dx, "dx", dy, "dy");
   check_param_grad(c, dw, "dw", weight, "weight");
   c.optional(workspace, "workspace");
   check_options(c, options);
-  check_disjoint(c, {{dx, "dx"}, {dw, "dw"}, {workspace, "workspace"}},
-                 {{dy, "dy"}, {d_residual, "d_residual"}, {residual, "residual"},
-                  {weight, "weight"}, {rstd, "rstd"}},
-                 {&dx, &dy});
+  c.outputs_disjoint({{dx, "dx"}, {dw, "dw"}, {workspace, "workspace"}},
+                     {{dy, "dy"}, {d_residual, "d_residual"}, {residual, "residual"},
+                      {weight, "weight"}, {rstd, "rstd"}},
+                     "dx", "dy");
   if (detail::ran_on_cuda(c, [&] {
       ops::norm::fused_add_rmsnorm_backward_cuda(dy, d_residual, residual, weight, rstd, dx, dw,
                                                  workspace, options, stream);
@@ -226,15 +172,15 @@ void layernorm_forward(const TensorView& x, const TensorView& weight, const Tens
                        TensorView y, TensorView mean, TensorView rstd,
                        const LayerNormOptions& options, cudaStream_t stream) {
   OpChecker c("layernorm_forward");
-  const auto rows = check_activation(c, x, "x");
+  const auto rows = c.float_rows(x, "x");
   check_param(c, weight, "weight", x, "x", rows.cols);
   check_param(c, bias, "bias", x, "x", rows.cols);
-  check_like(c, y, "y", x, "x");
+  c.like(y, "y", x, "x");
   check_optional_stat(c, mean, "mean", x, rows.rows);
   check_optional_stat(c, rstd, "rstd", x, rows.rows);
   check_options(c, options);
-  check_disjoint(c, {{y, "y"}, {mean, "mean"}, {rstd, "rstd"}},
-                 {{x, "x"}, {weight, "weight"}, {bias, "bias"}});
+  c.outputs_disjoint({{y, "y"}, {mean, "mean"}, {rstd, "rstd"}},
+                     {{x, "x"}, {weight, "weight"}, {bias, "bias"}});
   if (detail::ran_on_cuda(c, [&] {
       ops::norm::layernorm_forward_cuda(x, weight, bias, y, mean, rstd, options, stream);
       })) {
@@ -243,25 +189,24 @@ void layernorm_forward(const TensorView& x, const TensorView& weight, const Tens
   ops::norm::layernorm_forward_cpu(x, weight, bias, y, mean, rstd, options);
 }
 
-void layernorm_backward(const TensorView& dy, const TensorView& x, const TensorView& weight,
-                        const TensorView& mean, const TensorView& rstd, TensorView dx,
-                        TensorView dw, TensorView db, TensorView workspace,
-                        const LayerNormOptions& options, cudaStream_t stream) {
+void layernorm_backward(const LayerNormBackwardArgs& args, const LayerNormOptions& options,
+                        cudaStream_t stream) {
+  const auto& [dy, x, weight, mean, rstd, dx, dw, db, workspace] = args;
   OpChecker c("layernorm_backward");
-  const auto rows = check_activation(c, x, "x");
-  check_like(c, dy, "dy", x, "x");
+  const auto rows = c.float_rows(x, "x");
+  c.like(dy, "dy", x, "x");
   check_param(c, weight, "weight", x, "x", rows.cols);
   check_stat(c, mean, "mean", x, rows.rows);
   check_stat(c, rstd, "rstd", x, rows.rows);
-  check_like(c, dx, "dx", x, "x");
+  c.like(dx, "dx", x, "x");
   check_param_grad(c, dw, "dw", weight, "weight");
   // The bias is no input of the backward pass, so db is optional and checked like a bias.
   check_param(c, db, "db", x, "x", rows.cols);
   c.optional(workspace, "workspace");
   check_options(c, options);
-  check_disjoint(c, {{dx, "dx"}, {dw, "dw"}, {db, "db"}, {workspace, "workspace"}},
-                 {{dy, "dy"}, {x, "x"}, {weight, "weight"}, {mean, "mean"}, {rstd, "rstd"}},
-                 {&dx, &dy});
+  c.outputs_disjoint({{dx, "dx"}, {dw, "dw"}, {db, "db"}, {workspace, "workspace"}},
+                     {{dy, "dy"}, {x, "x"}, {weight, "weight"}, {mean, "mean"}, {rstd, "rstd"}},
+                     "dx", "dy");
   if (detail::ran_on_cuda(c, [&] {
       ops::norm::layernorm_backward_cuda(dy, x, weight, mean, rstd, dx, dw, db, workspace, options, stream);
       })) {

@@ -677,22 +677,21 @@ void launch_backward(BackwardArgs a, const TensorView& dw, const TensorView& db,
   }
 }
 
-BackwardArgs make_args(const char* op, const TensorView& dy, const TensorView& x,
+BackwardArgs make_args(const TensorView& dy, const TensorView& x,
                        const TensorView& weight, const TensorView& mean, const TensorView& rstd,
                        TensorView dx) {
-  detail::OpChecker c(op);
-  const auto dyr = c.rows(dy, "dy");
+  const auto dyr = detail::row_layout(dy);
   BackwardArgs a{};
   a.dy = dy.data;
   a.dy_stride = dyr.row_stride;
   a.x = x.data;
-  a.x_stride = c.rows(x, "x").row_stride;
+  a.x_stride = detail::row_layout(x).row_stride;
   a.weight = weight.defined() ? weight.data : nullptr;
   a.weight_f32 = weight.defined() && weight.dtype == DType::kFloat32;
   a.mean = mean.defined() ? mean.ptr<const float>() : nullptr;
   a.rstd = rstd.ptr<const float>();
   a.dx = dx.data;
-  a.dx_stride = c.rows(dx, "dx").row_stride;
+  a.dx_stride = detail::row_layout(dx).row_stride;
   a.rows = dyr.rows;
   a.cols = dyr.cols;
   return a;
@@ -713,7 +712,7 @@ void rmsnorm_backward_cuda(const TensorView& dy, const TensorView& x, const Tens
                            cudaStream_t stream) {
   const char* op = "rmsnorm_backward";
   const NormVariant variant = options.variant;
-  BackwardArgs a = make_args(op, dy, x, weight, {}, rstd, dx);
+  BackwardArgs a = make_args(dy, x, weight, {}, rstd, dx);
   a.weight_offset = static_cast<float>(options.weight_offset);
   detail::dispatch_activation_dtype(dy.dtype, op, [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -728,11 +727,11 @@ void fused_add_rmsnorm_backward_cuda(const TensorView& dy, const TensorView& d_r
                                      cudaStream_t stream) {
   const char* op = "fused_add_rmsnorm_backward";
   const NormVariant variant = options.variant;
-  BackwardArgs a = make_args(op, dy, residual, weight, {}, rstd, dx);
+  BackwardArgs a = make_args(dy, residual, weight, {}, rstd, dx);
   a.weight_offset = static_cast<float>(options.weight_offset);
   if (d_residual.defined()) {
     a.d_residual = d_residual.data;
-    a.d_residual_stride = detail::OpChecker(op).rows(d_residual, "d_residual").row_stride;
+    a.d_residual_stride = detail::row_layout(d_residual).row_stride;
   }
   detail::dispatch_activation_dtype(dy.dtype, op, [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -750,7 +749,7 @@ void layernorm_backward_cuda(const TensorView& dy, const TensorView& x, const Te
                              const LayerNormOptions& options, cudaStream_t stream) {
   const char* op = "layernorm_backward";
   const NormVariant variant = options.variant;
-  BackwardArgs a = make_args(op, dy, x, weight, mean, rstd, dx);
+  BackwardArgs a = make_args(dy, x, weight, mean, rstd, dx);
   detail::dispatch_activation_dtype(dy.dtype, op, [&](auto tag) {
     using T = typename decltype(tag)::type;
     launch_backward<T, T, Kind::kLayer>(a, dw, db, workspace, variant, stream, op);

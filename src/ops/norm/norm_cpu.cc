@@ -19,8 +19,8 @@ namespace {
 // A validated (or absent) tensor seen as M rows of N elements, read and written a row at a time.
 class RowAccess {
  public:
-  RowAccess(const detail::OpChecker& c, const TensorView& t, const char* name)
-      : t_(t), rows_(t.defined() ? c.rows(t, name) : detail::Rows{}) {}
+  explicit RowAccess(const TensorView& t)
+      : t_(t), rows_(t.defined() ? detail::row_layout(t) : detail::Rows{}) {}
 
   bool defined() const { return t_.defined(); }
   std::int64_t rows() const { return rows_.rows; }
@@ -106,12 +106,10 @@ double rmsnorm_row(std::vector<double>& v, const std::vector<double>& w, double 
 // Shared by rmsnorm_backward and fused_add_rmsnorm_backward (which adds d_residual): with
 // w' = w + offset and r the saved rstd,
 //   dx = r * w' * dy - r^3 / N * x * sum(dy * w' * x)  [+ d_residual],  dw = sum_rows dy * x * r.
-void rmsnorm_backward_rows(const char* op, const TensorView& dy, const TensorView& d_residual,
-                           const TensorView& x, const char* x_name, const TensorView& weight,
+void rmsnorm_backward_rows(const TensorView& dy, const TensorView& d_residual,
+                           const TensorView& x, const TensorView& weight,
                            const TensorView& rstd, TensorView dx, TensorView dw, double offset) {
-  const detail::OpChecker c(op);
-  const RowAccess grad(c, dy, "dy"), residual_grad(c, d_residual, "d_residual"),
-      input(c, x, x_name), grad_in(c, dx, "dx");
+  const RowAccess grad(dy), residual_grad(d_residual), input(x), grad_in(dx);
   const std::int64_t M = input.rows(), N = input.cols();
   const std::vector<double> w = load_param(weight, N, 1.0, offset);
   const std::int64_t width = dw.defined() ? N : 0;
@@ -140,8 +138,7 @@ void rmsnorm_backward_rows(const char* op, const TensorView& dy, const TensorVie
 
 void rmsnorm_forward_cpu(const TensorView& x, const TensorView& weight, TensorView y,
                          TensorView rstd, const RMSNormOptions& options) {
-  const detail::OpChecker c("rmsnorm_forward");
-  const RowAccess input(c, x, "x"), output(c, y, "y");
+  const RowAccess input(x), output(y);
   const std::int64_t M = input.rows(), N = input.cols();
   const std::vector<double> w = load_param(weight, N, 1.0, options.weight_offset);
   detail::parallel_for(M, row_grain(N), [&](std::int64_t lo, std::int64_t hi) {
@@ -157,14 +154,12 @@ void rmsnorm_forward_cpu(const TensorView& x, const TensorView& weight, TensorVi
 void rmsnorm_backward_cpu(const TensorView& dy, const TensorView& x, const TensorView& weight,
                           const TensorView& rstd, TensorView dx, TensorView dw,
                           const RMSNormOptions& options) {
-  rmsnorm_backward_rows("rmsnorm_backward", dy, TensorView{}, x, "x", weight, rstd, dx, dw,
-                        options.weight_offset);
+  rmsnorm_backward_rows(dy, TensorView{}, x, weight, rstd, dx, dw, options.weight_offset);
 }
 
 void fused_add_rmsnorm_forward_cpu(TensorView x, TensorView residual, const TensorView& weight,
                                    TensorView rstd, const RMSNormOptions& options) {
-  const detail::OpChecker c("fused_add_rmsnorm_forward");
-  const RowAccess input(c, x, "x"), sum(c, residual, "residual");
+  const RowAccess input(x), sum(residual);
   const std::int64_t M = input.rows(), N = input.cols();
   const std::vector<double> w = load_param(weight, N, 1.0, options.weight_offset);
   detail::parallel_for(M, row_grain(N), [&](std::int64_t lo, std::int64_t hi) {
@@ -186,15 +181,13 @@ void fused_add_rmsnorm_backward_cpu(const TensorView& dy, const TensorView& d_re
                                     const TensorView& residual, const TensorView& weight,
                                     const TensorView& rstd, TensorView dx, TensorView dw,
                                     const RMSNormOptions& options) {
-  rmsnorm_backward_rows("fused_add_rmsnorm_backward", dy, d_residual, residual, "residual",
-                        weight, rstd, dx, dw, options.weight_offset);
+  rmsnorm_backward_rows(dy, d_residual, residual, weight, rstd, dx, dw, options.weight_offset);
 }
 
 void layernorm_forward_cpu(const TensorView& x, const TensorView& weight, const TensorView& bias,
                            TensorView y, TensorView mean, TensorView rstd,
                            const LayerNormOptions& options) {
-  const detail::OpChecker c("layernorm_forward");
-  const RowAccess input(c, x, "x"), output(c, y, "y");
+  const RowAccess input(x), output(y);
   const std::int64_t M = input.rows(), N = input.cols();
   const std::vector<double> w = load_param(weight, N, 1.0), b = load_param(bias, N, 0.0);
   detail::parallel_for(M, row_grain(N), [&](std::int64_t lo, std::int64_t hi) {
@@ -221,8 +214,7 @@ void layernorm_forward_cpu(const TensorView& x, const TensorView& weight, const 
 void layernorm_backward_cpu(const TensorView& dy, const TensorView& x, const TensorView& weight,
                             const TensorView& mean, const TensorView& rstd, TensorView dx,
                             TensorView dw, TensorView db) {
-  const detail::OpChecker c("layernorm_backward");
-  const RowAccess grad(c, dy, "dy"), input(c, x, "x"), grad_in(c, dx, "dx");
+  const RowAccess grad(dy), input(x), grad_in(dx);
   const std::int64_t M = input.rows(), N = input.cols();
   const std::vector<double> w = load_param(weight, N, 1.0);
   // Partial sums laid out as [dw (N if given) | db (N if given)].

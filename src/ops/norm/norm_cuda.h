@@ -1,5 +1,6 @@
-// CUDA launchers of the norm family (norm_forward.cu, norm_backward.cu); arguments arrive
-// validated by norm.cc. options.variant picks the row kernel.
+// CUDA launchers of the norm family (norm_forward_rms.cu, norm_forward_fused_add.cu,
+// norm_forward_layer.cu, norm_backward.cu); arguments arrive validated by norm.cc.
+// options.variant picks the row kernel (norm_plan.h).
 #pragma once
 
 #include <cstddef>

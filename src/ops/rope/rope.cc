@@ -21,8 +21,6 @@ const char* rope_style_name(RopeStyle style) {
 
 namespace {
 
-constexpr auto kFloatTypes = {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kFloat64};
-
 // Forward and backward take the same arguments under different names.
 struct ArgNames {
   const char* q;
@@ -33,69 +31,8 @@ struct ArgNames {
 constexpr ArgNames kForwardNames{"q", "k", "q_out", "k_out"};
 constexpr ArgNames kBackwardNames{"dq_out", "dk_out", "dq", "dk"};
 
-// Sufficient condition for no two indices of `shape` under `strides` sharing an address: every
-// stride exceeds the largest offset the finer dims (smaller stride; ties by position) reach.
-bool injective_layout(const std::array<std::int64_t, kMaxDims>& shape,
-                      const std::array<std::int64_t, kMaxDims>& strides, int ndim) {
-  for (int d = 0; d < ndim; ++d) {
-    if (shape[d] <= 1) continue;
-    std::int64_t finer_reach = 0;
-    for (int e = 0; e < ndim; ++e) {
-      const bool finer = strides[e] < strides[d] || (strides[e] == strides[d] && e < d);
-      if (e != d && finer && shape[e] > 1) finer_reach += (shape[e] - 1) * strides[e];
-    }
-    if (strides[d] <= finer_reach) return false;
-  }
-  return true;
-}
-
-// True when a and b are slices of one injective layout that differ along a single dim over
-// non-intersecting index ranges: q and k as head ranges of one fused QKV buffer, whose byte
-// ranges interleave although no element is shared.
-bool disjoint_slices(const TensorView& a, const TensorView& b) {
-  if (a.dtype != b.dtype || a.ndim != b.ndim ||
-      !std::equal(a.strides.begin(), a.strides.begin() + a.ndim, b.strides.begin())) {
-    return false;
-  }
-  const auto element = static_cast<std::int64_t>(a.element_size());
-  const std::int64_t byte_delta = static_cast<std::int64_t>(
-      reinterpret_cast<std::uintptr_t>(b.data) - reinterpret_cast<std::uintptr_t>(a.data));
-  if (byte_delta % element != 0) return false;
-  const std::int64_t delta = byte_delta / element;
-  for (int h = 0; h < a.ndim; ++h) {
-    const std::int64_t step = a.strides[h];
-    if (step <= 0 || delta % step != 0) continue;
-    const std::int64_t shift = delta / step;  // b's index 0 along h is a's index `shift`
-    if (shift < a.shape[h] && -shift < b.shape[h]) continue;  // the index ranges intersect
-    std::array<std::int64_t, kMaxDims> extent{};
-    for (int d = 0; d < a.ndim; ++d) extent[d] = std::max(a.shape[d], b.shape[d]);
-    extent[h] = std::max(a.shape[h], shift + b.shape[h]) - std::min<std::int64_t>(0, shift);
-    if (injective_layout(extent, a.strides, a.ndim)) return true;
-  }
-  return false;
-}
-
-bool elements_disjoint(const TensorView& a, const TensorView& b) {
-  if (!a.defined() || !b.defined()) return true;
-  const auto [a_lo, a_hi] = detail::byte_extent(a);
-  const auto [b_lo, b_hi] = detail::byte_extent(b);
-  return a_hi <= b_lo || b_hi <= a_lo || disjoint_slices(a, b);
-}
-
-void check_disjoint(detail::OpChecker& c, const TensorView& out, const char* out_name,
-                    const TensorView& other, const char* other_name) {
-  if (!elements_disjoint(out, other))
-    c.fail(out_name, std::string("memory disjoint from '") + other_name + "'", "overlapping views");
-}
-
-// Each pair is read before it is written, so an output may be exactly its input's view.
-void check_in_place_or_disjoint(detail::OpChecker& c, const TensorView& out, const char* out_name,
-                                const TensorView& in, const char* in_name) {
-  if (!(detail::same_view(out, in) || elements_disjoint(out, in)))
-    c.fail(out_name,
-           std::string("memory disjoint from '") + in_name + "' or exactly its view (in place)",
-           "a partially overlapping view");
-}
+// q_out and k_out may be head ranges of one fused QKV buffer, interleaved with q and k.
+constexpr auto kHeads = detail::Disjoint::kElements;
 
 std::int64_t check_options(detail::OpChecker& c, const RopeOptions& options,
                            std::int64_t head_dim) {
@@ -116,8 +53,7 @@ std::int64_t check_options(detail::OpChecker& c, const RopeOptions& options,
 // q and k (or their gradients) and the outputs written from them.
 void check_heads(detail::OpChecker& c, const ArgNames& n, const TensorView& q, const TensorView& k,
                  const TensorView& q_out, const TensorView& k_out) {
-  c.present(q_out, n.q_out).same_dtype(q_out, n.q_out, q, n.q).same_shape(q_out, n.q_out, q, n.q);
-  c.unit_last_stride(q_out, n.q_out);
+  c.matches(q_out, n.q_out, q, n.q).unit_last_stride(q_out, n.q_out);
   if (!(k_out.defined() == k.defined()))
     c.fail(k.defined() ? n.k_out : n.k,
            std::string("'") + n.k + "' and '" + n.k_out + "' both given or both absent",
@@ -128,14 +64,14 @@ void check_heads(detail::OpChecker& c, const ArgNames& n, const TensorView& q, c
     c.dim_size(k, n.k, 0, q.size(0), ("the batch size" + of_q).c_str());
     c.dim_size(k, n.k, 1, q.size(1), ("the sequence length" + of_q).c_str());
     c.dim_size(k, n.k, 3, q.size(3), ("the head dim" + of_q).c_str()).unit_last_stride(k, n.k);
-    c.present(k_out, n.k_out).same_dtype(k_out, n.k_out, k, n.k).same_shape(k_out, n.k_out, k, n.k);
-    c.unit_last_stride(k_out, n.k_out);
+    c.matches(k_out, n.k_out, k, n.k).unit_last_stride(k_out, n.k_out);
   }
-  check_in_place_or_disjoint(c, q_out, n.q_out, q, n.q);
-  check_in_place_or_disjoint(c, k_out, n.k_out, k, n.k);
-  check_disjoint(c, q_out, n.q_out, k, n.k);
-  check_disjoint(c, k_out, n.k_out, q, n.q);
-  check_disjoint(c, q_out, n.q_out, k_out, n.k_out);
+  // Each pair is read before it is written, so an output may be exactly its input's view.
+  c.disjoint_or_in_place(q_out, n.q_out, q, n.q, kHeads);
+  c.disjoint_or_in_place(k_out, n.k_out, k, n.k, kHeads);
+  c.no_overlap(q_out, n.q_out, k, n.k, kHeads);
+  c.no_overlap(k_out, n.k_out, q, n.q, kHeads);
+  c.no_overlap(q_out, n.q_out, k_out, n.k_out, kHeads);
 }
 
 // Returns P, the number of positions the tables hold (-1 without tables).
@@ -146,8 +82,7 @@ std::int64_t check_tables(detail::OpChecker& c, const TensorView& cos, const Ten
   if (!cos.defined()) return -1;
   c.present(cos, "cos").dtype_in(cos, "cos", {DType::kFloat32, q.dtype}).ndim(cos, "cos", 2);
   c.dim_size(cos, "cos", 1, rotary_dim / 2, "rotary_dim / 2").unit_last_stride(cos, "cos");
-  c.present(sin, "sin").same_dtype(sin, "sin", cos, "cos").same_shape(sin, "sin", cos, "cos");
-  c.unit_last_stride(sin, "sin");
+  c.matches(sin, "sin", cos, "cos").unit_last_stride(sin, "sin");
   const std::int64_t positions = cos.size(0), seq = q.size(1);
   if (!(seq <= positions))
     c.fail(
@@ -185,15 +120,15 @@ void rope(const char* op, const ArgNames& n, ops::rope::Direction direction, con
           const TensorView& sin, const TensorView& offsets, const RopeOptions& options,
           cudaStream_t stream) {
   detail::OpChecker c(op);
-  c.present(q, n.q).dtype_in(q, n.q, kFloatTypes).ndim(q, n.q, 4).unit_last_stride(q, n.q);
+  c.present(q, n.q).dtype_in(q, n.q, detail::kFloatDTypes).ndim(q, n.q, 4).unit_last_stride(q, n.q);
   const std::int64_t rotary_dim = check_options(c, options, q.size(3));
   check_heads(c, n, q, k, q_out, k_out);
   const std::int64_t table_positions = check_tables(c, cos, sin, q, n.q, rotary_dim);
   check_offsets(c, offsets, q, n.q, table_positions);
   for (auto [out, out_name] : {std::pair{q_out, n.q_out}, std::pair{k_out, n.k_out}}) {
-    check_disjoint(c, out, out_name, cos, "cos");
-    check_disjoint(c, out, out_name, sin, "sin");
-    check_disjoint(c, out, out_name, offsets, "position_offsets");
+    c.no_overlap(out, out_name, cos, "cos", kHeads);
+    c.no_overlap(out, out_name, sin, "sin", kHeads);
+    c.no_overlap(out, out_name, offsets, "position_offsets", kHeads);
   }
   if (detail::ran_on_cuda(c, [&] {
       ops::rope::rope_cuda(direction, q, k, q_out, k_out, cos, sin, offsets, rotary_dim, options,

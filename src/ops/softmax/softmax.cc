@@ -2,24 +2,11 @@
 
 namespace trainscale {
 
-namespace {
-
-constexpr auto kFloatTypes = {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kFloat64};
-// `t` is a row tensor like `ref` (same dtype and shape, rows contiguous).
-void check_like(detail::OpChecker& c, const TensorView& t, const char* name, const TensorView& ref,
-                const char* ref_name) {
-  c.present(t, name).same_dtype(t, name, ref, ref_name).same_shape(t, name, ref, ref_name);
-  c.rows(t, name);
-}
-
-}  // namespace
-
 void softmax_forward(const TensorView& x, TensorView y, cudaStream_t /*stream*/) {
   detail::OpChecker c("softmax_forward");
-  c.present(x, "x").dtype_in(x, "x", kFloatTypes);
-  c.rows(x, "x");
-  check_like(c, y, "y", x, "x");
-  c.in_place_or_disjoint(y, "y", x, "x");
+  c.float_rows(x, "x");
+  c.like(y, "y", x, "x");
+  c.disjoint_or_in_place(y, "y", x, "x");
   if (c.on_cuda()) detail::throw_no_cuda_kernel(c.op());
   ops::softmax::softmax_forward_cpu(x, y);
 }
@@ -27,11 +14,10 @@ void softmax_forward(const TensorView& x, TensorView y, cudaStream_t /*stream*/)
 void softmax_backward(const TensorView& dy, const TensorView& y, TensorView dx,
                       cudaStream_t /*stream*/) {
   detail::OpChecker c("softmax_backward");
-  c.present(dy, "dy").dtype_in(dy, "dy", kFloatTypes);
-  c.rows(dy, "dy");
-  check_like(c, y, "y", dy, "dy");
-  check_like(c, dx, "dx", dy, "dy");
-  c.in_place_or_disjoint(dx, "dx", dy, "dy");
+  c.float_rows(dy, "dy");
+  c.like(y, "y", dy, "dy");
+  c.like(dx, "dx", dy, "dy");
+  c.disjoint_or_in_place(dx, "dx", dy, "dy");
   c.no_overlap(dx, "dx", y, "y");
   if (c.on_cuda()) detail::throw_no_cuda_kernel(c.op());
   ops::softmax::softmax_backward_cpu(dy, y, dx);

@@ -1,10 +1,12 @@
-// Forward kernels: RMSNorm, fused add + RMSNorm (in place) and LayerNorm share one row kernel.
-#include <limits>
+// The forward row kernels of the norm family: RMSNorm, fused add + RMSNorm (in place) and
+// LayerNorm share one register kernel (variants kRegisters, kRows, kPipelined) and a two-pass
+// kernel. Which one runs, and how it is launched, is norm_plan.h's and
+// norm_forward_launch.cuh's business.
+#pragma once
+
+#include <type_traits>
 
 #include "common/async_copy.cuh"
-#include "common/carveout.h"
-#include "common/cluster_launch.h"
-#include "core/check.h"
 #include "ops/norm/norm_common.cuh"
 
 namespace trainscale::ops::norm {
@@ -18,14 +20,9 @@ using detail::to_float;
 using detail::from_float;
 using detail::Vec;
 
-constexpr int kForwardBlock = 256;
 // Threads of a block of the register kernels: kThreads per row, several rows when short.
 template <int kThreads>
-constexpr int kBlockFor = kThreads > kForwardBlock ? kThreads : kForwardBlock;
-// The register kernel's static reduction scratch at most (1024 threads, 3 sums), and the
-// shared memory a kernel gets without raising its limit.
-constexpr std::size_t kMaxScratchBytes = 1024 / 32 * 3 * sizeof(float);
-constexpr std::size_t kDefaultSharedBytes = 48 * 1024;
+constexpr int kBlockFor = forward_block_threads(kThreads);
 
 struct ForwardArgs {
   const void* x;
@@ -82,13 +79,13 @@ __device__ __forceinline__ Vec<Held<T, R>, V> load_input_raw(const ForwardArgs& 
   }
 }
 
-// 16-byte chunks of a residual vector of V elements (none without a residual).
-template <class R, int V>
-constexpr int residual_chunks() {
+// Bytes of a residual element (none without a residual).
+template <class R>
+constexpr int residual_bytes() {
   if constexpr (std::is_void_v<R>) {
     return 0;
   } else {
-    return static_cast<int>(sizeof(Vec<R, V>) / 16);
+    return static_cast<int>(sizeof(R));
   }
 }
 
@@ -102,15 +99,11 @@ template <class T, class R, int kThreads, int kVecs>
 struct RowRing {
   static constexpr int V = detail::kVec16<T>;
   static constexpr int kRowsPerBlock = kBlockFor<kThreads> / kThreads;
-  static constexpr int kResidualChunks = residual_chunks<R, V>();
-  static constexpr int kChunks = 1 + kResidualChunks;
+  // Chunk 0 x, chunks 1.. the residual's vector (ring_bytes sizes the ring from the same count).
+  static constexpr int kChunks = ring_chunks(sizeof(T), residual_bytes<R>());
+  static constexpr int kResidualChunks = kChunks - 1;
   uint4* base;
   int vecs;  // per row
-
-  static std::size_t bytes(std::int64_t vecs) {
-    return static_cast<std::size_t>(2 * kRowsPerBlock * kChunks) * static_cast<std::size_t>(vecs) *
-           sizeof(uint4);
-  }
 
   __device__ __forceinline__ uint4* chunk(int stage, int slot, int c, int u) const {
     return base + ((stage * kRowsPerBlock + slot) * kChunks + c) * vecs + u;
@@ -245,9 +238,6 @@ __device__ __forceinline__ float normalize(float v, float pivot, const RowStats&
 // barrier. Layout: column vector u of V elements is stored as V / 4 chunks of 4 floats, chunk
 // c at (c * vecs + u) * 4, so the 16-byte shared loads of a warp are consecutive (no bank
 // conflicts).
-template <Kind kKind>
-constexpr int kParamTables = kKind == Kind::kLayer ? 2 : 1;
-
 template <Kind kKind, int V>
 struct StagedParams {
   static constexpr int kChunks = V / 4;
@@ -322,12 +312,6 @@ struct GlobalParams {
     }
   }
 };
-
-// Dynamic shared memory of the register kernel for rows of `cols` elements.
-template <Kind kKind>
-__host__ __device__ std::size_t staged_param_bytes(std::int64_t cols) {
-  return static_cast<std::size_t>(cols) * sizeof(float) * kParamTables<kKind>;
-}
 
 // Fills the staged tables; the loads are batched so each thread has several in flight.
 template <class T, Kind kKind, int kBlock, int V>
@@ -412,7 +396,7 @@ __global__ void __launch_bounds__(kBlockFor<kThreads>,
   const int block_cols = kCluster == 1 ? n : min(chunk_cols, n - first_col);
   const StagedParams<kKind, V> staged_params{reinterpret_cast<float*>(staged), n / V};
   // The ring follows the staged tables (a multiple of 16 bytes: n is a multiple of V >= 4).
-  const Ring ring{reinterpret_cast<uint4*>(staged) + staged_param_bytes<kKind>(n) / sizeof(uint4),
+  const Ring ring{reinterpret_cast<uint4*>(staged) + staged_param_bytes(kKind, n) / sizeof(uint4),
                   static_cast<int>(n / V)};
   using Params = GlobalParams<T, W, B, kKind, V, kVecs>;  // kRows
   const bool params_present = Params::all_present(a);
@@ -569,312 +553,5 @@ __global__ void __launch_bounds__(kTwoPassThreads) forward_two_pass_kernel(Forwa
   }
 }
 
-// kAuto's kernel for aligned rows one block holds (kPipelined, kRegisters or kRows); kAuto
-// falls back to two passes where it cannot run. From N = 6144 kRows is faster for every op: it
-// drops the staged tables and the persistent grid, whose looping wave streams slower than one
-// row group per block; below that its small blocks each re-read the weights, which costs more.
-// Up to 256 vectors (bf16 N = 2048) kPipelined: its next row group's loads overlap this group's
-// reduction, which short rows spend most of their time in. The fused add keeps kPipelined up to
-// 512 vectors (bf16 N = 4096), where with one row group per block its first group's loads
-// overlap the staging; plain RMSNorm gains nothing there. Measurements: docs/perf/norm.md.
-NormVariant auto_register_variant(std::int64_t cols, std::int64_t vecs, bool fused_add) {
-  if (cols >= 6144) return NormVariant::kRows;
-  return vecs <= (fused_add ? 512 : 256) ? NormVariant::kPipelined : NormVariant::kRegisters;
-}
-
-// Small rows in about one wave take kPipelined with one vector per thread: more threads per
-// row, fewer unrolled steps per thread. At most kOneVectorMaxThreads vectors per row and
-// kOneVectorMaxVecs in all: 512 blocks of 256 threads when a row's vectors are a power of two,
-// up to twice that otherwise (the H100 holds 528 at 4 blocks per SM). At 32 vectors per row it
-// was slower than 4 vectors per thread, hence the cap (docs/perf/norm.md).
-constexpr int kOneVectorMaxThreads = 16;
-constexpr std::int64_t kOneVectorMaxVecs = 131072;
-
-bool one_vector_per_thread(NormVariant chosen, std::int64_t rows, std::int64_t vecs) {
-  return chosen == NormVariant::kPipelined && vecs <= kOneVectorMaxThreads &&
-         rows * vecs <= kOneVectorMaxVecs;
-}
-
-// The register kernels' row split (with_register_config) for kVecsPerThread vectors per thread:
-// one vector per thread only for the short rows above.
-template <int kVecsPerThread, class Fn>
-auto with_row_split(std::int64_t vecs, Fn&& fn) {
-  static_assert(kVecsPerThread == 1 || kVecsPerThread == kForwardVecsPerThread);
-  constexpr int kMaxThreads = kVecsPerThread == 1 ? kOneVectorMaxThreads : 1024;
-  return with_register_config<kVecsPerThread, kMaxThreads>(vecs, std::forward<Fn>(fn));
-}
-
-// Dynamic shared memory of a staged register variant (kRegisters, kPipelined) for aligned
-// rows of `cols` elements: the staged tables, and kPipelined's ring.
-template <class T, class R, Kind kKind, NormVariant kVariant, int kVecsPerThread>
-std::size_t forward_shared_bytes(std::int64_t cols) {
-  std::size_t bytes = staged_param_bytes<kKind>(cols);
-  if constexpr (kVariant == NormVariant::kPipelined) {
-    const std::int64_t vecs = cols / detail::kVec16<T>;
-    bytes += with_row_split<kVecsPerThread>(vecs, [&](auto threads, auto per_thread) {
-      return RowRing<T, R, decltype(threads)::value, decltype(per_thread)::value>::bytes(vecs);
-    });
-  }
-  return bytes;
-}
-
-// kRows takes rows longer than one block holds (kMaxRegisterVecs) over a cluster of the fewest
-// blocks that hold them: 2, 4 or 8 (the portable cluster maximum), so bf16 N <= 262144 and fp32
-// N <= 131072. fn(std::integral_constant<int, blocks per row>).
-constexpr std::int64_t kBlockVecs = kMaxRegisterVecs<kForwardVecsPerThread>;
-constexpr std::int64_t kMaxClusterVecs = 8 * kBlockVecs;
-
-// Row groups each cluster takes in turn (the grid has a quarter as many clusters as row
-// groups). One per cluster paid every cluster's launch, its cluster barrier and its first L1
-// misses on the weights once per row; 4 was faster than 1 and than 16 (docs/perf/norm.md).
-constexpr std::int64_t kClusterRowGroups = 4;
-
-template <class Fn>
-auto with_row_cluster(std::int64_t vecs, Fn&& fn) {
-  using std::integral_constant;
-  if (vecs <= kBlockVecs) return fn(integral_constant<int, 1>{});
-  if (vecs <= 2 * kBlockVecs) return fn(integral_constant<int, 2>{});
-  if (vecs <= 4 * kBlockVecs) return fn(integral_constant<int, 4>{});
-  return fn(integral_constant<int, 8>{});
-}
-
-// Launches the register kernel for rows of `vecs` vectors, kCluster blocks per row (kRows
-// only), kVecsPerThread vectors per thread (with_row_split). Returns false, launching nothing,
-// where a cluster of that configuration cannot be resident on the device.
-template <class T, class R, class W, class B, Kind kKind, NormVariant kVariant, int kCluster,
-          int kVecsPerThread = kForwardVecsPerThread>
-bool launch_registers(const ForwardArgs& a, std::int64_t vecs, cudaStream_t stream,
-                      const char* op) {
-  const std::int64_t block_vecs = (vecs + kCluster - 1) / kCluster;
-  return with_row_split<kVecsPerThread>(block_vecs, [&](auto threads, auto per_thread) {
-    constexpr int kThreads = decltype(threads)::value;
-    constexpr int kVecs = decltype(per_thread)::value;
-    constexpr int kBlock = kBlockFor<kThreads>;
-    constexpr int kRowsPerBlock = kBlock / kThreads;
-    const std::int64_t row_groups = (a.rows + kRowsPerBlock - 1) / kRowsPerBlock;
-    if constexpr (kCluster > 1 && 2 * kThreads * kVecs <= kBlockVecs) {
-      // kCluster is the fewest blocks that hold the row, so a block holds over half of
-      // kBlockVecs: configurations for fewer vectors never serve a cluster and are not compiled.
-      return false;
-    } else if constexpr (kCluster > 1) {
-      const auto kernel =
-          forward_registers_kernel<T, R, W, B, kKind, kVariant, kThreads, kVecs, kCluster>;
-      if (detail::max_active_clusters(kernel, kBlock, kCluster, 0, op) == 0) return false;
-      detail::prefer_l1_at_full_occupancy(kernel, kBlock, 0, op);  // weight and bias from L1
-      const std::int64_t clusters =
-          std::min<std::int64_t>((row_groups + kClusterRowGroups - 1) / kClusterRowGroups,
-                                 std::numeric_limits<int>::max() / kCluster);
-      detail::launch_in_clusters(kernel, clusters * kCluster, kBlock, kCluster, 0, stream, op, a);
-      return true;
-    } else {
-      const auto kernel = forward_registers_kernel<T, R, W, B, kKind, kVariant, kThreads, kVecs, 1>;
-      std::size_t smem = 0;
-      std::int64_t grid = std::min<std::int64_t>(row_groups, std::numeric_limits<int>::max());
-      if constexpr (kVariant == NormVariant::kRows) {
-        detail::prefer_l1_at_full_occupancy(kernel, kBlock, 0, op);  // weight and bias from L1
-      } else {
-        smem = forward_shared_bytes<T, R, kKind, kVariant, kVecsPerThread>(a.cols);
-        if (smem + kMaxScratchBytes > kDefaultSharedBytes) {
-          detail::check_cuda(cudaFuncSetAttribute(kernel,
-                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                  static_cast<int>(smem)),
-                             op, "raising the shared-memory limit");
-        }
-        // LayerNorm: one resident wave, each block staging its tables (8 B per column) once and
-        // looping over row groups. RMSNorm (4 B per column) streams faster with one row group per
-        // block, the tables staged by every block; for LayerNorm that restaging costs more than
-        // the looping wave loses (docs/perf/norm.md).
-        if constexpr (kKind == Kind::kLayer) {
-          int per_sm = 0;
-          detail::check_cuda(
-              cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlock, smem), op,
-              "occupancy query");
-          grid = balanced_blocks_for(row_groups, std::max(per_sm, 1));
-        }
-      }
-      kernel<<<static_cast<unsigned>(grid), kBlock, smem, stream>>>(a);
-      return true;
-    }
-  });
-}
-
-// The rows variant with the parameters' dtypes as template arguments (an absent one as T), a
-// cluster per row for rows longer than a block holds. False where that cluster cannot be
-// resident (nothing launched).
-template <class T, class R, Kind kKind>
-bool launch_rows(const ForwardArgs& a, std::int64_t vecs, cudaStream_t stream, const char* op) {
-  const auto with_dtype = [](bool f32, auto fn) {
-    if (f32 && !std::is_same_v<T, float>) return fn(detail::TypeTag<float>{});
-    return fn(detail::TypeTag<T>{});
-  };
-  return with_row_cluster(vecs, [&](auto cluster) {
-    constexpr int kCluster = decltype(cluster)::value;
-    return with_dtype(a.weight && a.weight_f32, [&](auto w) {
-      using W = typename decltype(w)::type;
-      if constexpr (kKind == Kind::kRms) {
-        return launch_registers<T, R, W, W, kKind, NormVariant::kRows, kCluster>(a, vecs, stream,
-                                                                                op);
-      } else {
-        return with_dtype(a.bias && a.bias_f32, [&](auto b) {
-          using B = typename decltype(b)::type;
-          return launch_registers<T, R, W, B, kKind, NormVariant::kRows, kCluster>(a, vecs,
-                                                                                  stream, op);
-        });
-      }
-    });
-  });
-}
-
-template <class T, class R, Kind kKind>
-void launch_forward(const ForwardArgs& a, NormVariant variant, cudaStream_t stream,
-                    const char* op) {
-  if (a.rows == 0) return;
-  constexpr int V = detail::kVec16<T>;
-  const std::int64_t vecs = (a.cols + V - 1) / V;
-  bool aligned = a.cols % V == 0 && rows_vectorizable(a.x, a.x_stride, sizeof(T)) &&
-                 rows_vectorizable(a.y, a.y_stride, sizeof(T));
-  if constexpr (!std::is_void_v<R>) {
-    aligned = aligned && rows_vectorizable(a.residual, a.residual_stride, sizeof(R));
-  }
-  // Choice per row (H100, ptxas for sm_90a: every register configuration <= 64 registers,
-  // no spills, so 4 blocks of 256 threads per SM, 5 for RMSNorm (kMinBlocksPerSm), unless
-  // shared memory says fewer):
-  //   16-bit N <= 32 (fp32 N <= 16): 1 vector per thread, 1 ... 4 threads per row, 256 ... 64
-  //     rows per block.
-  //   16-bit N <= 1024 (fp32 N <= 512): 4 vectors per thread, 4 ... 32 threads per row, 64 ... 8
-  //     rows per block; kPipelined with 16-bit N <= 128 and at most 131072 vectors in all: 1
-  //     vector per thread, 4 ... 16 threads per row (one_vector_per_thread).
-  //   16-bit N 2048 / 4096 / 8192: 64 / 128 / 256 threads per row, 4 vectors each; kRegisters
-  //     stages tables of 4 B per column (RMSNorm) or 8 B (LayerNorm): LayerNorm N = 8192 takes
-  //     64 KB, so 3 blocks per SM.
-  //   16-bit N 16384 / 32768: 512 / 1024 threads per row (one row per block): RMSNorm 2 / 1
-  //     blocks per SM (registers), kRegisters' LayerNorm N = 16384 1 block (128 KB of tables).
-  //   kRows: the same threads per row, one row group per block, no tables (any N <= 4096
-  //     vectors; 27-64 registers, no spills). Longer rows (16-bit N <= 262144, fp32 N <=
-  //     131072), and kAuto's choice for them: a cluster of 2 / 4 / 8 blocks of 1024 threads
-  //     per row, one block per SM.
-  //   kPipelined (kAuto's choice up to 256 vectors, the fused add's up to 512): kRegisters'
-  //     threads per row, 40-64 registers, no spills, plus two row groups in shared memory:
-  //     16-bit RMSNorm N = 4096 48 KB per block (4 blocks per SM), N = 8192 64 KB (3),
-  //     LayerNorm N = 8192 96 KB (2), N = 16384 128 / 192 KB (1 block of 512); the fused add's
-  //     residual doubles the ring (fp32: triples it). No room for 16-bit N = 32768.
-  //   kRegisters' LayerNorm 16-bit N > 29008 (tables over the 227 KB per block), rows beyond
-  //   kRows' cluster or whose cluster cannot be resident, and unaligned rows: two passes.
-  NormVariant chosen = variant == NormVariant::kAuto
-                           ? auto_register_variant(a.cols, vecs, !std::is_void_v<R>)
-                           : variant;
-  if (variant == NormVariant::kAuto && vecs > kBlockVecs) chosen = NormVariant::kRows;
-  const std::int64_t max_vecs = chosen == NormVariant::kRows ? kMaxClusterVecs : kBlockVecs;
-  if (chosen != NormVariant::kTwoPass && !use_registers(variant, aligned, vecs, max_vecs)) {
-    chosen = NormVariant::kTwoPass;
-  }
-  const bool one_vector = one_vector_per_thread(chosen, a.rows, vecs);
-  if (chosen == NormVariant::kRegisters || chosen == NormVariant::kPipelined) {
-    const bool pipelined = chosen == NormVariant::kPipelined;
-    constexpr int kWide = kForwardVecsPerThread;
-    const std::size_t needed =
-        !pipelined ? forward_shared_bytes<T, R, kKind, NormVariant::kRegisters, kWide>(a.cols)
-        : one_vector ? forward_shared_bytes<T, R, kKind, NormVariant::kPipelined, 1>(a.cols)
-                     : forward_shared_bytes<T, R, kKind, NormVariant::kPipelined, kWide>(a.cols);
-    const std::size_t shared_limit = detail::current_device_info().shared_memory_per_block_optin;
-    if (needed + kMaxScratchBytes > shared_limit) {
-      if (variant == chosen) {
-        throw UnsupportedVariantError(
-            std::string("trainscale norm: the ") + variant_name(chosen) + " variant stages " +
-            (pipelined ? "the row's parameters and two row groups" : "the row's parameters") +
-            " in shared memory, which has no room for " + std::to_string(a.cols) + " columns");
-      }
-      chosen = NormVariant::kTwoPass;
-    }
-  }
-  if (chosen == NormVariant::kRows && !launch_rows<T, R, kKind>(a, vecs, stream, op)) {
-    if (variant == chosen) {
-      throw UnsupportedVariantError(
-          "trainscale norm: the rows variant's thread-block cluster for " +
-          std::to_string(a.cols) + " columns cannot be resident on this device");
-    }
-    chosen = NormVariant::kTwoPass;
-  }
-  if (chosen == NormVariant::kRegisters) {
-    launch_registers<T, R, T, T, kKind, NormVariant::kRegisters, 1>(a, vecs, stream, op);
-  } else if (chosen == NormVariant::kPipelined && one_vector) {
-    launch_registers<T, R, T, T, kKind, NormVariant::kPipelined, 1, 1>(a, vecs, stream, op);
-  } else if (chosen == NormVariant::kPipelined) {
-    launch_registers<T, R, T, T, kKind, NormVariant::kPipelined, 1>(a, vecs, stream, op);
-  } else if (chosen == NormVariant::kTwoPass) {
-    if (aligned) {
-      forward_two_pass_kernel<T, R, kKind, V>
-          <<<static_cast<unsigned>(blocks_for(a.rows, 4)), kTwoPassThreads, 0, stream>>>(a);
-    } else {
-      forward_two_pass_kernel<T, R, kKind, 1>
-          <<<static_cast<unsigned>(blocks_for(a.rows, 4)), kTwoPassThreads, 0, stream>>>(a);
-    }
-  }
-  detail::check_launch(op);
-}
-
-ForwardArgs make_args(const char* op, const TensorView& x, const TensorView& weight,
-                      const TensorView& bias, TensorView y, TensorView mean, TensorView rstd) {
-  detail::OpChecker c(op);
-  const auto xr = c.rows(x, "x");
-  const auto yr = c.rows(y, "y");
-  ForwardArgs a{};
-  a.x = x.data;
-  a.x_stride = xr.row_stride;
-  a.weight = weight.defined() ? weight.data : nullptr;
-  a.weight_f32 = weight.defined() && weight.dtype == DType::kFloat32;
-  a.bias = bias.defined() ? bias.data : nullptr;
-  a.bias_f32 = bias.defined() && bias.dtype == DType::kFloat32;
-  a.y = y.data;
-  a.y_stride = yr.row_stride;
-  a.mean = mean.defined() ? mean.ptr<float>() : nullptr;
-  a.rstd = rstd.defined() ? rstd.ptr<float>() : nullptr;
-  a.rows = xr.rows;
-  a.cols = xr.cols;
-  return a;
-}
-
 }  // namespace
-
-void rmsnorm_forward_cuda(const TensorView& x, const TensorView& weight, TensorView y,
-                          TensorView rstd, const RMSNormOptions& options, cudaStream_t stream) {
-  ForwardArgs a = make_args("rmsnorm_forward", x, weight, {}, y, {}, rstd);
-  a.eps = static_cast<float>(options.eps);
-  a.weight_offset = static_cast<float>(options.weight_offset);
-  detail::dispatch_activation_dtype(x.dtype, "rmsnorm_forward", [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    launch_forward<T, void, Kind::kRms>(a, options.variant, stream, "rmsnorm_forward");
-  });
-}
-
-void fused_add_rmsnorm_forward_cuda(TensorView x, TensorView residual, const TensorView& weight,
-                                    TensorView rstd, const RMSNormOptions& options,
-                                    cudaStream_t stream) {
-  const char* op = "fused_add_rmsnorm_forward";
-  ForwardArgs a = make_args(op, x, weight, {}, x, {}, rstd);
-  a.residual = residual.data;
-  a.residual_stride = detail::OpChecker(op).rows(residual, "residual").row_stride;
-  a.eps = static_cast<float>(options.eps);
-  a.weight_offset = static_cast<float>(options.weight_offset);
-  detail::dispatch_activation_dtype(x.dtype, op, [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    if (residual.dtype == DType::kFloat32) {
-      launch_forward<T, float, Kind::kRms>(a, options.variant, stream, op);
-    } else {
-      launch_forward<T, T, Kind::kRms>(a, options.variant, stream, op);
-    }
-  });
-}
-
-void layernorm_forward_cuda(const TensorView& x, const TensorView& weight, const TensorView& bias,
-                            TensorView y, TensorView mean, TensorView rstd,
-                            const LayerNormOptions& options, cudaStream_t stream) {
-  ForwardArgs a = make_args("layernorm_forward", x, weight, bias, y, mean, rstd);
-  a.eps = static_cast<float>(options.eps);
-  detail::dispatch_activation_dtype(x.dtype, "layernorm_forward", [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    launch_forward<T, void, Kind::kLayer>(a, options.variant, stream, "layernorm_forward");
-  });
-}
-
 }  // namespace trainscale::ops::norm

@@ -1,0 +1,126 @@
+// The activation family as torch.ops.trainscale ops: python/trainscale/activation.py wraps them, the
+// entry points are in include/trainscale/activation.h. Outputs are allocated here.
+#include <optional>
+#include <string>
+#include <string_view>
+#include <tuple>
+
+#include "binding.h"
+#include "trainscale/activation.h"
+
+namespace trainscale::binding {
+namespace {
+
+ts::GeluApproximation approx_of(std::string_view a) {
+  if (a == "none") return ts::GeluApproximation::kNone;
+  if (a == "tanh") return ts::GeluApproximation::kTanh;
+  arg_error("gelu", "approximate", "expected 'none' or 'tanh', got '" + std::string(a) + "'");
+}
+
+Tensor gelu_forward(const Tensor& x, c10::string_view approximate) {
+  const char* op = "gelu_forward";
+  Ctx ctx(x);
+  auto ap = approx_of(std::string_view(approximate.data(), approximate.size()));
+  Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  guarded([&] { ts::gelu_forward(view(x, op, "x"), view(y, op, "y"), ap, ctx.stream); });
+  return y;
+}
+
+Tensor gelu_backward(const Tensor& dy, const Tensor& x, c10::string_view approximate) {
+  const char* op = "gelu_backward";
+  Ctx ctx(x);
+  auto ap = approx_of(std::string_view(approximate.data(), approximate.size()));
+  Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);
+  guarded([&] {
+    ts::gelu_backward(view(dy, op, "dy"), view(x, op, "x"), view(dx, op, "dx"), ap, ctx.stream);
+  });
+  return dx;
+}
+
+Tensor silu_forward(const Tensor& x) {
+  const char* op = "silu_forward";
+  Ctx ctx(x);
+  Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  guarded([&] { ts::silu_forward(view(x, op, "x"), view(y, op, "y"), ctx.stream); });
+  return y;
+}
+
+Tensor silu_backward(const Tensor& dy, const Tensor& x) {
+  const char* op = "silu_backward";
+  Ctx ctx(x);
+  Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);
+  guarded([&] {
+    ts::silu_backward(view(dy, op, "dy"), view(x, op, "x"), view(dx, op, "dx"), ctx.stream);
+  });
+  return dx;
+}
+
+Tensor swiglu_forward(const Tensor& a, const Tensor& b) {
+  const char* op = "swiglu_forward";
+  Ctx ctx(a);
+  Tensor y = at::empty_like(a, at::MemoryFormat::Contiguous);
+  guarded([&] {
+    ts::swiglu_forward(view(a, op, "a"), view(b, op, "b"), view(y, op, "y"), ctx.stream);
+  });
+  return y;
+}
+
+std::tuple<Tensor, Tensor> swiglu_backward(const Tensor& dy, const Tensor& a, const Tensor& b) {
+  const char* op = "swiglu_backward";
+  Ctx ctx(a);
+  Tensor da = at::empty_like(a, at::MemoryFormat::Contiguous);
+  Tensor db = at::empty_like(b, at::MemoryFormat::Contiguous);
+  guarded([&] {
+    ts::swiglu_backward(view(dy, op, "dy"), view(a, op, "a"), view(b, op, "b"),
+                        view(da, op, "da"), view(db, op, "db"), ctx.stream);
+  });
+  return {da, db};
+}
+
+Tensor swiglu_forward_packed(const Tensor& ab) {
+  const char* op = "swiglu_forward_packed";
+  Ctx ctx(ab);
+  auto sizes = ab.sizes().vec();
+  if (sizes.empty() || sizes.back() % 2 != 0) {
+    arg_error(op, "ab", "expected an even last dim [..., 2F], got shape " +
+                            c10::str(ab.sizes()));
+  }
+  sizes.back() /= 2;
+  Tensor y = at::empty(sizes, ab.options());
+  guarded([&] { ts::swiglu_forward_packed(view(ab, op, "ab"), view(y, op, "y"), ctx.stream); });
+  return y;
+}
+
+Tensor swiglu_backward_packed(const Tensor& dy, const Tensor& ab) {
+  const char* op = "swiglu_backward_packed";
+  Ctx ctx(ab);
+  Tensor dab = at::empty_like(ab, at::MemoryFormat::Contiguous);
+  guarded([&] {
+    ts::swiglu_backward_packed(view(dy, op, "dy"), view(ab, op, "ab"), view(dab, op, "dab"),
+                               ctx.stream);
+  });
+  return dab;
+}
+
+}  // namespace
+}  // namespace trainscale::binding
+
+TORCH_LIBRARY_FRAGMENT(trainscale, m) {
+  using namespace trainscale::binding;
+  def_op(m, "gelu_forward(Tensor x, str approximate) -> Tensor",
+         &gelu_forward);
+  def_op(m, "gelu_backward(Tensor dy, Tensor x, str approximate) -> Tensor",
+         &gelu_backward);
+  def_op(m, "silu_forward(Tensor x) -> Tensor",
+         &silu_forward);
+  def_op(m, "silu_backward(Tensor dy, Tensor x) -> Tensor",
+         &silu_backward);
+  def_op(m, "swiglu_forward(Tensor a, Tensor b) -> Tensor",
+         &swiglu_forward);
+  def_op(m, "swiglu_backward(Tensor dy, Tensor a, Tensor b) -> (Tensor, Tensor)",
+         &swiglu_backward);
+  def_op(m, "swiglu_forward_packed(Tensor ab) -> Tensor",
+         &swiglu_forward_packed);
+  def_op(m, "swiglu_backward_packed(Tensor dy, Tensor ab) -> Tensor",
+         &swiglu_backward_packed);
+}

@@ -1,0 +1,148 @@
+"""The norm family (include/trainscale/norm.h) as PyTorch functions: fake implementations and
+autograd formulas of its ops in torch.ops.trainscale (python/csrc/norm_ops.cc), and rms_norm,
+layer_norm, fused_add_rms_norm and fused_add_rms_norm_."""
+from typing import Optional, Tuple
+
+import torch
+from torch.library import register_autograd, register_fake
+
+from . import reference as _ref
+from ._common import like as _like
+from ._common import ops
+from .selection import dispatch as _dispatch
+
+
+def _stat(x):
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return x.new_empty(x.shape[:-1], dtype=dtype)
+
+
+def _grad_like(w, x):
+    return _like(w) if w is not None else x.new_empty((0,))
+
+
+# ---- fake implementations (shapes and dtypes only; torch.compile traces through these) ------
+
+@register_fake("trainscale::rmsnorm_forward")
+def _(x, weight, eps, weight_offset):
+    return _like(x), _stat(x)
+
+
+@register_fake("trainscale::rmsnorm_backward")
+def _(dy, x, weight, rstd, eps, weight_offset):
+    return _like(x), _grad_like(weight, x)
+
+
+@register_fake("trainscale::fused_add_rmsnorm_forward")
+def _(x, residual, weight, eps, weight_offset):
+    return _stat(x)
+
+
+@register_fake("trainscale::fused_add_rmsnorm_backward")
+def _(dy, d_residual, residual, weight, rstd, eps, weight_offset):
+    return _like(dy), _grad_like(weight, dy)
+
+
+@register_fake("trainscale::layernorm_forward")
+def _(x, weight, bias, eps):
+    return _like(x), _stat(x), _stat(x)
+
+
+@register_fake("trainscale::layernorm_backward")
+def _(dy, x, weight, bias, mean, rstd, eps):
+    return _like(x), _grad_like(weight, x), _grad_like(bias, x)
+
+
+# ---- autograd -------------------------------------------------------------------------------
+
+def _rms_setup(ctx, inputs, output):
+    x, weight, eps, weight_offset = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.eps, ctx.weight_offset = eps, weight_offset
+
+
+def _rms_backward(ctx, dy, _drstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = ops.rmsnorm_backward(dy.contiguous(), x, weight, rstd, ctx.eps, ctx.weight_offset)
+    return dx, (dw if weight is not None else None), None, None
+
+
+register_autograd("trainscale::rmsnorm_forward", _rms_backward, setup_context=_rms_setup)
+
+
+def _ln_setup(ctx, inputs, output):
+    x, weight, bias, eps = inputs
+    ctx.save_for_backward(x, weight, bias, output[1], output[2])
+    ctx.eps = eps
+
+
+def _ln_backward(ctx, dy, _dmean, _drstd):
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    dx, dw, db = ops.layernorm_backward(dy.contiguous(), x, weight, bias, mean, rstd, ctx.eps)
+    return dx, (dw if weight is not None else None), (db if bias is not None else None), None
+
+
+register_autograd("trainscale::layernorm_forward", _ln_backward, setup_context=_ln_setup)
+
+
+# ---- functions ------------------------------------------------------------------------------
+
+def _rms_norm(x, weight, eps, weight_offset):
+    return ops.rmsnorm_forward(x, weight, eps, weight_offset)[0]
+
+
+def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
+             weight_offset: float = 0.0) -> torch.Tensor:
+    """y = x / sqrt(mean(x^2, -1) + eps) * (weight + weight_offset), over the last dim."""
+    return _dispatch("rmsnorm", "rms_norm", _rms_norm, _ref.rms_norm, x, weight, eps, weight_offset)
+
+
+def _layer_norm(x, weight, bias, eps):
+    return ops.layernorm_forward(x, weight, bias, eps)[0]
+
+
+def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None,
+               bias: Optional[torch.Tensor] = None, eps: float = 1e-5) -> torch.Tensor:
+    """LayerNorm over the last dim (biased variance), like F.layer_norm(x, (N,), w, b, eps)."""
+    return _dispatch("layernorm", "layer_norm", _layer_norm, _ref.layer_norm, x, weight, bias, eps)
+
+
+class _FusedAddRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps, weight_offset):
+        out = x.clone(memory_format=torch.contiguous_format)
+        res = residual.clone(memory_format=torch.contiguous_format)
+        rstd = ops.fused_add_rmsnorm_forward(out, res, weight, eps, weight_offset)
+        ctx.save_for_backward(res, weight, rstd)
+        ctx.eps, ctx.weight_offset = eps, weight_offset
+        return out, res
+
+    @staticmethod
+    def backward(ctx, dy, d_residual):
+        res, weight, rstd = ctx.saved_tensors
+        if dy is None:
+            dy = torch.zeros_like(res, dtype=res.dtype)
+        if d_residual is not None:
+            d_residual = d_residual.contiguous()  # may be expanded (stride 0), e.g. of a sum
+        dx, dw = ops.fused_add_rmsnorm_backward(dy.contiguous(), d_residual, res, weight, rstd,
+                                           ctx.eps, ctx.weight_offset)
+        return dx, dx, (dw if weight is not None else None), None, None
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor,
+                       weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
+                       weight_offset: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rms_norm(x + residual), x + residual); differentiable, inputs untouched."""
+    return _dispatch("rmsnorm", "fused_add_rms_norm", _FusedAddRMSNorm.apply, _ref.fused_add_rms_norm,
+                     x, residual, weight, eps, weight_offset)
+
+
+def fused_add_rms_norm_(x: torch.Tensor, residual: torch.Tensor,
+                        weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
+                        weight_offset: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """In place: residual <- x + residual, x <- rms_norm(residual). Returns (x, residual).
+
+    No autograd (use fused_add_rms_norm for training). Always trainscale's kernel: an in-place
+    call cannot be timed against another on the same data."""
+    ops.fused_add_rmsnorm_forward(x, residual, weight, eps, weight_offset)
+    return x, residual

@@ -1,0 +1,119 @@
+#include "ops/norm/norm_plan.h"
+
+#include <string>
+
+#include "trainscale/error.h"
+
+namespace trainscale::ops::norm {
+
+const char* variant_name(NormVariant variant) {
+  switch (variant) {
+    case NormVariant::kAuto: return "auto";
+    case NormVariant::kRegisters: return "register";
+    case NormVariant::kTwoPass: return "two-pass";
+    case NormVariant::kRows: return "rows";
+    case NormVariant::kPipelined: return "pipelined";
+  }
+  return "unknown";
+}
+
+bool use_registers(NormVariant variant, bool aligned, std::int64_t vecs, std::int64_t max_vecs) {
+  if (variant == NormVariant::kTwoPass) return false;
+  const bool fits = aligned && vecs <= max_vecs;
+  if (variant != NormVariant::kAuto && !fits) {
+    throw UnsupportedVariantError(std::string("trainscale norm: the ") + variant_name(variant) +
+                                  " variant needs 16-byte aligned rows of at most " +
+                                  std::to_string(max_vecs) + " vectors");
+  }
+  return fits;
+}
+
+namespace {
+
+// kAuto's kernel for aligned rows one block holds (kPipelined, kRegisters or kRows); kAuto
+// falls back to two passes where it cannot run. From N = 6144 kRows is faster for every op: it
+// drops the staged tables and the persistent grid, whose looping wave streams slower than one
+// row group per block; below that its small blocks each re-read the weights, which costs more.
+// Up to 256 vectors (bf16 N = 2048) kPipelined: its next row group's loads overlap this group's
+// reduction, which short rows spend most of their time in. The fused add keeps kPipelined up to
+// 512 vectors (bf16 N = 4096), where with one row group per block its first group's loads
+// overlap the staging; plain RMSNorm gains nothing there. Measurements: docs/perf/norm.md.
+NormVariant auto_register_variant(std::int64_t cols, std::int64_t vecs, bool fused_add) {
+  if (cols >= 6144) return NormVariant::kRows;
+  return vecs <= (fused_add ? 512 : 256) ? NormVariant::kPipelined : NormVariant::kRegisters;
+}
+
+bool one_vector_per_thread(NormVariant chosen, std::int64_t rows, std::int64_t vecs) {
+  return chosen == NormVariant::kPipelined && vecs <= kOneVectorMaxThreads &&
+         rows * vecs <= kOneVectorMaxVecs;
+}
+
+}  // namespace
+
+std::size_t forward_shared_bytes(const ForwardProblem& p, NormVariant variant, int vecs_per_thread) {
+  std::size_t bytes = staged_param_bytes(p.kind, p.cols);
+  if (variant == NormVariant::kPipelined) {
+    const std::int64_t vecs = p.cols / (16 / p.element_bytes);
+    bytes += ring_bytes(forward_row_split(vecs, vecs_per_thread).threads,
+                        ring_chunks(p.element_bytes, p.residual_bytes), vecs);
+  }
+  return bytes;
+}
+
+// Choice per row (H100, ptxas for sm_90a: every register configuration <= 64 registers,
+// no spills, so 4 blocks of 256 threads per SM, 5 for RMSNorm (kMinBlocksPerSm), unless
+// shared memory says fewer):
+//   16-bit N <= 32 (fp32 N <= 16): 1 vector per thread, 1 ... 4 threads per row, 256 ... 64
+//     rows per block.
+//   16-bit N <= 1024 (fp32 N <= 512): 4 vectors per thread, 4 ... 32 threads per row, 64 ... 8
+//     rows per block; kPipelined with 16-bit N <= 128 and at most 131072 vectors in all: 1
+//     vector per thread, 4 ... 16 threads per row (one_vector_per_thread).
+//   16-bit N 2048 / 4096 / 8192: 64 / 128 / 256 threads per row, 4 vectors each; kRegisters
+//     stages tables of 4 B per column (RMSNorm) or 8 B (LayerNorm): LayerNorm N = 8192 takes
+//     64 KB, so 3 blocks per SM.
+//   16-bit N 16384 / 32768: 512 / 1024 threads per row (one row per block): RMSNorm 2 / 1
+//     blocks per SM (registers), kRegisters' LayerNorm N = 16384 1 block (128 KB of tables).
+//   kRows: the same threads per row, one row group per block, no tables (any N <= 4096
+//     vectors; 27-64 registers, no spills). Longer rows (16-bit N <= 262144, fp32 N <=
+//     131072), and kAuto's choice for them: a cluster of 2 / 4 / 8 blocks of 1024 threads
+//     per row, one block per SM.
+//   kPipelined (kAuto's choice up to 256 vectors, the fused add's up to 512): kRegisters'
+//     threads per row, 40-64 registers, no spills, plus two row groups in shared memory:
+//     16-bit RMSNorm N = 4096 48 KB per block (4 blocks per SM), N = 8192 64 KB (3),
+//     LayerNorm N = 8192 96 KB (2), N = 16384 128 / 192 KB (1 block of 512); the fused add's
+//     residual doubles the ring (fp32: triples it). No room for 16-bit N = 32768.
+//   kRegisters' LayerNorm 16-bit N > 29008 (tables over the 227 KB per block), rows beyond
+//   kRows' cluster or whose cluster cannot be resident, and unaligned rows: two passes.
+ForwardPlan plan_forward(const ForwardProblem& p, NormVariant requested,
+                         std::size_t shared_memory_per_block) {
+  const int v = 16 / p.element_bytes;
+  ForwardPlan plan;
+  plan.vecs = (p.cols + v - 1) / v;
+  plan.vectorized = p.aligned;
+  NormVariant chosen = requested == NormVariant::kAuto
+                           ? auto_register_variant(p.cols, plan.vecs, p.residual_bytes > 0)
+                           : requested;
+  if (requested == NormVariant::kAuto && plan.vecs > kBlockVecs) chosen = NormVariant::kRows;
+  const std::int64_t max_vecs = chosen == NormVariant::kRows ? kMaxClusterVecs : kBlockVecs;
+  if (chosen != NormVariant::kTwoPass && !use_registers(requested, p.aligned, plan.vecs, max_vecs)) {
+    chosen = NormVariant::kTwoPass;
+  }
+  if (one_vector_per_thread(chosen, p.rows, plan.vecs)) plan.vecs_per_thread = 1;
+  if (chosen == NormVariant::kRegisters || chosen == NormVariant::kPipelined) {
+    const bool pipelined = chosen == NormVariant::kPipelined;
+    const std::size_t needed = forward_shared_bytes(p, chosen, plan.vecs_per_thread);
+    if (needed + kMaxScratchBytes > shared_memory_per_block) {
+      if (requested == chosen) {
+        throw UnsupportedVariantError(
+            std::string("trainscale norm: the ") + variant_name(chosen) + " variant stages " +
+            (pipelined ? "the row's parameters and two row groups" : "the row's parameters") +
+            " in shared memory, which has no room for " + std::to_string(p.cols) + " columns");
+      }
+      chosen = NormVariant::kTwoPass;
+    }
+  }
+  plan.variant = chosen;
+  return plan;
+}
+
+}  // namespace trainscale::ops::norm

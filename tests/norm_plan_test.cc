@@ -1,0 +1,133 @@
+// The norm kernels' shape heuristics (src/ops/norm/norm_plan.h), checked on the CPU: the
+// variant each shape gets, the row splits and the shared-memory limits, as documented there.
+#include "ops/norm/norm_plan.h"
+
+#include <gtest/gtest.h>
+
+#include "trainscale/error.h"
+
+namespace trainscale::ops::norm {
+namespace {
+
+// The H100's shared memory per block (opt-in).
+constexpr std::size_t kH100Shared = 232448;
+
+ForwardProblem bf16(Kind kind, std::int64_t rows, std::int64_t cols, int residual_bytes = 0) {
+  return {.kind = kind, .rows = rows, .cols = cols, .element_bytes = 2,
+          .residual_bytes = residual_bytes, .aligned = true};
+}
+
+NormVariant auto_variant(const ForwardProblem& p) {
+  return plan_forward(p, NormVariant::kAuto, kH100Shared).variant;
+}
+
+TEST(NormPlan, RowSplitTakesTheFewestThreadsThatCoverTheRow) {
+  struct Expected {
+    std::int64_t vecs;
+    int threads, per_thread;
+  };
+  // 4 vectors per thread from 4 threads per row; up to 1024 threads.
+  for (const Expected& e : {Expected{1, 1, 1}, Expected{2, 2, 1}, Expected{3, 4, 4},
+                            Expected{16, 4, 4}, Expected{17, 8, 4}, Expected{128, 32, 4},
+                            Expected{1024, 256, 4}, Expected{4096, 1024, 4},
+                            Expected{5000, 1024, 4}}) {
+    const RowSplit s = forward_row_split(e.vecs, kForwardVecsPerThread);
+    EXPECT_EQ(s.threads, e.threads) << e.vecs;
+    EXPECT_EQ(s.vecs_per_thread, e.per_thread) << e.vecs;
+  }
+  // One vector per thread: at most 16 threads.
+  EXPECT_EQ(forward_row_split(16, 1).threads, 16);
+  EXPECT_EQ(forward_row_split(9, 1).threads, 16);
+  EXPECT_EQ(forward_row_split(4, 1).threads, 4);
+  EXPECT_EQ(forward_row_split(64, 1).vecs_per_thread, 1);
+}
+
+TEST(NormPlan, AutoChoosesByRowLength) {
+  // Up to 256 vectors (bf16 N = 2048) kPipelined, the fused add up to 512; kRegisters up to
+  // N = 4096; kRows from N = 6144, over a cluster beyond 4096 vectors.
+  EXPECT_EQ(auto_variant(bf16(Kind::kRms, 32768, 512)), NormVariant::kPipelined);
+  EXPECT_EQ(auto_variant(bf16(Kind::kRms, 32768, 2048)), NormVariant::kPipelined);
+  EXPECT_EQ(auto_variant(bf16(Kind::kRms, 32768, 4096)), NormVariant::kRegisters);
+  EXPECT_EQ(auto_variant(bf16(Kind::kRms, 32768, 4096, 2)), NormVariant::kPipelined);
+  EXPECT_EQ(auto_variant(bf16(Kind::kLayer, 4096, 4096)), NormVariant::kRegisters);
+  EXPECT_EQ(auto_variant(bf16(Kind::kLayer, 4096, 6144)), NormVariant::kRows);
+  EXPECT_EQ(auto_variant(bf16(Kind::kRms, 65536, 8192)), NormVariant::kRows);
+  EXPECT_EQ(auto_variant(bf16(Kind::kRms, 8192, 262144)), NormVariant::kRows);
+  EXPECT_EQ(auto_variant(bf16(Kind::kRms, 8192, 262152)), NormVariant::kTwoPass);
+  // fp32: 4 elements per vector, so 2048 columns are 512 vectors.
+  ForwardProblem fp32 = bf16(Kind::kRms, 32768, 2048);
+  fp32.element_bytes = 4;
+  EXPECT_EQ(auto_variant(fp32), NormVariant::kRegisters);
+  EXPECT_EQ(plan_forward(fp32, NormVariant::kAuto, kH100Shared).vecs, 512);
+}
+
+TEST(NormPlan, RowsTakeAClusterOfTheFewestBlocksThatHoldThem) {
+  EXPECT_EQ(rows_cluster_blocks(4096), 1);
+  EXPECT_EQ(rows_cluster_blocks(4097), 2);
+  EXPECT_EQ(rows_cluster_blocks(8192), 2);
+  EXPECT_EQ(rows_cluster_blocks(8193), 4);
+  EXPECT_EQ(rows_cluster_blocks(16385), 8);
+  EXPECT_EQ(rows_cluster_blocks(kMaxClusterVecs), 8);
+}
+
+TEST(NormPlan, ShortRowsInOneWaveTakeOneVectorPerThread) {
+  const ForwardPlan small = plan_forward(bf16(Kind::kRms, 32768, 32), NormVariant::kAuto, kH100Shared);
+  EXPECT_EQ(small.variant, NormVariant::kPipelined);
+  EXPECT_EQ(small.vecs_per_thread, 1);
+  // 262144 vectors in all: more than one wave of one-vector rows.
+  EXPECT_EQ(plan_forward(bf16(Kind::kRms, 65536, 32), NormVariant::kAuto, kH100Shared).vecs_per_thread,
+            kForwardVecsPerThread);
+  // 32 vectors per row: more than 16 threads' worth.
+  EXPECT_EQ(plan_forward(bf16(Kind::kLayer, 4096, 256), NormVariant::kAuto, kH100Shared).vecs_per_thread,
+            kForwardVecsPerThread);
+  EXPECT_EQ(plan_forward(bf16(Kind::kRms, 32768, 32), NormVariant::kRegisters, kH100Shared).vecs_per_thread,
+            kForwardVecsPerThread);
+}
+
+TEST(NormPlan, UnalignedRowsTakeTwoPassesAndForcedVariantsThrow) {
+  ForwardProblem p = bf16(Kind::kRms, 1024, 4096);
+  p.aligned = false;
+  const ForwardPlan plan = plan_forward(p, NormVariant::kAuto, kH100Shared);
+  EXPECT_EQ(plan.variant, NormVariant::kTwoPass);
+  EXPECT_FALSE(plan.vectorized);
+  for (NormVariant forced : {NormVariant::kRegisters, NormVariant::kRows, NormVariant::kPipelined}) {
+    EXPECT_THROW(plan_forward(p, forced, kH100Shared), UnsupportedVariantError);
+  }
+  EXPECT_EQ(plan_forward(p, NormVariant::kTwoPass, kH100Shared).variant, NormVariant::kTwoPass);
+  EXPECT_TRUE(plan_forward(bf16(Kind::kRms, 1024, 4096), NormVariant::kTwoPass, kH100Shared).vectorized);
+  // Longer rows than a forced variant holds.
+  EXPECT_THROW(plan_forward(bf16(Kind::kRms, 8, 32776), NormVariant::kRegisters, kH100Shared),
+               UnsupportedVariantError);
+  EXPECT_THROW(plan_forward(bf16(Kind::kRms, 8, 262152), NormVariant::kRows, kH100Shared),
+               UnsupportedVariantError);
+}
+
+TEST(NormPlan, StagedVariantsNeedTheirSharedMemory) {
+  // LayerNorm's staged tables take 8 B per column: bf16 N = 29008 is the longest row that fits
+  // next to the reduction scratch in 227 KB.
+  EXPECT_EQ(staged_param_bytes(Kind::kLayer, 29008) + kMaxScratchBytes, kH100Shared);
+  EXPECT_EQ(plan_forward(bf16(Kind::kLayer, 64, 29008), NormVariant::kRegisters, kH100Shared).variant,
+            NormVariant::kRegisters);
+  EXPECT_THROW(plan_forward(bf16(Kind::kLayer, 64, 29016), NormVariant::kRegisters, kH100Shared),
+               UnsupportedVariantError);
+  // kPipelined's ring: two row groups. bf16 RMSNorm N = 4096: 512 vectors over 128 threads,
+  // 2 rows per block: 2 x 2 x 512 x 16 B = 32 KB, plus 16 KB of tables.
+  EXPECT_EQ(forward_shared_bytes(bf16(Kind::kRms, 64, 4096), NormVariant::kPipelined, 4),
+            48u * 1024);
+  EXPECT_EQ(forward_shared_bytes(bf16(Kind::kRms, 64, 4096), NormVariant::kRegisters, 4),
+            16u * 1024);
+  // The fused add's residual doubles the ring, an fp32 residual beside bf16 triples it.
+  EXPECT_EQ(forward_shared_bytes(bf16(Kind::kRms, 64, 4096, 2), NormVariant::kPipelined, 4),
+            16u * 1024 + 64u * 1024);
+  EXPECT_EQ(forward_shared_bytes(bf16(Kind::kRms, 64, 4096, 4), NormVariant::kPipelined, 4),
+            16u * 1024 + 96u * 1024);
+  // No room for bf16 N = 32768 in a pipelined ring; kAuto never asks for it there.
+  EXPECT_THROW(plan_forward(bf16(Kind::kRms, 64, 32768), NormVariant::kPipelined, kH100Shared),
+               UnsupportedVariantError);
+  // A smaller device falls back to two passes under kAuto.
+  EXPECT_EQ(plan_forward(bf16(Kind::kRms, 64, 4096), NormVariant::kAuto, 16 * 1024).variant,
+            NormVariant::kTwoPass);
+}
+
+}  // namespace
+}  // namespace trainscale::ops::norm
