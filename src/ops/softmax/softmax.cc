@@ -1,5 +1,7 @@
 #include "ops/softmax/softmax_internal.h"
 
+#include "ops/softmax/softmax_cuda.h"
+
 namespace trainscale {
 
 namespace {
@@ -14,18 +16,18 @@ void check_like(detail::OpChecker& c, const TensorView& t, const char* name, con
 
 }  // namespace
 
-void softmax_forward(const TensorView& x, TensorView y, cudaStream_t /*stream*/) {
+void softmax_forward(const TensorView& x, TensorView y, cudaStream_t stream) {
   detail::OpChecker c("softmax_forward");
   c.present(x, "x").dtype_in(x, "x", kFloatTypes);
   c.rows(x, "x");
   check_like(c, y, "y", x, "x");
   c.in_place_or_disjoint(y, "y", x, "x");
-  if (c.on_cuda()) detail::throw_no_cuda_kernel(c.op());
+  if (detail::ran_on_cuda(c, [&] { ops::softmax::softmax_forward_cuda(x, y, stream); })) return;
   ops::softmax::softmax_forward_cpu(x, y);
 }
 
 void softmax_backward(const TensorView& dy, const TensorView& y, TensorView dx,
-                      cudaStream_t /*stream*/) {
+                      cudaStream_t stream) {
   detail::OpChecker c("softmax_backward");
   c.present(dy, "dy").dtype_in(dy, "dy", kFloatTypes);
   c.rows(dy, "dy");
@@ -33,7 +35,9 @@ void softmax_backward(const TensorView& dy, const TensorView& y, TensorView dx,
   check_like(c, dx, "dx", dy, "dy");
   c.in_place_or_disjoint(dx, "dx", dy, "dy");
   c.no_overlap(dx, "dx", y, "y");
-  if (c.on_cuda()) detail::throw_no_cuda_kernel(c.op());
+  if (detail::ran_on_cuda(c, [&] { ops::softmax::softmax_backward_cuda(dy, y, dx, stream); })) {
+    return;
+  }
   ops::softmax::softmax_backward_cpu(dy, y, dx);
 }
 
