@@ -102,18 +102,17 @@ __device__ __forceinline__ bool same_phase(const void* row, const void* other) {
 }
 
 // The slot whose first element is column c of a row of n: a vector access when `vector` (the
-// slot lies inside the row and at 16 bytes), else the elements inside the row one by one (the
-// rest of `out` is zero). The element loop is not unrolled: unrolled, the element loads of
+// slot lies inside the row and at 16 bytes), else the elements inside the row one by one, the
+// rest set to `fill` (a neutral value spares the passes over the row a bounds test per element). The element loop is not unrolled: unrolled, the element loads of
 // every slot were hoisted together and spilled (fp16 softmax backward: 200 bytes at 64
 // registers); rolled, the rare partial slots go through 16 bytes of stack instead.
 template <class T, int V>
-__device__ __forceinline__ Vec<T, V> load_slot(const T* row, int c, int n, bool vector) {
+__device__ __forceinline__ Vec<T, V> load_slot(const T* row, int c, int n, bool vector,
+                                                T fill = T(0.f)) {
   if (vector) return load_raw<T, V>(row + c);
-  Vec<T, V> out{};
+  Vec<T, V> out;
 #pragma unroll 1
-  for (int j = 0; j < V; ++j) {
-    if (in_row(c + j, n)) out.v[j] = row[c + j];
-  }
+  for (int j = 0; j < V; ++j) out.v[j] = in_row(c + j, n) ? row[c + j] : fill;
   return out;
 }
 
@@ -126,6 +125,23 @@ __device__ __forceinline__ void store_slot(T* row, int c, int n, bool vector, co
 #pragma unroll
   for (int j = 0; j < V; ++j) {
     if (in_row(c + j, n)) row[c + j] = from_float<T>(v[j]);
+  }
+}
+
+// Hides the held slots' values from the compiler at this point, so that what a pass over them
+// converted to float (and softcapped) is converted again by the next pass, rather than kept
+// live between the passes as floats: for 16-bit types that doubled the registers of the held
+// row and spilled (cross-entropy forward at 64 registers: 96 bytes).
+template <class T, int V, int kVecs>
+__device__ __forceinline__ void reconvert_after(Vec<T, V> (&held)[kVecs]) {
+  static_assert(sizeof(Vec<T, V>) == 16);
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    unsigned words[4];
+    memcpy(words, &held[i], sizeof(words));
+#pragma unroll
+    for (int k = 0; k < 4; ++k) asm volatile("" : "+r"(words[k]));
+    memcpy(&held[i], words, sizeof(words));
   }
 }
 

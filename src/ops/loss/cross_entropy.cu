@@ -46,20 +46,27 @@ struct Options {
   float inv_softcap;
 };
 
+// The softcapped logit c tanh(x / c) and, for the gradient, its slope 1 - tanh^2 = 4 e / (1 + e)^2
+// with e = exp(-2 |x / c|): 1 - t * t cancels as |t| nears 1 (fp32, c = 5, |x| ~ 60: relative
+// error 1e-4 in the gradient), the exponential form does not.
+template <bool kSoftcap>
 __device__ __forceinline__ float softcapped(float x, const Options& o) {
-  return o.softcap > 0.f ? o.softcap * tanhf(x * o.inv_softcap) : x;
+  return kSoftcap ? o.softcap * tanhf(x * o.inv_softcap) : x;
+}
+__device__ __forceinline__ float softcap_slope(float x, const Options& o) {
+  const float e = detail::exp2_approx(-2.f * kLog2e * fabsf(x * o.inv_softcap));
+  const float d = 1.f + e;
+  return 4.f * e / (d * d);
 }
 
-// d loss / d raw logit for a row not ignored, before the upstream scale: x the softcapped
-// logit, p = exp(x - lse), hit whether it is the target's.
-__device__ __forceinline__ float logit_gradient(float x, float p, bool hit, float prob_weight,
-                                                float smooth, const Options& o) {
-  float g = p * prob_weight - smooth;
+// d loss / d raw logit for a row not ignored, before the upstream scale: raw the logit, x its
+// softcapped value, lse the row's, hit whether it is the target's.
+template <bool kSoftcap>
+__device__ __forceinline__ float logit_gradient(float raw, float x, float lse, bool hit,
+                                                float prob_weight, float smooth, const Options& o) {
+  float g = detail::exp_minus(x, lse) * prob_weight - smooth;
   if (hit) g -= 1.f - o.smoothing;
-  if (o.softcap > 0.f) {
-    const float t = x * o.inv_softcap;
-    g *= 1.f - t * t;
-  }
+  if constexpr (kSoftcap) g *= softcap_slope(raw, o);
   return g;
 }
 
@@ -80,7 +87,17 @@ struct ForwardArgs {
   int slots;  // 16-byte slots of the longest row
 };
 
-template <class T, int kThreads, int kVecs, int kCluster>
+// A row's target as one int: its column, or kIgnoredRow, or kBadTarget for a target outside
+// [0, n) (not checked on the device: that row's loss and gradient are NaN). One register where
+// the target and two flags took four across the row's reduction.
+constexpr int kIgnoredRow = -1;
+constexpr int kBadTarget = -2;
+__device__ __forceinline__ int target_column(std::int64_t target, std::int64_t ignore_index, int n) {
+  if (target == ignore_index) return kIgnoredRow;
+  return target >= 0 && target < n ? static_cast<int>(target) : kBadTarget;
+}
+
+template <class T, bool kSoftcap, int kThreads, int kVecs, int kCluster>
 __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
                                   detail::kRowMaxThreads / detail::row_block_threads(kThreads))
     cross_entropy_forward_kernel(ForwardArgs a) {
@@ -92,92 +109,111 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
   const typename Tile::Share share = Tile::share(a.slots);
   const Options& o = a.o;
   const int n = a.cols;
+  // kMean's gradient scale, read once: a load per row would wait on it before the writes.
+  const float scale = a.valid_rows ? 1.f / static_cast<float>(*a.valid_rows) : 1.f;
   int reduced = 0;
   Tile::for_each_row(a.rows, [&](std::int64_t row, bool valid) {
     const T* x_row = static_cast<const T*>(a.logits) + row * a.logits_stride;
     const int shift = detail::row_shift(x_row);
-    const std::int64_t target = valid ? a.targets[row] : o.ignore_index;
+    const int t_col = valid ? target_column(a.targets[row], o.ignore_index, n) : kIgnoredRow;
+    // Elements outside the row load as -inf: no effect on the maximum, exp 0 in the sum (with
+    // the softcap, which maps them to -c, they are tested for instead).
+    const T pad = detail::from_float<T>(-kInf);
     detail::Vec<T, V> held[kVecs];
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       const int c = Tile::slot(share, i) * V - shift;
-      if (valid && Tile::owns(share, i)) held[i] = detail::load_slot<T, V>(x_row, c, n, c >= 0 && c + V <= n);
+      if (valid && Tile::owns(share, i)) {
+        held[i] = detail::load_slot<T, V>(x_row, c, n, c >= 0 && c + V <= n, pad);
+      } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) held[i].v[j] = pad;
+      }
     }
+    const auto logit = [&](float raw, int col) {
+      if constexpr (kSoftcap) {
+        return detail::in_row(col, n) ? softcapped<true>(raw, o) : -kInf;
+      } else {
+        return raw;
+      }
+    };
+    // The softcap is increasing: the maximum of the raw logits, softcapped.
     float m = -kInf;
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
-      if (!valid || !Tile::owns(share, i)) continue;
-      const int c = Tile::slot(share, i) * V - shift;
       float v[V];
       detail::to_floats(held[i], v);
 #pragma unroll
-      for (int j = 0; j < V; ++j) {
-        if (detail::in_row(c + j, n)) m = fmaxf(m, softcapped(v[j], o));
-      }
+      for (int j = 0; j < V; ++j) m = fmaxf(m, v[j]);
     }
+    m = softcapped<kSoftcap>(m, o);
     // Summed against 0 when the thread has no finite maximum (see softmax_forward.cu).
     const float pivot = m == -kInf ? 0.f : m;
+    detail::reconvert_after(held);
     float stats[4] = {m, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
-      if (!valid || !Tile::owns(share, i)) continue;
       const int c = Tile::slot(share, i) * V - shift;
       float v[V];
       detail::to_floats(held[i], v);
 #pragma unroll
       for (int j = 0; j < V; ++j) {
-        if (!detail::in_row(c + j, n)) continue;
-        const float x = softcapped(v[j], o);
-        stats[1] += exp2f((x - pivot) * kLog2e);
-        stats[2] += x;
-        if (c + j == target) stats[3] = x;
+        const float x = logit(v[j], c + j);
+        stats[1] += detail::exp_minus(x, pivot);
+        if (c + j == t_col) stats[3] = x;
+        if (detail::in_row(c + j, n)) stats[2] += x;  // skips the padding
       }
     }
     tile.reduce(stats, reduced);
     if (!valid) return;
     // As the reference: NaN without a finite maximum, or with a NaN logit (via the sum).
     const float lse = stats[0] == -kInf ? kNaN : stats[0] + logf(stats[1]);
-    const bool ignored = target == o.ignore_index;
-    // Out-of-range targets are not checked on the device: their row's loss and gradient are NaN.
-    const bool in_range = target >= 0 && target < n;
+    const bool ignored = t_col == kIgnoredRow;
+    // Every thread forms the loss (the reporting thread writes it below): four statistics less
+    // held through the gradient's pass.
+    float loss = 0.f;
+    if (!ignored) {
+      loss = o.z_loss * lse * lse;
+      // Zero-weight terms are skipped so that a -inf logit cannot turn 0 * inf into NaN.
+      if (o.smoothing < 1.f) loss += (1.f - o.smoothing) * (lse - stats[3]);
+      if (o.smoothing > 0.f) loss += o.smoothing * (lse - stats[2] / static_cast<float>(n));
+      if (t_col == kBadTarget) loss = kNaN;
+    }
     if (Tile::reporter()) {
-      float loss = 0.f;
-      if (!ignored) {
-        loss = o.z_loss * lse * lse;
-        // Zero-weight terms are skipped so that a -inf logit cannot turn 0 * inf into NaN.
-        if (o.smoothing < 1.f) loss += (1.f - o.smoothing) * (lse - stats[3]);
-        if (o.smoothing > 0.f) loss += o.smoothing * (lse - stats[2] / static_cast<float>(n));
-        if (!in_range) loss = kNaN;
-      }
       a.loss[row * a.loss_stride] = loss;
       if (a.lse) a.lse[row * a.lse_stride] = lse;
     }
     if (a.grad == nullptr) return;
+    detail::reconvert_after(held);
     T* g_row = static_cast<T*>(a.grad) + row * a.grad_stride;
-    const bool g_vectors = detail::same_phase(x_row, g_row);
-    const float scale = a.valid_rows ? 1.f / static_cast<float>(*a.valid_rows) : 1.f;
+    const bool g_vectors = detail::row_shift(g_row) == shift;
     const float prob_weight = 1.f + 2.f * o.z_loss * lse;
     const float smooth = o.smoothing / static_cast<float>(n);
+    const float row_scale = t_col == kBadTarget ? kNaN : scale;
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       if (!Tile::owns(share, i)) continue;
       const int c = Tile::slot(share, i) * V - shift;
       float v[V];
-      detail::to_floats(held[i], v);
+      if (ignored) {
 #pragma unroll
-      for (int j = 0; j < V; ++j) {
-        const float x = softcapped(v[j], o);
-        const float p = exp2f((x - lse) * kLog2e);
-        const float g = logit_gradient(x, p, c + j == target, prob_weight, smooth, o);
-        v[j] = ignored ? 0.f : in_range ? g * scale : kNaN;
+        for (int j = 0; j < V; ++j) v[j] = 0.f;
+      } else {
+        detail::to_floats(held[i], v);
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          const float x = softcapped<kSoftcap>(v[j], o);
+          v[j] = logit_gradient<kSoftcap>(v[j], x, lse, c + j == t_col, prob_weight, smooth, o) *
+                 row_scale;
+        }
       }
       detail::store_slot<T, V>(g_row, c, n, g_vectors && c >= 0 && c + V <= n, v);
     }
   });
 }
 
-// Backward from the saved lse: elementwise within a row. A block takes kChunk slots of one
-// row (the row's target, lse and scale read once per block).
+// Backward from the saved lse: elementwise within a row. A block takes kBackwardChunk slots of
+// one row (the row's target, lse and scale read once per block).
 constexpr int kBackwardThreads = 256;
 constexpr int kBackwardVecs = 4;
 constexpr int kBackwardChunk = kBackwardThreads * kBackwardVecs;
@@ -199,7 +235,7 @@ struct BackwardArgs {
   int chunks;  // blocks per row
 };
 
-template <class T>
+template <class T, bool kSoftcap>
 __global__ void __launch_bounds__(kBackwardThreads) cross_entropy_backward_kernel(BackwardArgs a) {
   constexpr int V = detail::kVec16<T>;
   const Options& o = a.o;
@@ -211,12 +247,12 @@ __global__ void __launch_bounds__(kBackwardThreads) cross_entropy_backward_kerne
     T* g_row = static_cast<T*>(a.grad) + row * a.grad_stride;
     const int shift = detail::row_shift(x_row);
     const bool g_vectors = detail::same_phase(x_row, g_row);
-    const std::int64_t target = a.targets[row];
-    const bool ignored = target == o.ignore_index;
-    const bool in_range = target >= 0 && target < n;
+    const int t_col = target_column(a.targets[row], o.ignore_index, n);
+    const bool ignored = t_col == kIgnoredRow;
     const float lse = a.lse[row * a.lse_stride];
     float scale = a.grad_loss[row * a.grad_loss_stride];
     if (a.valid_rows) scale /= static_cast<float>(*a.valid_rows);
+    if (t_col == kBadTarget) scale = kNaN;
     const float prob_weight = 1.f + 2.f * o.z_loss * lse;
     const float smooth = o.smoothing / static_cast<float>(n);
     detail::Vec<T, V> held[kBackwardVecs];
@@ -237,10 +273,9 @@ __global__ void __launch_bounds__(kBackwardThreads) cross_entropy_backward_kerne
         detail::to_floats(held[i], v);
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-          const float x = softcapped(v[j], o);
-          const float p = exp2f((x - lse) * kLog2e);
-          const float g = logit_gradient(x, p, c + j == target, prob_weight, smooth, o);
-          v[j] = in_range ? g * scale : kNaN;
+          const float x = softcapped<kSoftcap>(v[j], o);
+          v[j] = logit_gradient<kSoftcap>(v[j], x, lse, c + j == t_col, prob_weight, smooth, o) *
+                 scale;
         }
       }
       detail::store_slot<T, V>(g_row, c, n, g_vectors && c >= 0 && c + V <= n, v);
@@ -262,6 +297,7 @@ __global__ void __launch_bounds__(kReduceThreads)
                        std::int64_t* count) {
   __shared__ double scratch[kReduceThreads / 32];
   double c = 0;
+#pragma unroll 8
   for (std::int64_t i = threadIdx.x; i < rows; i += kReduceThreads) c += targets[i] != ignore_index;
   c = block_sum(c, scratch);
   if (threadIdx.x == 0) *count = static_cast<std::int64_t>(c);
@@ -274,6 +310,7 @@ __global__ void __launch_bounds__(kReduceThreads)
                          std::int64_t ignore_index, bool mean, float* loss) {
   __shared__ double scratch[kReduceThreads / 32];
   double sum = 0, count = 0;
+#pragma unroll 8
   for (std::int64_t i = threadIdx.x; i < rows; i += kReduceThreads) {
     sum += row_losses[i];
     count += targets[i] != ignore_index;
@@ -380,9 +417,12 @@ void cross_entropy_forward_cuda(const TensorView& logits, const TensorView& targ
       const auto launch = [&](const detail::RowConfig& config) {
         return detail::with_row_config<kMinThreads>(config, [&](auto threads, auto vecs, auto cluster) {
           constexpr int kThreads = decltype(threads)::value;
-          return detail::launch_row_kernel(
-              cross_entropy_forward_kernel<T, kThreads, decltype(vecs)::value, decltype(cluster)::value>,
-              kThreads, decltype(cluster)::value, r.rows, stream, op, a);
+          constexpr int kVecs = decltype(vecs)::value;
+          constexpr int kCluster = decltype(cluster)::value;
+          const auto kernel = options.softcap > 0
+                                  ? cross_entropy_forward_kernel<T, true, kThreads, kVecs, kCluster>
+                                  : cross_entropy_forward_kernel<T, false, kThreads, kVecs, kCluster>;
+          return detail::launch_row_kernel(kernel, kThreads, kCluster, r.rows, stream, op, a);
         });
       };
       const detail::RowConfig config = detail::row_config(slots, kMinThreads);
@@ -438,7 +478,9 @@ void cross_entropy_backward_cuda(const TensorView& grad_loss, const TensorView& 
     a.cols = static_cast<int>(r.cols);
     a.chunks = static_cast<int>((slots + kBackwardChunk - 1) / kBackwardChunk);
     const std::int64_t grid = detail::grid_for_tiles(r.rows * a.chunks, 1);
-    cross_entropy_backward_kernel<T><<<static_cast<unsigned>(grid), kBackwardThreads, 0, stream>>>(a);
+    const auto kernel = options.softcap > 0 ? cross_entropy_backward_kernel<T, true>
+                                            : cross_entropy_backward_kernel<T, false>;
+    kernel<<<static_cast<unsigned>(grid), kBackwardThreads, 0, stream>>>(a);
     detail::check_launch(op);
   });
 }

@@ -1,17 +1,17 @@
 // Softmax forward: y = exp(x - max) / sum(exp(x - max)) per row, the row held in registers.
 // One reduction per row: each thread's (max, sum of exp(x - its max)) pair is merged online
-// (detail::OnlineSoftmaxOp) across the row's threads and cluster, then y = exp(x - max) / sum
-// is recomputed from the held x: a second exp per element rather than 4 more registers per
-// element held as float.
+// (detail::OnlineSoftmaxOp) across the row's threads and cluster. The pass that sums the
+// thread's exponentials keeps them in the registers that held x (fp16 for 16-bit inputs, whose
+// values in (0, 1] it holds to 2^-11; float for float32), so the output is one multiply per
+// element: one exp per element, where recomputing exp(x - max) took a second one.
 #include <limits>
+#include <type_traits>
 
 #include "ops/softmax/softmax_cuda.h"
 #include "ops/softmax/softmax_launch.cuh"
 
 namespace trainscale::ops::softmax {
 namespace {
-
-using detail::kLog2e;
 
 struct ForwardArgs {
   const void* x;
@@ -23,12 +23,17 @@ struct ForwardArgs {
   int slots;  // 16-byte slots of the longest row
 };
 
+// What the exponentials are kept as: the storage width of T.
+template <class T>
+using Exp = std::conditional_t<std::is_same_v<T, float>, float, __half>;
+
 template <class T, int kThreads, int kVecs, int kCluster>
 __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
                                   detail::kRowMaxThreads / detail::row_block_threads(kThreads))
     softmax_forward_kernel(ForwardArgs a) {
   using Tile = detail::RowTile<T, kThreads, kVecs, kCluster, detail::OnlineSoftmaxOp, 2>;
   constexpr int V = Tile::V;
+  constexpr float kInf = std::numeric_limits<float>::infinity();
   __shared__ Tile tile;
   tile.start();
   const typename Tile::Share share = Tile::share(a.slots);
@@ -37,55 +42,63 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
   Tile::for_each_row(a.rows, [&](std::int64_t row, bool valid) {
     const T* x_row = static_cast<const T*>(a.x) + row * a.x_stride;
     const int shift = detail::row_shift(x_row);
-    detail::Vec<T, V> held[kVecs];
+    // Elements outside the row load as -inf: no effect on the maximum, exp 0 in the sum.
+    const T pad = detail::from_float<T>(-kInf);
+    detail::Vec<T, V> held[kVecs];  // x, then the thread's exponentials as Exp<T>
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       const int c = Tile::slot(share, i) * V - shift;
-      if (valid && Tile::owns(share, i)) held[i] = detail::load_slot<T, V>(x_row, c, n, c >= 0 && c + V <= n);
+      if (valid && Tile::owns(share, i)) {
+        held[i] = detail::load_slot<T, V>(x_row, c, n, c >= 0 && c + V <= n, pad);
+      } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) held[i].v[j] = pad;
+      }
     }
-    // The thread's maximum (NaN skipped), then its sum of exp(x - max); a thread without finite
-    // elements sums against 0 so that its -inf give 0 (no -inf - -inf), and NaN stays NaN.
-    float m = -std::numeric_limits<float>::infinity();
+    // The thread's maximum (NaN skipped), then its exponentials against it; a thread without
+    // finite elements takes them against 0 so that its -inf give 0 (no -inf - -inf), and NaN
+    // stays NaN.
+    float m = -kInf;
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
-      if (!valid || !Tile::owns(share, i)) continue;
-      const int c = Tile::slot(share, i) * V - shift;
       float v[V];
       detail::to_floats(held[i], v);
 #pragma unroll
-      for (int j = 0; j < V; ++j) {
-        if (detail::in_row(c + j, n)) m = fmaxf(m, v[j]);
-      }
+      for (int j = 0; j < V; ++j) m = fmaxf(m, v[j]);
     }
-    const float pivot = m == -std::numeric_limits<float>::infinity() ? 0.f : m;
+    const float pivot = m == -kInf ? 0.f : m;
     float s = 0.f;
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
-      if (!valid || !Tile::owns(share, i)) continue;
-      const int c = Tile::slot(share, i) * V - shift;
       float v[V];
       detail::to_floats(held[i], v);
+      detail::Vec<Exp<T>, V> e;
 #pragma unroll
       for (int j = 0; j < V; ++j) {
-        if (detail::in_row(c + j, n)) s += exp2f((v[j] - pivot) * kLog2e);
+        v[j] = detail::exp_minus(v[j], pivot);
+        s += v[j];
+        e.v[j] = detail::from_float<Exp<T>>(v[j]);
       }
+      memcpy(&held[i], &e, sizeof(e));
     }
     float stats[2] = {m, s};
     tile.reduce(stats, reduced);
     if (!valid) return;
-    // No finite maximum (all -inf, or +inf): x - max is NaN for every element, as in torch.
-    const float max = stats[0];
-    const float inv_sum = 1.f / stats[1];
+    // y = e * exp(pivot - max) / sum. No finite maximum (all -inf, or +inf): the factor is NaN
+    // (0 / 0, or a NaN sum), as in torch.
+    const float factor = (pivot == stats[0] ? 1.f : detail::exp_minus(pivot, stats[0])) / stats[1];
     T* y_row = static_cast<T*>(a.y) + row * a.y_stride;
     const bool y_vectors = detail::same_phase(x_row, y_row);
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       if (!Tile::owns(share, i)) continue;
       const int c = Tile::slot(share, i) * V - shift;
+      detail::Vec<Exp<T>, V> e;
+      memcpy(&e, &held[i], sizeof(e));
       float v[V];
-      detail::to_floats(held[i], v);
+      detail::to_floats(e, v);
 #pragma unroll
-      for (int j = 0; j < V; ++j) v[j] = exp2f((v[j] - max) * kLog2e) * inv_sum;
+      for (int j = 0; j < V; ++j) v[j] *= factor;
       detail::store_slot<T, V>(y_row, c, n, y_vectors && c >= 0 && c + V <= n, v);
     }
   });
