@@ -16,7 +16,6 @@ struct RowConfig {
 };
 
 inline constexpr int kRowVecs = 4;           // slots per thread: 4 loads in flight each
-inline constexpr int kRowClusterThreads = 512;
 inline constexpr int kRowMaxThreads = 1024;
 inline constexpr int kRowMaxCluster = 16;    // beyond the portable 8: asked for, may not fit
 
@@ -40,36 +39,25 @@ inline int rows_max_shift(const void* data, std::int64_t stride, std::size_t ele
 }
 
 // The split of a row of `slots` slots, a pure function of its length:
-//   up to 4 slots: 1, 2 (one slot each) or 4 threads; then 4 slots per thread and as few
-//   threads as cover the row (at least min_threads), up to 512 threads (bf16 N = 16384, fp32
-//   8192) in one block;
-//   longer: clusters of 2, 4, 8 or 16 blocks of 512 threads (bf16 N <= 262144, fp32 131072),
-//   then 16 blocks of 1024 threads (bf16 N <= 524288, fp32 262144). A cluster of 16 is
-//   non-portable: when it cannot be resident, rows of up to 8 x 1024 x 4 slots take 8 blocks
-//   of 1024 threads (fallback_config), longer ones are refused.
-// Blocks of 512 threads leave room for two blocks per SM at 64 registers, so one block's
-// loads overlap the other's reduction; a cluster's per-row exchange is one st.async per block.
+//   up to 2 slots: 1 or 2 threads of one slot each; then 4 slots per thread and as few threads
+//   as cover the row (at least min_threads), up to 1024 (bf16 N = 32768, fp32 16384) in one
+//   block; longer rows: clusters of 2, 4, 8 or 16 blocks of 1024 threads (bf16 N <= 262144 and
+//   fp32 131072 in the portable 8; 16 where the device lets such a cluster be resident).
+// The norms' register kernels split rows alike (kRows: 1024-thread blocks in clusters of 2 to
+// 8); the first softmax kernels, with clusters of 512-thread blocks, ran 1604-1864 GB/s from
+// N = 32768 on an H200 where N = 8192 took 2416 (bf16).
 inline RowConfig row_config(std::int64_t slots, int min_threads) {
   if (slots <= 2 && min_threads <= 2) {
     const int t = static_cast<int>(std::max<std::int64_t>(slots, min_threads));
     return {t < 1 ? 1 : t, 1, 1};
   }
   int threads = std::max(4, min_threads);
-  while (threads < kRowClusterThreads && threads * kRowVecs < slots) threads *= 2;
+  while (threads < kRowMaxThreads && threads * kRowVecs < slots) threads *= 2;
   if (threads * kRowVecs >= slots) return {threads, kRowVecs, 1};
   for (int cluster = 2; cluster <= kRowMaxCluster; cluster *= 2) {
-    if (std::int64_t{kRowClusterThreads} * kRowVecs * cluster >= slots)
-      return {kRowClusterThreads, kRowVecs, cluster};
+    if (std::int64_t{kRowMaxThreads} * kRowVecs * cluster >= slots)
+      return {kRowMaxThreads, kRowVecs, cluster};
   }
-  if (std::int64_t{kRowMaxThreads} * kRowVecs * kRowMaxCluster >= slots)
-    return {kRowMaxThreads, kRowVecs, kRowMaxCluster};
-  return {};
-}
-
-// Where a cluster of 16 cannot be resident: 8 blocks of 1024 threads, if they hold the row.
-inline RowConfig fallback_config(const RowConfig& c, std::int64_t slots) {
-  if (c.cluster == kRowMaxCluster && std::int64_t{kRowMaxThreads} * kRowVecs * 8 >= slots)
-    return {kRowMaxThreads, kRowVecs, 8};
   return {};
 }
 

@@ -28,30 +28,25 @@
 namespace trainscale::detail {
 
 // Calls fn(threads, vecs, cluster) (std::integral_constant each) for a configuration
-// row_config can return with this kMinThreads (or fallback_config); only those are compiled.
+// row_config can return with this kMinThreads; only those are compiled.
 template <int kMinThreads, int kThreads = (kMinThreads < 1 ? 1 : kMinThreads), class Fn>
 auto with_row_config(const RowConfig& c, Fn&& fn) {
   using std::integral_constant;
-  if constexpr (kThreads < kRowClusterThreads) {
+  if constexpr (kThreads < kRowMaxThreads) {
     if (c.cluster == 1 && c.threads == kThreads) {
       return fn(integral_constant<int, kThreads>{}, integral_constant<int, (kThreads < 4 ? 1 : kRowVecs)>{},
                 integral_constant<int, 1>{});
     }
     return with_row_config<kMinThreads, kThreads * 2>(c, std::forward<Fn>(fn));
   } else {
-    using Vecs = integral_constant<int, kRowVecs>;
-    using Wide = integral_constant<int, kRowClusterThreads>;
     using Widest = integral_constant<int, kRowMaxThreads>;
-    if (c.threads == kRowMaxThreads) {
-      if (c.cluster == 8) return fn(Widest{}, Vecs{}, integral_constant<int, 8>{});
-      return fn(Widest{}, Vecs{}, integral_constant<int, 16>{});
-    }
+    using Vecs = integral_constant<int, kRowVecs>;
     switch (c.cluster) {
-      case 1: return fn(Wide{}, Vecs{}, integral_constant<int, 1>{});
-      case 2: return fn(Wide{}, Vecs{}, integral_constant<int, 2>{});
-      case 4: return fn(Wide{}, Vecs{}, integral_constant<int, 4>{});
-      case 8: return fn(Wide{}, Vecs{}, integral_constant<int, 8>{});
-      default: return fn(Wide{}, Vecs{}, integral_constant<int, 16>{});
+      case 1: return fn(Widest{}, Vecs{}, integral_constant<int, 1>{});
+      case 2: return fn(Widest{}, Vecs{}, integral_constant<int, 2>{});
+      case 4: return fn(Widest{}, Vecs{}, integral_constant<int, 4>{});
+      case 8: return fn(Widest{}, Vecs{}, integral_constant<int, 8>{});
+      default: return fn(Widest{}, Vecs{}, integral_constant<int, 16>{});
     }
   }
 }

@@ -427,12 +427,10 @@ void cross_entropy_forward_cuda(const TensorView& logits, const TensorView& targ
       };
       const detail::RowConfig config = detail::row_config(slots, kMinThreads);
       if (config.threads > 0 && launch(config)) return;
-      const detail::RowConfig fallback = detail::fallback_config(config, slots);
-      if (fallback.threads > 0 && launch(fallback)) return;
       detail::throw_op_error(op, "rows of " + std::to_string(r.cols) +
                                      " logits are longer than the CUDA kernel holds (at most " +
                                      std::to_string(detail::max_row_cols(V)) +
-                                     " with rows at 16 bytes, where a cluster of 16 blocks fits)");
+                                     " with rows at 16 bytes, where a cluster of 16 blocks can be resident)");
     });
   }
   if (!per_row) {

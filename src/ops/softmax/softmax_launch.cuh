@@ -1,6 +1,6 @@
 // The launch shared by the softmax kernels: the row split for the rows' length and alignment,
-// a cluster of 16 traded for 8 wider blocks where it cannot be resident, and the error for rows
-// longer than any split holds.
+// and the error for rows longer than any split holds (or whose cluster of 16 cannot be
+// resident).
 #pragma once
 
 #include <string>
@@ -27,12 +27,10 @@ void launch_softmax_rows(const char* op, std::int64_t rows, std::int64_t cols, i
   };
   const detail::RowConfig config = detail::row_config(slots, 1);
   if (config.threads > 0 && launch(config)) return;
-  const detail::RowConfig fallback = detail::fallback_config(config, slots);
-  if (fallback.threads > 0 && launch(fallback)) return;
   detail::throw_op_error(op, "rows of " + std::to_string(cols) +
                                  " elements are longer than the CUDA kernels hold (at most " +
                                  std::to_string(detail::max_row_cols(V)) +
-                                 " with rows at 16 bytes, where a cluster of 16 blocks fits)");
+                                 " with rows at 16 bytes, where a cluster of 16 blocks can be resident)");
 }
 
 }  // namespace trainscale::ops::softmax
