@@ -17,6 +17,7 @@ except ImportError as _e:
 from . import _ops  # noqa: E402,F401  (fake impls and autograd registrations)
 from .functional import (  # noqa: E402
     apply_rotary,
+    cross_entropy,
     fp8_quantize,
     fused_add_rms_norm,
     fused_add_rms_norm_,
@@ -25,9 +26,11 @@ from .functional import (  # noqa: E402
     rms_norm,
     rope_tables,
     silu,
+    softmax,
     swiglu,
 )
 from .modules import (  # noqa: E402
+    CrossEntropyLoss,
     FusedAddRMSNorm,
     LayerNorm,
     RMSNorm,
@@ -35,13 +38,14 @@ from .modules import (  # noqa: E402
     SwiGLU,
     SwiGLUMLP,
 )
-from .patching import hf_apply_rotary_pos_emb, patch  # noqa: E402
+from .patching import hf_apply_rotary_pos_emb, hf_causal_lm_loss, patch  # noqa: E402
 from .selection import config, print_selection  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [
-    "apply_rotary", "fp8_quantize", "fused_add_rms_norm", "fused_add_rms_norm_", "gelu",
-    "layer_norm", "rms_norm", "rope_tables", "silu", "swiglu", "FusedAddRMSNorm", "LayerNorm",
-    "RMSNorm", "RotaryEmbedding", "SwiGLU", "SwiGLUMLP", "config", "hf_apply_rotary_pos_emb", "patch",
+    "apply_rotary", "cross_entropy", "fp8_quantize", "fused_add_rms_norm", "fused_add_rms_norm_",
+    "gelu", "layer_norm", "rms_norm", "rope_tables", "silu", "softmax", "swiglu",
+    "CrossEntropyLoss", "FusedAddRMSNorm", "LayerNorm", "RMSNorm", "RotaryEmbedding", "SwiGLU",
+    "SwiGLUMLP", "config", "hf_apply_rotary_pos_emb", "hf_causal_lm_loss", "patch",
     "print_selection",
 ]

@@ -111,6 +111,31 @@ def _(x, dtype, granularity, power_of_two_scales, scales_m_major):
     return x.new_empty((m, n), dtype=dtype), x.new_empty(s, dtype=torch.float32)
 
 
+@register_fake("trainscale::softmax_forward")
+def _(x):
+    return _like(x)
+
+
+@register_fake("trainscale::softmax_backward")
+def _(dy, y):
+    return _like(y)
+
+
+@register_fake("trainscale::cross_entropy_forward")
+def _(logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction, with_grad):
+    torch._check(logits.dim() == 2, lambda: "trainscale::cross_entropy_forward: argument 'logits': expected [M, V]")
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    rows = logits.shape[0]
+    loss = logits.new_empty((rows,) if reduction == "none" else (), dtype=dtype)
+    grad = _like(logits) if with_grad else logits.new_empty((0,))
+    return loss, logits.new_empty((rows,), dtype=dtype), grad
+
+
+@register_fake("trainscale::cross_entropy_backward")
+def _(grad_loss, logits, target, lse, ignore_index, label_smoothing, z_loss, softcap, reduction):
+    return _like(logits)
+
+
 # ---- autograd -------------------------------------------------------------------------------
 
 def _rms_setup(ctx, inputs, output):
@@ -205,3 +230,34 @@ def _rope_backward(ctx, dq_out, dk_out):
 
 
 register_autograd("trainscale::rope_fwd", _rope_backward, setup_context=_rope_setup)
+
+
+def _softmax_setup(ctx, inputs, output):
+    ctx.save_for_backward(output)
+
+
+def _softmax_backward(ctx, dy):
+    (y,) = ctx.saved_tensors
+    return ops.softmax_backward(dy.contiguous(), y)
+
+
+register_autograd("trainscale::softmax_forward", _softmax_backward, setup_context=_softmax_setup)
+
+
+# Cross-entropy's backward reads the logits again with the saved lse (one read, one write): for
+# any upstream gradient, where a gradient written by the forward (with_grad) would be held
+# until the backward and then scaled by it, a pass more.
+def _ce_setup(ctx, inputs, output):
+    logits, target, *options = inputs
+    ctx.save_for_backward(logits, target, output[1])
+    ctx.options = options[:5]  # ignore_index, label_smoothing, z_loss, softcap, reduction
+    ctx.mark_non_differentiable(output[1], output[2])
+
+
+def _ce_backward(ctx, dloss, _dlse, _dgrad):
+    logits, target, lse = ctx.saved_tensors
+    grad = ops.cross_entropy_backward(dloss.contiguous(), logits, target, lse, *ctx.options)
+    return grad, None, None, None, None, None, None, None
+
+
+register_autograd("trainscale::cross_entropy_forward", _ce_backward, setup_context=_ce_setup)

@@ -72,6 +72,32 @@ def fused_add_rms_norm_(x: torch.Tensor, residual: torch.Tensor,
     return x, residual
 
 
+def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Softmax over the last dim (dim must name it), computed in float32."""
+    if dim not in (-1, x.dim() - 1):
+        raise ValueError(f"trainscale.softmax: argument 'dim': expected the last dim, got {dim}")
+    return _dispatch("softmax", "softmax", ops.softmax_forward, _ref.softmax, x)
+
+
+def _cross_entropy(logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction):
+    v = logits.shape[-1]
+    loss = ops.cross_entropy_forward(logits.reshape(-1, v), target.reshape(-1), ignore_index,
+                                     label_smoothing, z_loss, softcap, reduction, False)[0]
+    return loss.reshape(target.shape) if reduction == "none" else loss
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
+                  label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float = 0.0,
+                  reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of logits [..., V] (classes last) against integer targets [...], like
+    F.cross_entropy(logits.view(-1, V), target.view(-1), ...) with, all in the kernel: softcap
+    c > 0 (logits -> c tanh(logits / c) first), z_loss (adds z_loss * logsumexp^2 per row) and
+    label smoothing. Rows whose target is ignore_index give 0 and leave the mean (all ignored:
+    NaN). The loss is float32 (float64 for float64 logits), as is its accumulation."""
+    return _dispatch("cross_entropy", "cross_entropy", _cross_entropy, _ref.cross_entropy, logits,
+                     target, ignore_index, label_smoothing, z_loss, softcap, reduction)
+
+
 def swiglu(a: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
     """silu(a) * b; with b omitted, a is packed [..., 2F] (gate in the first half, up in the
     second) and the result is [..., F]."""
