@@ -177,6 +177,11 @@ struct RowTile {
   static __device__ __forceinline__ int slot(const Share& s, int i) {
     return s.first + i * kThreads + lane();
   }
+  // The first column of the thread's i-th slot in a row of n with that shift; n (past the row)
+  // for a slot it does not own, whose columns may be another block's of the cluster.
+  static __device__ __forceinline__ int column(const Share& s, int i, int shift, int n) {
+    return owns(s, i) ? slot(s, i) * V - shift : n;
+  }
   // Whether this thread reports the row's per-row results (one thread per row).
   static __device__ __forceinline__ bool reporter() {
     return lane() == 0 && (kCluster == 1 || blockIdx.x % kCluster == 0);

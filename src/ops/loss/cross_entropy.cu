@@ -153,7 +153,8 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
     float stats[4] = {m, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
-      const int c = Tile::slot(share, i) * V - shift;
+      // Slots the thread does not own hold the padding and match no column of the row.
+      const int c = Tile::column(share, i, shift, n);
       float v[V];
       detail::to_floats(held[i], v);
 #pragma unroll
