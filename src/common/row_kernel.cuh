@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <string>
 #include <string_view>
 #include <type_traits>
 #include <utility>
@@ -24,6 +25,7 @@
 #include "common/cuda_check.h"
 #include "common/reduce.cuh"
 #include "common/vec.cuh"
+#include "core/check.h"
 
 namespace trainscale::detail {
 
@@ -77,6 +79,31 @@ bool launch_row_kernel(void (*kernel)(Params...), int threads, int cluster, std:
   launch_in_clusters(kernel, clusters * cluster, block, cluster, 0, stream, op,
                      std::forward<Args>(args)...);
   return true;
+}
+
+// Launches the row kernel for rows of T: make_kernel(threads, vecs, cluster) returns the kernel
+// compiled for the split row_config(slots, kMinThreads) picks for `cols` elements whose largest
+// shift is max_shift (rows_max_shift); args.slots is set. Throws for rows no split holds, or
+// whose cluster of 16 blocks cannot be resident.
+template <class T, int kMinThreads, class MakeKernel, class Args>
+void launch_rows(std::string_view op, std::int64_t rows, std::int64_t cols, int max_shift,
+                 cudaStream_t stream, MakeKernel&& make_kernel, Args& args) {
+  if (rows == 0) return;
+  constexpr int V = kVec16<T>;
+  const std::int64_t slots = row_slots(cols, V, max_shift);
+  args.slots = static_cast<int>(std::min<std::int64_t>(slots, 1 << 30));
+  const RowConfig config = row_config(slots, kMinThreads);
+  const bool launched =
+      config.threads > 0 &&
+      with_row_config<kMinThreads>(config, [&](auto threads, auto vecs, auto cluster) {
+        return launch_row_kernel(make_kernel(threads, vecs, cluster), threads, cluster, rows,
+                                 stream, op, args);
+      });
+  if (launched) return;
+  throw_op_error(op, "rows of " + std::to_string(cols) +
+                         " elements are longer than the CUDA kernels hold (at most " +
+                         std::to_string(max_row_cols(V)) +
+                         " with rows at 16 bytes, where a cluster of 16 blocks can be resident)");
 }
 
 // ---- device side ----
@@ -181,6 +208,21 @@ struct RowTile {
   // for a slot it does not own, whose columns may be another block's of the cluster.
   static __device__ __forceinline__ int column(const Share& s, int i, int shift, int n) {
     return owns(s, i) ? slot(s, i) * V - shift : n;
+  }
+  // The thread's slots of `row` (shift: row_shift(row)); elements outside the row, slots the
+  // thread does not own and every slot of a row past the last (valid false) hold `pad`.
+  static __device__ __forceinline__ void load(const T* row, const Share& s, int shift, int n,
+                                              bool valid, T pad, Vec<T, V> (&held)[kVecs]) {
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      const int c = slot(s, i) * V - shift;
+      if (valid && owns(s, i)) {
+        held[i] = load_slot<T, V>(row, c, n, c >= 0 && c + V <= n, pad);
+      } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) held[i].v[j] = pad;
+      }
+    }
   }
   // Whether this thread reports the row's per-row results (one thread per row).
   static __device__ __forceinline__ bool reporter() {

@@ -120,16 +120,7 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
     // the softcap, which maps them to -c, they are tested for instead).
     const T pad = detail::from_float<T>(-kInf);
     detail::Vec<T, V> held[kVecs];
-#pragma unroll
-    for (int i = 0; i < kVecs; ++i) {
-      const int c = Tile::slot(share, i) * V - shift;
-      if (valid && Tile::owns(share, i)) {
-        held[i] = detail::load_slot<T, V>(x_row, c, n, c >= 0 && c + V <= n, pad);
-      } else {
-#pragma unroll
-        for (int j = 0; j < V; ++j) held[i].v[j] = pad;
-      }
-    }
+    Tile::load(x_row, share, shift, n, valid, pad, held);
     const auto logit = [&](float raw, int col) {
       if constexpr (kSoftcap) {
         return detail::in_row(col, n) ? softcapped<true>(raw, o) : -kInf;
@@ -406,34 +397,22 @@ void cross_entropy_forward_cuda(const TensorView& logits, const TensorView& targ
       a.valid_rows = count_valid(a.targets, r.rows, options.ignore_index, scratch.count, stream, op);
     }
   }
-  if (r.rows > 0) {
-    detail::dispatch_activation_dtype(logits.dtype, op, [&](auto tag) {
-      using T = typename decltype(tag)::type;
-      constexpr int V = detail::kVec16<T>;
-      const std::int64_t slots =
-          detail::row_slots(r.cols, V, detail::rows_max_shift(logits.data, r.row_stride, sizeof(T)));
-      a.slots = static_cast<int>(std::min<std::int64_t>(slots, 1 << 30));
-      // A warp per row at least: vocabularies are long, and fewer configurations compile.
-      constexpr int kMinThreads = 32;
-      const auto launch = [&](const detail::RowConfig& config) {
-        return detail::with_row_config<kMinThreads>(config, [&](auto threads, auto vecs, auto cluster) {
+  detail::dispatch_activation_dtype(logits.dtype, op, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    // A warp per row at least: vocabularies are long, and fewer configurations compile.
+    constexpr int kMinThreads = 32;
+    detail::launch_rows<T, kMinThreads>(
+        op, r.rows, r.cols, detail::rows_max_shift(logits.data, r.row_stride, sizeof(T)), stream,
+        [&](auto threads, auto vecs, auto cluster) {
           constexpr int kThreads = decltype(threads)::value;
           constexpr int kVecs = decltype(vecs)::value;
           constexpr int kCluster = decltype(cluster)::value;
-          const auto kernel = options.softcap > 0
-                                  ? cross_entropy_forward_kernel<T, true, kThreads, kVecs, kCluster>
-                                  : cross_entropy_forward_kernel<T, false, kThreads, kVecs, kCluster>;
-          return detail::launch_row_kernel(kernel, kThreads, kCluster, r.rows, stream, op, a);
-        });
-      };
-      const detail::RowConfig config = detail::row_config(slots, kMinThreads);
-      if (config.threads > 0 && launch(config)) return;
-      detail::throw_op_error(op, "rows of " + std::to_string(r.cols) +
-                                     " logits are longer than the CUDA kernel holds (at most " +
-                                     std::to_string(detail::max_row_cols(V)) +
-                                     " with rows at 16 bytes, where a cluster of 16 blocks can be resident)");
-    });
-  }
+          return options.softcap > 0
+                     ? cross_entropy_forward_kernel<T, true, kThreads, kVecs, kCluster>
+                     : cross_entropy_forward_kernel<T, false, kThreads, kVecs, kCluster>;
+        },
+        a);
+  });
   if (!per_row) {
     reduce_losses_kernel<<<1, kReduceThreads, 0, stream>>>(
         scratch.rows, a.targets, r.rows, options.ignore_index,

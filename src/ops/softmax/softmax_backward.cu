@@ -1,7 +1,7 @@
 // Softmax backward: dx = y * (dy - sum(dy * y)) per row, dy and y held in registers so each is
 // read once; one sum per row across its threads (and cluster).
+#include "common/row_kernel.cuh"
 #include "ops/softmax/softmax_cuda.h"
-#include "ops/softmax/softmax_launch.cuh"
 
 namespace trainscale::ops::softmax {
 namespace {
@@ -84,7 +84,7 @@ void softmax_backward_cuda(const TensorView& dy, const TensorView& y, TensorView
                  c.rows(dx, "dx").row_stride, r.rows, static_cast<int>(r.cols), 0};
   detail::dispatch_activation_dtype(dy.dtype, op, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    launch_softmax_rows<T>(op, r.rows, r.cols, detail::rows_max_shift(dy.data, r.row_stride, sizeof(T)),
+    detail::launch_rows<T, 1>(op, r.rows, r.cols, detail::rows_max_shift(dy.data, r.row_stride, sizeof(T)),
                            stream, [](auto threads, auto vecs, auto cluster) {
                              return softmax_backward_kernel<T, decltype(threads)::value,
                                                             decltype(vecs)::value,

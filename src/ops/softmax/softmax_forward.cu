@@ -7,8 +7,8 @@
 #include <limits>
 #include <type_traits>
 
+#include "common/row_kernel.cuh"
 #include "ops/softmax/softmax_cuda.h"
-#include "ops/softmax/softmax_launch.cuh"
 
 namespace trainscale::ops::softmax {
 namespace {
@@ -45,16 +45,7 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
     // Elements outside the row load as -inf: no effect on the maximum, exp 0 in the sum.
     const T pad = detail::from_float<T>(-kInf);
     detail::Vec<T, V> held[kVecs];  // x, then the thread's exponentials as Exp<T>
-#pragma unroll
-    for (int i = 0; i < kVecs; ++i) {
-      const int c = Tile::slot(share, i) * V - shift;
-      if (valid && Tile::owns(share, i)) {
-        held[i] = detail::load_slot<T, V>(x_row, c, n, c >= 0 && c + V <= n, pad);
-      } else {
-#pragma unroll
-        for (int j = 0; j < V; ++j) held[i].v[j] = pad;
-      }
-    }
+    Tile::load(x_row, share, shift, n, valid, pad, held);
     // The thread's maximum (NaN skipped), then its exponentials against it; a thread without
     // finite elements takes them against 0 so that its -inf give 0 (no -inf - -inf), and NaN
     // stays NaN.
@@ -114,7 +105,7 @@ void softmax_forward_cuda(const TensorView& x, TensorView y, cudaStream_t stream
                 static_cast<int>(xr.cols), 0};
   detail::dispatch_activation_dtype(x.dtype, op, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    launch_softmax_rows<T>(op, xr.rows, xr.cols, detail::rows_max_shift(x.data, xr.row_stride, sizeof(T)),
+    detail::launch_rows<T, 1>(op, xr.rows, xr.cols, detail::rows_max_shift(x.data, xr.row_stride, sizeof(T)),
                            stream, [](auto threads, auto vecs, auto cluster) {
                              return softmax_forward_kernel<T, decltype(threads)::value,
                                                            decltype(vecs)::value,
