@@ -3,9 +3,12 @@
 // strided and misaligned rows, every option, int32 and int64 targets, every reduction, the
 // gradient in the forward pass (also in place over the logits) and from the saved lse, NaN / Inf
 // logits, all rows ignored, out-of-range targets, and bit-identical losses run to run.
+#include <cuda_runtime.h>
+
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -265,6 +268,53 @@ TEST(CrossEntropyCuda, ReducedLossIsBitIdentical) {
     EXPECT_EQ(0, std::memcmp(&fa, &fb, sizeof(float))) << fa << " vs " << fb;
     EXPECT_EQ(a.grad, b.grad);
   }
+}
+
+// The reduced loss's scratch is per stream: calls on two streams at once give the bits of a
+// serial call, and a captured graph (after a first call sized the scratch) replays to them.
+TEST(CrossEntropyCuda, ConcurrentStreamsAndGraphAreBitIdentical) {
+  TS_REQUIRE_GPU();
+  Case c{DType::kBFloat16, {2000, 4096, 0, false}};
+  const Values x = test::random_inputs(c.dt, c.l.rows * c.l.cols, 0, -6, 6, false);
+  const Values x2 = test::random_inputs(c.dt, c.l.rows * c.l.cols, 1, -6, 6, false);
+  const HostTensor targets = HostTensor::from_values(c.target_dt, {c.l.rows}, random_targets(c));
+  StridedDeviceBuffer d_x(c.dt, c.l, &x), d_x2(c.dt, c.l, &x2);
+  DeviceTensor d_t(targets);
+  const auto scalar = [] { return std::make_unique<DeviceTensor>(HostTensor(DType::kFloat32, {1}), false); };
+  auto serial = scalar(), serial2 = scalar(), s1 = scalar(), s2 = scalar(), graphed = scalar();
+  const auto bits = [](const DeviceTensor& t) {
+    const HostTensor h = t.to_host();
+    std::uint32_t u;
+    std::memcpy(&u, h.data(), sizeof(u));
+    return u;
+  };
+  cross_entropy_forward(d_x.view(), d_t.view(), serial->view(), {}, {});
+  cross_entropy_forward(d_x2.view(), d_t.view(), serial2->view(), {}, {});
+  cudaStream_t st1 = nullptr, st2 = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&st1, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaStreamCreateWithFlags(&st2, cudaStreamNonBlocking), cudaSuccess);
+  for (int rep = 0; rep < 4; ++rep) {
+    cross_entropy_forward(d_x.view(), d_t.view(), s1->view(), {}, {}, {}, st1);
+    cross_entropy_forward(d_x2.view(), d_t.view(), s2->view(), {}, {}, {}, st2);
+  }
+  ASSERT_EQ(cudaStreamSynchronize(st1), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(st2), cudaSuccess);
+  EXPECT_EQ(bits(*s1), bits(*serial));
+  EXPECT_EQ(bits(*s2), bits(*serial2));
+
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(st1, cudaStreamCaptureModeGlobal), cudaSuccess);
+  cross_entropy_forward(d_x.view(), d_t.view(), graphed->view(), {}, {}, {}, st1);
+  ASSERT_EQ(cudaStreamEndCapture(st1, &graph), cudaSuccess);
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  ASSERT_EQ(cudaGraphLaunch(exec, st1), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(st1), cudaSuccess);
+  EXPECT_EQ(bits(*graphed), bits(*serial));
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(st1);
+  cudaStreamDestroy(st2);
 }
 
 // float64 is the CPU reference's alone (the kernels write float32 loss and lse).
