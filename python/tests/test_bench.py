@@ -15,7 +15,7 @@ FAST = ["--timeout-ms", "30", "--min-time-ms", "2", "--min-samples", "3", "--war
 CPU = FAST + ["--device", "cpu"]
 OPS = "rmsnorm_fwd,rmsnorm_bwd,fused_add_rmsnorm_fwd,layernorm_fwd,layernorm_bwd,gelu_fwd,gelu_bwd," \
       "gelu_tanh_bwd,silu_bwd,swiglu_fwd,swiglu_bwd,swiglu_packed_fwd,swiglu_packed_bwd,rope_fwd,rope_bwd," \
-      "fp8_quant_row,fp8_quant_1x128"
+      "fp8_quant_row,fp8_quant_1x128,softmax_fwd,softmax_bwd,cross_entropy_fwd,cross_entropy_fwd_bwd"
 
 
 def test_registry_through_binding():
@@ -79,7 +79,8 @@ def test_gpu_rows(tmp_path):
     """On the GPU: ours and the PyTorch baselines (fp8 included: bit-exact) pass the gate and are
     timed with CUDA events."""
     out = tmp_path / "gpu.json"
-    ops = "rmsnorm_fwd,layernorm_bwd,swiglu_fwd,rope_fwd,fp8_quant_row,fp8_quant_1x128"
+    ops = "rmsnorm_fwd,layernorm_bwd,swiglu_fwd,rope_fwd,fp8_quant_row,fp8_quant_1x128,softmax_fwd," \
+          "softmax_bwd,cross_entropy_fwd_bwd"
     rc = bench.main(["--suite", "smoke", "--ops", ops, "--dtype", "bf16", "--impl", "trainscale,torch",
                      "--json", str(out)] + FAST)
     doc = json.load(open(out))
