@@ -15,7 +15,7 @@ FAST = ["--timeout-ms", "30", "--min-time-ms", "2", "--min-samples", "3", "--war
 CPU = FAST + ["--device", "cpu"]
 OPS = "rmsnorm_forward,rmsnorm_backward,fused_add_rmsnorm_forward,layernorm_forward,layernorm_backward,gelu_forward,gelu_backward," \
       "gelu_backward_tanh,silu_backward,swiglu_forward,swiglu_backward,swiglu_forward_packed,swiglu_backward_packed,rope_forward,rope_backward," \
-      "fp8_quantize_row,fp8_quantize_1x128"
+      "fp8_quantize_row,fp8_quantize_1x128,softmax_forward,softmax_backward,cross_entropy_forward,cross_entropy_forward_with_grad"
 
 
 def test_registry_through_binding():
@@ -80,7 +80,8 @@ def test_gpu_rows(tmp_path):
     """On the GPU: ours and the PyTorch baselines (fp8 included: bit-exact) pass the gate and are
     timed with CUDA events."""
     out = tmp_path / "gpu.json"
-    ops = "rmsnorm_forward,layernorm_backward,swiglu_forward,rope_forward,fp8_quantize_row,fp8_quantize_1x128"
+    ops = "rmsnorm_forward,layernorm_backward,swiglu_forward,rope_forward,fp8_quantize_row,fp8_quantize_1x128,softmax_forward," \
+          "softmax_backward,cross_entropy_forward_with_grad"
     rc = bench.main(["--suite", "smoke", "--ops", ops, "--dtype", "bf16", "--impl", "trainscale,torch",
                      "--json", str(out)] + FAST)
     doc = json.load(open(out))

@@ -41,14 +41,16 @@ def test_patched_llama_matches(monkeypatch, capsys, per_batch_positions):
     assert len(report["rms_norm"]) == 2 * 2 + 1  # two per layer and the final norm
     assert len(report["swiglu_mlp"]) == 2
     assert report["rope"] == ["transformers.models.llama.modeling_llama.apply_rotary_pos_emb"]
+    assert report["cross_entropy"] == ["LlamaForCausalLM"] and model.loss_function is ts.hf_causal_lm_loss
     assert isinstance(model.model.norm, ts.RMSNorm) and isinstance(model.model.layers[0].mlp, ts.SwiGLUMLP)
     # Parameters are shared, not copied.
     assert model.model.norm.weight is dict(model.named_parameters())["model.norm.weight"]
 
     loss, grads = loss_and_grads(model, ids, positions)
-    # LlamaRMSNorm computes in float32 even for float64 inputs (ours stays in float64), so the two
-    # agree to float32 rounding, not float64's.
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    # LlamaRMSNorm computes in float32 even for float64 inputs, and transformers' loss casts the
+    # logits to float32 (ours stays in float64), so the two agree to float32 rounding, not
+    # float64's.
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0, check_dtype=False)
     assert grads.keys() == ref_grads.keys()
     for name in grads:
         scale = ref_grads[name].abs().max().item()
@@ -64,6 +66,7 @@ def test_patch_fp32_and_idempotent(monkeypatch):
     ts.patch(model, verbose=False)
     again = ts.patch(model, verbose=False)
     assert again["rms_norm"] == [] and again["swiglu_mlp"] == [] and again["rope"] == []
+    assert again["cross_entropy"] == []
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, original(ids).logits, rtol=1e-5, atol=1e-5)
 

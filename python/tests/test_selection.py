@@ -31,8 +31,8 @@ def cache_files(d):
 def test_switch_validation():
     with pytest.raises(ValueError, match="use_rmsnorm.*True, False or 'auto'"):
         ts.config.use_rmsnorm = "fast"
-    with pytest.raises(AttributeError, match="unknown switch 'use_softmax'"):
-        ts.config.use_softmax = True
+    with pytest.raises(AttributeError, match="unknown switch 'use_attention'"):
+        ts.config.use_attention = True
     with pytest.raises(AttributeError, match="unknown attribute"):
         ts.config.cache = "/tmp"
 

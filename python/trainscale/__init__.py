@@ -15,9 +15,10 @@ except ImportError as _e:
         "install the package with `pip install .` from the repository root") from _e
 
 # The family modules register the ops' fake implementations and autograd formulas.
-from . import activation, fp8, norm, rope  # noqa: E402,F401
+from . import activation, fp8, loss, norm, rope, softmax  # noqa: E402,F401
 from .functional import (  # noqa: E402
     apply_rotary,
+    cross_entropy,
     fp8_quantize,
     fused_add_rms_norm,
     fused_add_rms_norm_,
@@ -26,9 +27,11 @@ from .functional import (  # noqa: E402
     rms_norm,
     rope_tables,
     silu,
+    softmax,
     swiglu,
 )
 from .modules import (  # noqa: E402
+    CrossEntropyLoss,
     FusedAddRMSNorm,
     LayerNorm,
     RMSNorm,
@@ -36,13 +39,14 @@ from .modules import (  # noqa: E402
     SwiGLU,
     SwiGLUMLP,
 )
-from .patching import hf_apply_rotary_pos_emb, patch  # noqa: E402
+from .patching import hf_apply_rotary_pos_emb, hf_causal_lm_loss, patch  # noqa: E402
 from .selection import config, print_selection  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [
-    "apply_rotary", "fp8_quantize", "fused_add_rms_norm", "fused_add_rms_norm_", "gelu",
-    "layer_norm", "rms_norm", "rope_tables", "silu", "swiglu", "FusedAddRMSNorm", "LayerNorm",
-    "RMSNorm", "RotaryEmbedding", "SwiGLU", "SwiGLUMLP", "config", "hf_apply_rotary_pos_emb", "patch",
+    "apply_rotary", "cross_entropy", "fp8_quantize", "fused_add_rms_norm", "fused_add_rms_norm_",
+    "gelu", "layer_norm", "rms_norm", "rope_tables", "silu", "softmax", "swiglu",
+    "CrossEntropyLoss", "FusedAddRMSNorm", "LayerNorm", "RMSNorm", "RotaryEmbedding", "SwiGLU",
+    "SwiGLUMLP", "config", "hf_apply_rotary_pos_emb", "hf_causal_lm_loss", "patch",
     "print_selection",
 ]

@@ -62,6 +62,18 @@ def _layer_norm_fwd(x, w, b):
     return y, mean.reshape(-1), rstd.reshape(-1)
 
 
+def _cross_entropy(logits, targets, with_grad):
+    """(loss, lse[, grad_logits]) of the cases (mean over rows, no ignored target), float32 math."""
+    x = logits.float()
+    lse = torch.logsumexp(x, -1)
+    loss = (lse - x.gather(1, targets[:, None])[:, 0]).mean()
+    if not with_grad:
+        return loss, lse
+    grad = torch.exp(x - lse[:, None])
+    grad.scatter_add_(1, targets[:, None], -torch.ones_like(lse)[:, None])
+    return loss, lse, (grad / logits.shape[0]).to(logits.dtype)
+
+
 # op -> (inputs, untimed state) -> outputs, in PyTorch. `prep` (optional) builds the state once.
 _TORCH = {
     "rmsnorm_forward": lambda t, _: ref.rms_norm_with_rstd(t["x"], t["weight"]),
@@ -81,6 +93,10 @@ _TORCH = {
     "swiglu_backward_packed": lambda t, _: torch.cat(_swiglu_bwd(t["dy"], *t["ab"].chunk(2, -1)), -1),
     "rope_forward": lambda t, cs: _rope(t, *cs),
     "rope_backward": lambda t, cs: _rope(t, cs[0], -cs[1]),  # rotation by -angle
+    "softmax_forward": lambda t, _: torch.softmax(t["x"], -1),
+    "softmax_backward": lambda t, _: _aten._softmax_backward_data(t["dy"], t["y"], -1, t["dy"].dtype),
+    "cross_entropy_forward": lambda t, _: _cross_entropy(t["logits"], t["targets"], False),
+    "cross_entropy_forward_with_grad": lambda t, _: _cross_entropy(t["logits"], t["targets"], True),
     "fp8_quantize_row": lambda t, _: ref.fp8_quantize(t["x"], granularity="row"),
     "fp8_quantize_1x128": lambda t, _: ref.fp8_quantize(t["x"], granularity="1x128"),
 }
@@ -124,7 +140,8 @@ def _by_name(fn, **values):
 def _liger_baseline():
     """Liger-Kernel's Triton kernels through its internal functions (they take saved statistics
     like the cases do): RMSNorm, fused add + RMSNorm and LayerNorm forward / backward, SwiGLU
-    forward / backward and RoPE forward / backward. Liger's SwiGLU backward and RoPE work in
+    forward / backward, RoPE forward / backward and softmax forward / backward (its
+    cross-entropy returns no lse, which the cases compare). Liger's SwiGLU backward and RoPE work in
     place, so each runs on copies made once, untimed, in setup: the gated (first) call sees the
     case's inputs; later timed calls move the same bytes."""
     try:
@@ -135,6 +152,10 @@ def _liger_baseline():
         from liger_kernel.ops.swiglu import swiglu_backward, swiglu_forward
     except ImportError:
         return None
+    try:
+        from liger_kernel.ops.softmax import _softmax_backward, _softmax_forward
+    except ImportError:  # releases before its softmax
+        _softmax_forward = _softmax_backward = None
 
     def forward(t):
         return _by_name(rms_norm_forward, X=t["x"], W=t["weight"], eps=1e-6, offset=0.0, casting_mode="llama")
@@ -188,8 +209,14 @@ def _liger_baseline():
 
     setups = {"rmsnorm_forward": rms_fwd, "rmsnorm_backward": rms_bwd, "fused_add_rmsnorm_forward": fused_add_fwd,
               "layernorm_forward": ln_fwd, "layernorm_backward": ln_bwd,
-              "swiglu_forward": lambda t: (lambda: swiglu_forward(t["a"], t["b"])[2]), "swiglu_backward": swiglu_bwd,
+              "swiglu_forward": lambda t: (lambda: swiglu_forward(t["a"], t["b"])[2]), "swiglu_backward": swiglu_backward,
               "rope_forward": rope(False), "rope_backward": rope(True)}
+    if _softmax_forward is not None:
+        def softmax_backward(t):
+            settings = _softmax_forward(t["y"])[1:]  # Liger's launch settings for this shape
+            return lambda: _softmax_backward(t["dy"], t["y"], *settings)
+        setups["softmax_forward"] = lambda t: (lambda: _softmax_forward(t["x"])[0])
+        setups["softmax_backward"] = softmax_backward
     return lambda op, shape, dtype: setups.get(op)
 
 

@@ -106,3 +106,22 @@ class RotaryEmbedding(nn.Module):
     def extra_repr(self):
         return (f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, theta={self.theta}, "
                 f"interleaved={self.interleaved}, cached={self.cos.shape[0]}")
+
+
+class CrossEntropyLoss(nn.Module):
+    """Like nn.CrossEntropyLoss (classes in the last dim, integer targets), with softcap and
+    z_loss; see trainscale.cross_entropy. The loss is float32."""
+
+    def __init__(self, ignore_index: int = -100, reduction: str = "mean",
+                 label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float = 0.0):
+        super().__init__()
+        self.ignore_index, self.reduction = ignore_index, reduction
+        self.label_smoothing, self.z_loss, self.softcap = label_smoothing, z_loss, softcap
+
+    def forward(self, logits, target):
+        return F.cross_entropy(logits, target, self.ignore_index, self.label_smoothing, self.z_loss,
+                               self.softcap, self.reduction)
+
+    def extra_repr(self):
+        return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+                f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, softcap={self.softcap}")

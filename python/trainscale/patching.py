@@ -7,7 +7,7 @@ from typing import Dict, List
 import torch
 from torch import nn
 
-from .functional import apply_rotary
+from .functional import apply_rotary, cross_entropy
 from .modules import RMSNorm, SwiGLUMLP
 
 # RMSNorms computing x * rsqrt(mean(x^2) + eps) * weight (Gemma's adds 1 to the weight: not these).
@@ -34,6 +34,25 @@ def hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
         offsets = torch.arange(b, device=cos.device) * s
     q_out, k_out = apply_rotary(qv, kv, cos_t, sin_t, offsets, rotary_dim=d)
     return (q_out.transpose(1, 2), k_out.transpose(1, 2)) if unsqueeze_dim == 1 else (q_out, k_out)
+
+
+def hf_causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None,
+                      ignore_index: int = -100, shift_labels=None, **kwargs):
+    """Drop-in for transformers' ForCausalLMLoss: token s predicts label s + 1 (or shift_labels),
+    mean over the tokens not ignored, or the sum divided by num_items_in_batch when given. The
+    logits are not upcast first: trainscale.cross_entropy reads them as they are and computes
+    in float32."""
+    if shift_labels is None:
+        labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
+        shift_labels = labels[..., 1:]
+    target = shift_labels.reshape(-1).to(logits.device)
+    logits = logits.reshape(-1, vocab_size)
+    if num_items_in_batch is None:
+        return cross_entropy(logits, target, ignore_index=ignore_index, reduction="mean")
+    loss = cross_entropy(logits, target, ignore_index=ignore_index, reduction="sum")
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
 
 
 def _is_silu(act) -> bool:
@@ -83,12 +102,13 @@ class PatchReport(Dict[str, List[str]]):
 
 
 def patch(model: nn.Module, rms_norm: bool = True, swiglu: bool = True, rope: bool = True,
-          verbose: bool = True) -> PatchReport:
+          cross_entropy: bool = True, verbose: bool = True) -> PatchReport:
     """Swaps in trainscale, in place: Llama-style RMSNorms -> trainscale.RMSNorm, SiLU-gated MLPs
     (gate_proj / up_proj / down_proj) -> trainscale.SwiGLUMLP (same Linear layers, fused
-    activation), and apply_rotary_pos_emb of the model's modeling module ->
-    hf_apply_rotary_pos_emb (that module's function, so every model of that type in the process
-    uses it). Returns (and with verbose prints) a report of what was swapped."""
+    activation), apply_rotary_pos_emb of the model's modeling module -> hf_apply_rotary_pos_emb
+    (that module's function, so every model of that type in the process uses it), and the
+    causal-LM loss of each submodule with a settable `loss_function` (transformers' models) ->
+    hf_causal_lm_loss. Returns (and with verbose prints) a report of what was swapped."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"trainscale.patch: argument 'model': expected a torch.nn.Module, got {type(model).__name__}")
     report = PatchReport()
@@ -104,6 +124,13 @@ def patch(model: nn.Module, rms_norm: bool = True, swiglu: bool = True, rope: bo
                     mod.apply_rotary_pos_emb is not hf_apply_rotary_pos_emb:
                 mod.apply_rotary_pos_emb = hf_apply_rotary_pos_emb
                 report["rope"].append(f"{mod_name}.apply_rotary_pos_emb")
+    if cross_entropy:
+        report["cross_entropy"] = []
+        for name, m in model.named_modules():
+            if getattr(m, "loss_type", None) == "ForCausalLM" and \
+                    getattr(m, "loss_function", hf_causal_lm_loss) is not hf_causal_lm_loss:
+                m.loss_function = hf_causal_lm_loss  # transformers' settable property
+                report["cross_entropy"].append(name or type(m).__name__)
     if verbose:
         print(report)
     return report

@@ -134,3 +134,32 @@ def fp8_quantize(x, dtype=torch.float8_e4m3fn, granularity="row", power_of_two_s
         t[:, :m] = scale.t()
         return q, t
     return q, scale
+
+
+def softmax(x):
+    return torch.softmax(x, dim=-1)
+
+
+def cross_entropy(logits, target, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=0.0,
+                  reduction="mean"):
+    """trainscale.cross_entropy's math in float32 (float64 for float64): softcap, logsumexp,
+    label smoothing over the classes, z-loss lse^2; ignored rows give 0 and leave the mean."""
+    v = logits.shape[-1]
+    x = logits.reshape(-1, v).to(_acc(logits.dtype))
+    t = target.reshape(-1)
+    if softcap > 0:
+        x = softcap * torch.tanh(x / softcap)
+    lse = torch.logsumexp(x, dim=-1)
+    valid = t != ignore_index
+    loss = z_loss * lse * lse
+    if label_smoothing < 1:
+        picked = x.gather(1, torch.where(valid, t, 0)[:, None].long())[:, 0]
+        loss = loss + (1 - label_smoothing) * (lse - picked)
+    if label_smoothing > 0:
+        loss = loss + label_smoothing * (lse - x.mean(dim=-1))
+    loss = torch.where(valid, loss, torch.zeros_like(loss))
+    if reduction == "none":
+        return loss.reshape(target.shape)
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / valid.sum()

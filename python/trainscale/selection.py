@@ -19,7 +19,8 @@ import torch
 
 from . import _C
 
-FAMILIES = ("rmsnorm", "layernorm", "swiglu", "gelu", "silu", "rope", "fp8")
+FAMILIES = ("rmsnorm", "layernorm", "swiglu", "gelu", "silu", "rope", "fp8", "softmax",
+            "cross_entropy")
 _SCHEMA = "trainscale-selection"
 
 

@@ -1,67 +1,131 @@
-// Sums across the threads that share a row: lanes of a warp segment, then warps via shared
-// memory, then (ClusterRowSum) the blocks of a thread-block cluster that split the row.
-// Each call reduces kCount values at once so one barrier serves all of them.
+// Reductions across the threads that share a row: lanes of a warp segment, then warps via
+// shared memory, then (ClusterRowReduce) the blocks of a thread-block cluster that split the
+// row. Each call reduces kCount values at once so one barrier serves all of them. Every
+// combine is commutative bit for bit, and the butterflies pair values in a fixed pattern, so
+// every participating thread ends with the same bits, run after run.
 #pragma once
 
 #include <cooperative_groups.h>
 #include <cuda/ptx>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace trainscale::detail {
 
-// Sum over groups of kWidth consecutive lanes (kWidth a power of two <= 32).
-template <int kWidth, int kCount>
-__device__ __forceinline__ void warp_segment_sum(float (&v)[kCount]) {
+// Elementwise sums (float, or double where a long sum needs it).
+struct SumOp {
+  template <class F, int kCount>
+  static __device__ __forceinline__ void combine(F (&a)[kCount], const F (&b)[kCount]) {
+#pragma unroll
+    for (int c = 0; c < kCount; ++c) a[c] += b[c];
+  }
+};
+
+// Elementwise maxima; NaN is skipped as fmaxf does (a row's NaN reaches its output elsewhere).
+struct MaxOp {
+  template <class F, int kCount>
+  static __device__ __forceinline__ void combine(F (&a)[kCount], const F (&b)[kCount]) {
+#pragma unroll
+    for (int c = 0; c < kCount; ++c) a[c] = fmax(a[c], b[c]);
+  }
+};
+
+inline constexpr float kLog2e = 1.4426950408889634f;
+
+// 2^x in one MUFU instruction (relative error 2^-22; results under 2^-126 flush to 0), where
+// exp2f adds a denormal range fix-up: the row kernels take one or two per element.
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// exp(x - m), the difference taken first: exact for nearby x and m, where x log2e - m log2e
+// loses |m| log2e ulps.
+__device__ __forceinline__ float exp_minus(float x, float m) { return exp2_approx((x - m) * kLog2e); }
+
+// exp(m_part - m) for a partial maximum m_part <= m: 1 when equal, so a part of only -inf
+// (sum 0) or of +inf (sum NaN) merges without forming inf - inf.
+__device__ __forceinline__ float online_rescale(float m_part, float m) {
+  return m_part == m ? 1.f : exp_minus(m_part, m);
+}
+
+// Online-softmax statistics: v[0] a running maximum m, v[1] a sum of exp(x - m) over the same
+// elements, v[2..] plain sums carried along (cross-entropy's sum of logits and target logit).
+// The merged sum is s_a e^(m_a - m) + s_b e^(m_b - m) rounded in that order without an FMA,
+// so merging a into b gives the bits of merging b into a.
+struct OnlineSoftmaxOp {
+  template <class F, int kCount>
+  static __device__ __forceinline__ void combine(F (&a)[kCount], const F (&b)[kCount]) {
+    static_assert(kCount >= 2 && std::is_same_v<F, float>);
+    const float m = fmaxf(a[0], b[0]);
+    a[1] = __fadd_rn(__fmul_rn(a[1], online_rescale(a[0], m)),
+                     __fmul_rn(b[1], online_rescale(b[0], m)));
+    a[0] = m;
+#pragma unroll
+    for (int c = 2; c < kCount; ++c) a[c] += b[c];
+  }
+};
+
+// Combines over groups of kWidth consecutive lanes (kWidth a power of two <= 32).
+template <int kWidth, class Op, class F, int kCount>
+__device__ __forceinline__ void warp_segment_reduce(F (&v)[kCount]) {
 #pragma unroll
   for (int offset = kWidth / 2; offset > 0; offset /= 2) {
+    F other[kCount];
 #pragma unroll
-    for (int c = 0; c < kCount; ++c) v[c] += __shfl_xor_sync(0xffffffffu, v[c], offset);
+    for (int c = 0; c < kCount; ++c) other[c] = __shfl_xor_sync(0xffffffffu, v[c], offset);
+    Op::combine(v, other);
   }
 }
 
-// Sum over kThreads consecutive threads (a power of two); when kThreads > 32 they are whole
-// warps and `scratch` holds kThreads / 32 * kCount floats. Every participating thread gets
-// the total. Callers that loop must not reuse `scratch` before all threads have read it: the
-// leading barrier of the next call takes care of that.
-template <int kThreads, int kCount>
-__device__ __forceinline__ void row_sum(float (&v)[kCount], float* scratch) {
-  warp_segment_sum<(kThreads < 32 ? kThreads : 32), kCount>(v);
+// Combines over kThreads consecutive threads (a power of two); when kThreads > 32 they are
+// whole warps and `scratch` holds kThreads / 32 * kCount values. Every participating thread
+// gets the result. Callers that loop must not reuse `scratch` before all threads have read
+// it: the leading barrier of the next call takes care of that.
+template <int kThreads, class Op, class F, int kCount>
+__device__ __forceinline__ void row_reduce(F (&v)[kCount], F* scratch) {
+  warp_segment_reduce<(kThreads < 32 ? kThreads : 32), Op>(v);
   if constexpr (kThreads > 32) {
     constexpr int kWarps = kThreads / 32;
     const int lane = threadIdx.x % 32;
     const int warp = (threadIdx.x % kThreads) / 32;
-    float* row_scratch = scratch + (threadIdx.x / kThreads) * kWarps * kCount;
+    F* row_scratch = scratch + (threadIdx.x / kThreads) * kWarps * kCount;
     __syncthreads();
     if (lane == 0) {
 #pragma unroll
       for (int c = 0; c < kCount; ++c) row_scratch[warp * kCount + c] = v[c];
     }
     __syncthreads();
-    // Every warp sums the partials with shuffles: kCount shared loads per thread, where a
-    // serial sum issued all kWarps * kCount of them at once (96 registers at 1024 threads).
-    // The butterfly gives every lane the same bits (each step adds the same pair).
+    // Every warp combines the partials with shuffles: kCount shared loads per thread, where a
+    // serial loop issued all kWarps * kCount of them at once (96 registers at 1024 threads).
 #pragma unroll
     for (int c = 0; c < kCount; ++c) v[c] = row_scratch[(lane % kWarps) * kCount + c];
-    warp_segment_sum<kWarps, kCount>(v);
+    warp_segment_reduce<kWarps, Op>(v);
   }
 }
 
-// Sums across the blocks of a cluster that share a row, without a cluster barrier per row:
+template <int kThreads, int kCount>
+__device__ __forceinline__ void row_sum(float (&v)[kCount], float* scratch) {
+  row_reduce<kThreads, SumOp>(v, scratch);
+}
+
+// Combines across the blocks of a cluster that share a row, without a cluster barrier per row:
 // each block sends its totals by st.async into a slot of every block's shared memory, which
 // completes that block's mbarrier once all kCluster slots have landed. (A cluster.sync() per
 // row would be a cluster-scope release and acquire: it waits for the thread's outstanding
 // global stores and invalidates L1, dropping lines a kernel prefetched or keeps there, like a
 // weight read through L1; the mbarrier wait is CTA-scoped.) Lane l of each warp then takes the
-// totals of rank l % kCluster and the lanes add them by a butterfly, so every block and thread
+// totals of rank l % kCluster and the lanes combine them by a butterfly, so every block and thread
 // holds bitwise the same totals. Two slot buffers and mbarriers alternate by row: block A writes
 // buffer p of block B for row k + 2 only after it received row k + 1 from every block, B
 // included, and B sends a row only after its threads passed row_sum's barriers for it, hence
 // finished reading buffer p for row k. Lives in shared memory; every thread calls start(), then
-// wait_started() before its first sum(), then sum() once per row, the same rows in every block
-// of the cluster.
-template <int kCluster, int kSums>
-struct ClusterRowSum {
+// wait_started() before its first reduce(), then reduce() once per row, the same rows in every
+// block of the cluster.
+template <int kCluster, int kSums, class Op = SumOp>
+struct ClusterRowReduce {
   static_assert(kCluster > 0 && kCluster <= 32 && (kCluster & (kCluster - 1)) == 0);
   static_assert(kSums <= 4, "a block's totals travel as one 16-byte st.async");
   float4 slots[2][kCluster];
@@ -81,9 +145,9 @@ struct ClusterRowSum {
   // An acquire at cluster scope (it invalidates L1): call it before prefetching into L1.
   __device__ __forceinline__ void wait_started() { cuda::ptx::barrier_cluster_wait(); }
 
-  // v: the block's totals in every thread, as row_sum leaves them; replaced by the cluster's.
-  // row: this thread's count of rows summed so far, advanced.
-  __device__ __forceinline__ void sum(float (&v)[kSums], int& row) {
+  // v: the block's totals in every thread, as row_reduce leaves them; replaced by the
+  // cluster's. row: this thread's count of rows reduced so far, advanced.
+  __device__ __forceinline__ void reduce(float (&v)[kSums], int& row) {
     const int p = row & 1;
     const std::uint32_t phase = (row >> 1) & 1;
     ++row;
@@ -110,8 +174,11 @@ struct ClusterRowSum {
     const float lanes[4] = {got.x, got.y, got.z, got.w};
 #pragma unroll
     for (int c = 0; c < kSums; ++c) v[c] = lanes[c];
-    warp_segment_sum<kCluster, kSums>(v);
+    warp_segment_reduce<kCluster, Op>(v);
   }
 };
+
+template <int kCluster, int kSums>
+using ClusterRowSum = ClusterRowReduce<kCluster, kSums, SumOp>;
 
 }  // namespace trainscale::detail

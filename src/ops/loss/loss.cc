@@ -125,7 +125,7 @@ void mse_backward(const TensorView& grad_out, const TensorView& a, const TensorV
 
 void cross_entropy_forward(const TensorView& logits, const TensorView& targets, TensorView loss,
                            TensorView lse, TensorView grad_logits,
-                           const CrossEntropyOptions& options, cudaStream_t /*stream*/) {
+                           const CrossEntropyOptions& options, cudaStream_t stream) {
   detail::OpChecker c("cross_entropy_forward");
   const std::int64_t rows = check_logits(c, logits);
   check_targets(c, targets, rows, "one per row of 'logits'");
@@ -135,14 +135,19 @@ void cross_entropy_forward(const TensorView& logits, const TensorView& targets, 
   if (grad_logits.defined()) c.like(grad_logits, "grad_logits", logits, "logits");
   c.outputs_disjoint({{loss, "loss"}, {lse, "lse"}, {grad_logits, "grad_logits"}},
                      {{logits, "logits"}, {targets, "targets"}}, "grad_logits", "logits");
-  if (c.on_cuda()) detail::throw_no_cuda_kernel(c.op());
+  if (detail::ran_on_cuda(c, [&] {
+        ops::loss::cross_entropy_forward_cuda(logits, targets, loss, lse, grad_logits, options,
+                                              stream);
+      })) {
+    return;
+  }
   ops::loss::cross_entropy_forward_cpu(logits, targets, loss, lse, grad_logits, options);
 }
 
 void cross_entropy_backward(const TensorView& grad_loss, const TensorView& logits,
                             const TensorView& targets, const TensorView& lse,
                             TensorView grad_logits, const CrossEntropyOptions& options,
-                            cudaStream_t /*stream*/) {
+                            cudaStream_t stream) {
   detail::OpChecker c("cross_entropy_backward");
   const std::int64_t rows = check_logits(c, logits);
   check_targets(c, targets, rows, "one per row of 'logits'");
@@ -153,7 +158,12 @@ void cross_entropy_backward(const TensorView& grad_loss, const TensorView& logit
   c.outputs_disjoint({{grad_logits, "grad_logits"}},
                      {{grad_loss, "grad_loss"}, {logits, "logits"}, {targets, "targets"}, {lse, "lse"}},
                      "grad_logits", "logits");
-  if (c.on_cuda()) detail::throw_no_cuda_kernel(c.op());
+  if (detail::ran_on_cuda(c, [&] {
+        ops::loss::cross_entropy_backward_cuda(grad_loss, logits, targets, lse, grad_logits,
+                                               options, stream);
+      })) {
+    return;
+  }
   ops::loss::cross_entropy_backward_cpu(grad_loss, logits, targets, lse, grad_logits, options);
 }
 

@@ -1,5 +1,5 @@
-// CUDA launchers of the loss family; arguments arrive validated by loss.cc. Only MSE has
-// kernels so far (mse.cu); cross-entropy and fused linear cross-entropy are CPU-only.
+// CUDA launchers of the loss family; arguments arrive validated by loss.cc. MSE (mse.cu) and
+// cross-entropy (cross_entropy.cu) have kernels; fused linear cross-entropy is CPU-only.
 #pragma once
 
 #include "ops/loss/loss_internal.h"
@@ -16,5 +16,26 @@ void mse_forward_cuda(const TensorView& a, const TensorView& b, TensorView out,
 void mse_backward_cuda(const TensorView& grad_out, const TensorView& a, const TensorView& b,
                        TensorView grad_a, TensorView grad_b, Reduction reduction,
                        cudaStream_t stream);
+
+// One pass over the logits: each row held in registers (a cluster of blocks for long rows; rows
+// of up to detail::max_row_cols elements, longer ones throw), lse, the loss and, when given,
+// grad_logits written from the held row (over the logits when grad_logits is their view).
+// loss, lse: float32. Targets are not range-checked on the device: a target outside [0, V) that
+// is not ignore_index gives NaN for that row's loss and gradient (and so a NaN mean / sum).
+// kMean / kSum add the per-row losses in a fixed order (double) in a second one-block kernel:
+// bit-identical results run to run. Their row losses go to an internal scratch buffer per
+// (device, stream), allocated on first use and grown (after synchronizing the stream) when a
+// call has more rows: under CUDA-graph capture, make an uncaptured call of the largest size on
+// that stream first. kMean with grad_logits counts the rows not ignored first (a third small
+// kernel), since every gradient is divided by that count.
+void cross_entropy_forward_cuda(const TensorView& logits, const TensorView& targets,
+                                TensorView loss, TensorView lse, TensorView grad_logits,
+                                const CrossEntropyOptions& options, cudaStream_t stream);
+// Streaming, no reduction over the row (lse is given); kMean counts the rows not ignored first
+// (the count lives in the scratch above). grad_loss: float32.
+void cross_entropy_backward_cuda(const TensorView& grad_loss, const TensorView& logits,
+                                 const TensorView& targets, const TensorView& lse,
+                                 TensorView grad_logits, const CrossEntropyOptions& options,
+                                 cudaStream_t stream);
 
 }  // namespace trainscale::ops::loss

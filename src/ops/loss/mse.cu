@@ -16,6 +16,7 @@
 #include <type_traits>
 
 #include "common/elementwise.cuh"
+#include "common/reduce.cuh"
 #include "ops/loss/loss_cuda.h"
 
 namespace trainscale::ops::loss {
@@ -80,12 +81,6 @@ constexpr int kReduceThreads = 1024;
 // cap of 1024-thread blocks).
 constexpr int kReduceUnroll = 2;
 
-__device__ __forceinline__ double warp_sum(double v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
-
 // out[0] = sum over rows x cols of (a - b)^2, divided by `divisor` (1 for the sum).
 template <class T, int V>
 __global__ void __cluster_dims__(kReduceBlocks, 1, 1) __launch_bounds__(kReduceThreads)
@@ -129,18 +124,12 @@ __global__ void __cluster_dims__(kReduceBlocks, 1, 1) __launch_bounds__(kReduceT
       acc += d * d;
     }
   }
-  // Block: a fixed shuffle tree per warp, then warp 0 over the 32 warp sums.
+  // Block: a fixed shuffle tree per warp, then one over the 32 warp sums.
   __shared__ double warp_sums[kReduceThreads / 32];
   __shared__ double block_sum;
-  const int lane = threadIdx.x % 32;
-  const int warp = threadIdx.x / 32;
-  acc = warp_sum(acc);
-  if (lane == 0) warp_sums[warp] = acc;
-  __syncthreads();
-  if (warp == 0) {
-    const double v = warp_sum(warp_sums[lane]);
-    if (lane == 0) block_sum = v;
-  }
+  double sums[1] = {acc};
+  detail::row_reduce<kReduceThreads, detail::SumOp>(sums, warp_sums);
+  if (threadIdx.x == 0) block_sum = sums[0];
   // Cluster: block 0 adds the block sums in rank order; the second sync keeps every block's
   // shared memory alive until it has read them.
   cg::cluster_group cluster = cg::this_cluster();
@@ -152,7 +141,6 @@ __global__ void __cluster_dims__(kReduceBlocks, 1, 1) __launch_bounds__(kReduceT
   }
   cluster.sync();
 }
-static_assert(kReduceThreads / 32 == 32, "warp 0 reduces one warp sum per lane");
 
 std::int64_t row_stride(const TensorView& t) { return detail::row_layout(t).row_stride; }
 

@@ -379,7 +379,7 @@ __global__ void __launch_bounds__(kBackwardBlock, kVecs > 2 ? 1 : kBackwardBlock
     }
     row_sum<kThreads, kSums>(sums, scratch);
     if constexpr (kPrefetch) prefetch(row + groups);
-    if constexpr (kCluster > 1) cluster_sums.sum(sums, cluster_rows);
+    if constexpr (kCluster > 1) cluster_sums.reduce(sums, cluster_rows);
     const float inv_n = 1.f / static_cast<float>(n);
     const float mean_g = kKind == Kind::kLayer ? sums[0] * inv_n : 0.f;
     const float mean_gx = sums[kSums - 1] * inv_n;

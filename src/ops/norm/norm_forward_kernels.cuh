@@ -475,7 +475,7 @@ __global__ void __launch_bounds__(kBlockFor<kThreads>,
       accumulate<kKind, V>(v, pivot, sums);
     }
     row_sum<kThreads, kSums<kKind>>(sums, scratch);
-    if constexpr (kCluster > 1) cluster_sums.sum(sums, cluster_rows);
+    if constexpr (kCluster > 1) cluster_sums.reduce(sums, cluster_rows);
     const RowStats st = row_stats<kKind>(sums, n, a.eps);
     if (!valid) continue;
     T* y_row = static_cast<T*>(a.y) + row * a.y_stride + first_col;

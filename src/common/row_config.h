@@ -1,0 +1,69 @@
+// How the row kernels (common/row_kernel.cuh) split a row: pure functions of the row's
+// length in 16-byte slots, so tests and tools can see the choice without a device.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+namespace trainscale::detail {
+
+// Threads per row (a power of two), 16-byte slots per thread, blocks per row (a cluster).
+struct RowConfig {
+  int threads = 0;  // 0: rows this long are not supported
+  int vecs = 0;
+  int cluster = 1;
+};
+
+inline constexpr int kRowVecs = 4;           // slots per thread: 4 loads in flight each
+inline constexpr int kRowMaxThreads = 1024;
+inline constexpr int kRowMaxCluster = 16;    // beyond the portable 8: asked for, may not fit
+
+// Threads of a block: 256 (several rows of up to 256 threads each), or one row of more.
+constexpr int row_block_threads(int threads) {
+  return threads > 256 ? threads : 256;
+}
+
+// Slots a row of `cols` elements can span: its elements, plus up to vec - 1 before them when
+// some row does not start on 16 bytes.
+inline std::int64_t row_slots(std::int64_t cols, int vec, int max_shift) {
+  return (cols + max_shift + vec - 1) / vec;
+}
+
+// Largest shift (elements before the row in its first slot) over rows at `data` every `stride`
+// elements: the base's own when every row keeps its offset mod 16 bytes, else up to vec - 1.
+inline int rows_max_shift(const void* data, std::int64_t stride, std::size_t elem_bytes) {
+  const auto vec = static_cast<std::int64_t>(16 / elem_bytes);
+  if ((stride * static_cast<std::int64_t>(elem_bytes)) % 16 != 0) return static_cast<int>(vec - 1);
+  return static_cast<int>((reinterpret_cast<std::uintptr_t>(data) % 16) / elem_bytes);
+}
+
+// The split of a row of `slots` slots, a pure function of its length:
+//   up to 2 slots: 1 or 2 threads of one slot each; then 4 slots per thread and as few threads
+//   as cover the row (at least min_threads), up to 1024 (bf16 N = 32768, fp32 16384) in one
+//   block; longer rows: clusters of 2, 4, 8 or 16 blocks of 1024 threads (bf16 N <= 262144 and
+//   fp32 131072 in the portable 8; 16 where the device lets such a cluster be resident).
+// The norms' register kernels split rows alike (kRows: 1024-thread blocks in clusters of 2 to
+// 8); the first softmax kernels, with clusters of 512-thread blocks, ran 1604-1864 GB/s from
+// N = 32768 on an H200 where N = 8192 took 2416 (bf16).
+inline RowConfig row_config(std::int64_t slots, int min_threads) {
+  if (slots <= 2 && min_threads <= 2) {
+    const int t = static_cast<int>(std::max<std::int64_t>(slots, min_threads));
+    return {t < 1 ? 1 : t, 1, 1};
+  }
+  int threads = std::max(4, min_threads);
+  while (threads < kRowMaxThreads && threads * kRowVecs < slots) threads *= 2;
+  if (threads * kRowVecs >= slots) return {threads, kRowVecs, 1};
+  for (int cluster = 2; cluster <= kRowMaxCluster; cluster *= 2) {
+    if (std::int64_t{kRowMaxThreads} * kRowVecs * cluster >= slots)
+      return {kRowMaxThreads, kRowVecs, cluster};
+  }
+  return {};
+}
+
+// Longest supported row in elements (for messages).
+inline std::int64_t max_row_cols(int vec) {
+  return std::int64_t{kRowMaxThreads} * kRowVecs * kRowMaxCluster * vec - (vec - 1);
+}
+
+}  // namespace trainscale::detail

@@ -1,0 +1,259 @@
+// Scaffolding of the row kernels that hold a whole row in registers (softmax, cross-entropy):
+// how many threads (and thread-block-cluster blocks) share a row, the row's 16-byte slots, and
+// the reduction of a row's statistics across them. A row is read from HBM once, kept as stored
+// (16 bytes per slot and thread), reduced, and written once.
+//
+// Rows of any length and alignment: a row is cut into 16-byte slots from its address rounded
+// down to 16 bytes, so its first slot may start `shift` elements before the row and its last
+// may end after it. A slot wholly inside the row moves as one 16-byte access; the elements of
+// a partial slot move one by one, and only those inside the row are touched. A second tensor
+// whose rows sit at the same offset mod 16 bytes moves by vectors too, otherwise by elements.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+
+#include "common/cluster_launch.h"
+#include "common/row_config.h"
+#include "common/cuda_check.h"
+#include "common/reduce.cuh"
+#include "common/vec.cuh"
+#include "core/check.h"
+
+namespace trainscale::detail {
+
+// Calls fn(threads, vecs, cluster) (std::integral_constant each) for a configuration
+// row_config can return with this kMinThreads; only those are compiled.
+template <int kMinThreads, int kThreads = (kMinThreads < 1 ? 1 : kMinThreads), class Fn>
+auto with_row_config(const RowConfig& c, Fn&& fn) {
+  using std::integral_constant;
+  if constexpr (kThreads < kRowMaxThreads) {
+    if (c.cluster == 1 && c.threads == kThreads) {
+      return fn(integral_constant<int, kThreads>{}, integral_constant<int, (kThreads < 4 ? 1 : kRowVecs)>{},
+                integral_constant<int, 1>{});
+    }
+    return with_row_config<kMinThreads, kThreads * 2>(c, std::forward<Fn>(fn));
+  } else {
+    using Widest = integral_constant<int, kRowMaxThreads>;
+    using Vecs = integral_constant<int, kRowVecs>;
+    switch (c.cluster) {
+      case 1: return fn(Widest{}, Vecs{}, integral_constant<int, 1>{});
+      case 2: return fn(Widest{}, Vecs{}, integral_constant<int, 2>{});
+      case 4: return fn(Widest{}, Vecs{}, integral_constant<int, 4>{});
+      case 8: return fn(Widest{}, Vecs{}, integral_constant<int, 8>{});
+      default: return fn(Widest{}, Vecs{}, integral_constant<int, 16>{});
+    }
+  }
+}
+
+// Row groups (a block's rows, or a cluster's one row) each cluster takes in turn: one per
+// cluster paid every cluster's launch and first cluster barrier once per row (the norms' kRows,
+// H100: 4 groups 2925 vs 1 group 2768 GB/s at rmsnorm 32768x65536).
+inline constexpr std::int64_t kClusterRowGroups = 4;
+
+// Launches `kernel` (compiled for `threads` per row and `cluster` blocks per row) over `rows`
+// rows. False, launching nothing, where such a cluster cannot be resident on the device.
+template <class... Params, class... Args>
+bool launch_row_kernel(void (*kernel)(Params...), int threads, int cluster, std::int64_t rows,
+                       cudaStream_t stream, std::string_view op, Args&&... args) {
+  const int block = row_block_threads(threads);
+  const std::int64_t rows_per_block = block / threads;
+  const std::int64_t groups = (rows + rows_per_block - 1) / rows_per_block;
+  if (cluster == 1) {
+    const auto grid = std::min<std::int64_t>(groups, std::numeric_limits<int>::max());
+    kernel<<<static_cast<unsigned>(grid), block, 0, stream>>>(std::forward<Args>(args)...);
+    check_launch(op);
+    return true;
+  }
+  if (max_active_clusters(kernel, block, cluster, 0, op) == 0) return false;
+  const std::int64_t clusters =
+      std::min<std::int64_t>((groups + kClusterRowGroups - 1) / kClusterRowGroups,
+                             std::numeric_limits<int>::max() / cluster);
+  launch_in_clusters(kernel, clusters * cluster, block, cluster, 0, stream, op,
+                     std::forward<Args>(args)...);
+  return true;
+}
+
+// Launches the row kernel for rows of T: make_kernel(threads, vecs, cluster) returns the kernel
+// compiled for the split row_config(slots, kMinThreads) picks for `cols` elements whose largest
+// shift is max_shift (rows_max_shift); args.slots is set. Throws for rows no split holds, or
+// whose cluster of 16 blocks cannot be resident.
+template <class T, int kMinThreads, class MakeKernel, class Args>
+void launch_rows(std::string_view op, std::int64_t rows, std::int64_t cols, int max_shift,
+                 cudaStream_t stream, MakeKernel&& make_kernel, Args& args) {
+  if (rows == 0) return;
+  constexpr int V = kVec16<T>;
+  const std::int64_t slots = row_slots(cols, V, max_shift);
+  args.slots = static_cast<int>(std::min<std::int64_t>(slots, 1 << 30));
+  const RowConfig config = row_config(slots, kMinThreads);
+  const bool launched =
+      config.threads > 0 &&
+      with_row_config<kMinThreads>(config, [&](auto threads, auto vecs, auto cluster) {
+        return launch_row_kernel(make_kernel(threads, vecs, cluster), threads, cluster, rows,
+                                 stream, op, args);
+      });
+  if (launched) return;
+  throw_op_error(op, "rows of " + std::to_string(cols) +
+                         " elements are longer than the CUDA kernels hold (at most " +
+                         std::to_string(max_row_cols(V)) +
+                         " with rows at 16 bytes, where a cluster of 16 blocks can be resident)");
+}
+
+// ---- device side ----
+
+__device__ __forceinline__ bool in_row(int col, int n) {
+  return static_cast<unsigned>(col) < static_cast<unsigned>(n);
+}
+
+// Elements of `row` before it in its first 16-byte slot.
+template <class T>
+__device__ __forceinline__ int row_shift(const T* row) {
+  return static_cast<int>((reinterpret_cast<std::uintptr_t>(row) % 16) / sizeof(T));
+}
+
+// Whether `other`'s row keeps the same offset mod 16 bytes as `row`'s (same slot cuts).
+__device__ __forceinline__ bool same_phase(const void* row, const void* other) {
+  return (reinterpret_cast<std::uintptr_t>(row) - reinterpret_cast<std::uintptr_t>(other)) % 16 == 0;
+}
+
+// The slot whose first element is column c of a row of n: a vector access when `vector` (the
+// slot lies inside the row and at 16 bytes), else the elements inside the row one by one, the
+// rest set to `fill` (a neutral value spares the passes over the row a bounds test per element). The element loop is not unrolled: unrolled, the element loads of
+// every slot were hoisted together and spilled (fp16 softmax backward: 200 bytes at 64
+// registers); rolled, the rare partial slots go through 16 bytes of stack instead.
+template <class T, int V>
+__device__ __forceinline__ Vec<T, V> load_slot(const T* row, int c, int n, bool vector,
+                                                T fill = T(0.f)) {
+  if (vector) return load_raw<T, V>(row + c);
+  Vec<T, V> out;
+#pragma unroll 1
+  for (int j = 0; j < V; ++j) out.v[j] = in_row(c + j, n) ? row[c + j] : fill;
+  return out;
+}
+
+template <class T, int V>
+__device__ __forceinline__ void store_slot(T* row, int c, int n, bool vector, const float (&v)[V]) {
+  if (vector) {
+    store_floats<T, V>(row + c, v);
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    if (in_row(c + j, n)) row[c + j] = from_float<T>(v[j]);
+  }
+}
+
+// Hides the held slots' values from the compiler at this point, so that what a pass over them
+// converted to float (and softcapped) is converted again by the next pass, rather than kept
+// live between the passes as floats: for 16-bit types that doubled the registers of the held
+// row and spilled (cross-entropy forward at 64 registers: 96 bytes).
+template <class T, int V, int kVecs>
+__device__ __forceinline__ void reconvert_after(Vec<T, V> (&held)[kVecs]) {
+  static_assert(sizeof(Vec<T, V>) == 16);
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    unsigned words[4];
+    memcpy(words, &held[i], sizeof(words));
+#pragma unroll
+    for (int k = 0; k < 4; ++k) asm volatile("" : "+r"(words[k]));
+    memcpy(&held[i], words, sizeof(words));
+  }
+}
+
+// A thread's place in a row kernel compiled for kThreads threads per row, kVecs slots per
+// thread and kCluster blocks per row: which rows its block takes (row groups of kRowsPerBlock
+// rows, or one row per cluster) and which slots of them (a contiguous share per block of the
+// cluster, spread over the threads slot by slot so that a warp's accesses are contiguous).
+// kCount values are reduced per row with Op (reduce()). Lives in shared memory (the reduction
+// scratch and the cluster's exchange); every thread runs every row group of its block.
+template <class T, int kThreads, int kVecs, int kCluster, class Op, int kCount>
+struct RowTile {
+  static constexpr int V = kVec16<T>;
+  static constexpr int kBlock = row_block_threads(kThreads);
+  static constexpr int kRowsPerBlock = kBlock / kThreads;
+  static_assert(kCluster == 1 || kRowsPerBlock == 1, "a cluster shares one row");
+  float scratch[kThreads > 32 ? kBlock / 32 * kCount : 1];
+  ClusterRowReduce<kCluster, kCount, Op> cluster;  // kCluster > 1
+
+  // The block's share of a row of `slots` slots (the launch's maximum over rows).
+  struct Share {
+    int first;  // slot
+    int count;
+  };
+  static __device__ __forceinline__ Share share(int slots) {
+    if constexpr (kCluster == 1) {
+      return {0, slots};
+    } else {
+      const int per_block = (slots + kCluster - 1) / kCluster;
+      const int first = static_cast<int>(blockIdx.x % kCluster) * per_block;
+      return {first, max(0, min(per_block, slots - first))};
+    }
+  }
+  static __device__ __forceinline__ int lane() { return threadIdx.x % kThreads; }
+  // The thread's i-th slot of the share, and whether it has one.
+  static __device__ __forceinline__ bool owns(const Share& s, int i) {
+    return i * kThreads + lane() < s.count;
+  }
+  static __device__ __forceinline__ int slot(const Share& s, int i) {
+    return s.first + i * kThreads + lane();
+  }
+  // The first column of the thread's i-th slot in a row of n with that shift; n (past the row)
+  // for a slot it does not own, whose columns may be another block's of the cluster.
+  static __device__ __forceinline__ int column(const Share& s, int i, int shift, int n) {
+    return owns(s, i) ? slot(s, i) * V - shift : n;
+  }
+  // The thread's slots of `row` (shift: row_shift(row)); elements outside the row, slots the
+  // thread does not own and every slot of a row past the last (valid false) hold `pad`.
+  static __device__ __forceinline__ void load(const T* row, const Share& s, int shift, int n,
+                                              bool valid, T pad, Vec<T, V> (&held)[kVecs]) {
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      const int c = slot(s, i) * V - shift;
+      if (valid && owns(s, i)) {
+        held[i] = load_slot<T, V>(row, c, n, c >= 0 && c + V <= n, pad);
+      } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) held[i].v[j] = pad;
+      }
+    }
+  }
+  // Whether this thread reports the row's per-row results (one thread per row).
+  static __device__ __forceinline__ bool reporter() {
+    return lane() == 0 && (kCluster == 1 || blockIdx.x % kCluster == 0);
+  }
+
+  // Calls body(row, valid) for each row of the block's row groups: valid false past the last
+  // row (the thread still joins the reductions).
+  template <class Body>
+  static __device__ __forceinline__ void for_each_row(std::int64_t rows, Body&& body) {
+    const std::int64_t group = blockIdx.x / kCluster;
+    const std::int64_t groups = gridDim.x / kCluster;
+    for (std::int64_t base = group * kRowsPerBlock; base < rows; base += groups * kRowsPerBlock) {
+      const std::int64_t row = base + threadIdx.x / kThreads;
+      body(row, row < rows);
+    }
+  }
+
+  __device__ __forceinline__ void start() {
+    if constexpr (kCluster > 1) cluster.start();
+  }
+
+  // v: this thread's partial values, replaced by the row's (bitwise alike in every thread of
+  // the row, across the cluster too). reduced: the thread's count of rows reduced so far.
+  __device__ __forceinline__ void reduce(float (&v)[kCount], int& reduced) {
+    row_reduce<kThreads, Op>(v, scratch);
+    if constexpr (kCluster > 1) {
+      if (reduced == 0) cluster.wait_started();
+      cluster.reduce(v, reduced);
+    }
+  }
+};
+
+}  // namespace trainscale::detail

@@ -1,0 +1,466 @@
+// Cross-entropy kernels. The forward holds a row of logits in registers (common/row_kernel.cuh,
+// a cluster of blocks for long vocabularies) and reduces four statistics in one pass: the
+// online-softmax pair (max, sum of exp) and the plain sums of the logits (label smoothing) and
+// of the target's logit. The gradient, when asked, is written from the held logits in the same
+// pass, so the logits are read once and the gradient written once (over the logits in place).
+// The backward from a saved lse needs no reduction: a plain streaming kernel.
+//
+// Reductions over rows: kMean / kSum losses are written per row to a scratch buffer and then
+// summed by one block in a fixed order (double); kMean's row count is counted likewise. The
+// gradient of kMean needs that count before the rows are written: one small kernel counts the
+// targets first.
+#include <cmath>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "common/row_kernel.cuh"
+#include "ops/loss/loss_cuda.h"
+
+namespace trainscale::ops::loss {
+namespace {
+
+using detail::kLog2e;
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+struct Targets {
+  const void* data;
+  std::int64_t stride;
+  bool is_64;
+  __device__ __forceinline__ std::int64_t operator[](std::int64_t i) const {
+    return is_64 ? static_cast<const std::int64_t*>(data)[i * stride]
+                 : static_cast<const std::int32_t*>(data)[i * stride];
+  }
+};
+
+// The options as the kernels use them.
+struct Options {
+  std::int64_t ignore_index;
+  float smoothing;  // e
+  float z_loss;     // lambda
+  float softcap;    // c, 0 = off
+  float inv_softcap;
+};
+
+// The softcapped logit c tanh(x / c) and, for the gradient, its slope 1 - tanh^2 = 4 e / (1 + e)^2
+// with e = exp(-2 |x / c|): 1 - t * t cancels as |t| nears 1 (fp32, c = 5, |x| ~ 60: relative
+// error 1e-4 in the gradient), the exponential form does not.
+template <bool kSoftcap>
+__device__ __forceinline__ float softcapped(float x, const Options& o) {
+  return kSoftcap ? o.softcap * tanhf(x * o.inv_softcap) : x;
+}
+__device__ __forceinline__ float softcap_slope(float x, const Options& o) {
+  const float e = detail::exp2_approx(-2.f * kLog2e * fabsf(x * o.inv_softcap));
+  const float d = 1.f + e;
+  return 4.f * e / (d * d);
+}
+
+// d loss / d raw logit for a row not ignored, before the upstream scale: raw the logit, x its
+// softcapped value, lse the row's, hit whether it is the target's.
+template <bool kSoftcap>
+__device__ __forceinline__ float logit_gradient(float raw, float x, float lse, bool hit,
+                                                float prob_weight, float smooth, const Options& o) {
+  float g = detail::exp_minus(x, lse) * prob_weight - smooth;
+  if (hit) g -= 1.f - o.smoothing;
+  if constexpr (kSoftcap) g *= softcap_slope(raw, o);
+  return g;
+}
+
+struct ForwardArgs {
+  const void* logits;
+  std::int64_t logits_stride;
+  Targets targets;
+  float* loss;  // per row: the loss output (kNone) or the scratch rows (kMean / kSum)
+  std::int64_t loss_stride;
+  float* lse;  // optional
+  std::int64_t lse_stride;
+  void* grad;  // optional; may be logits
+  std::int64_t grad_stride;
+  const std::int64_t* valid_rows;  // kMean's gradient scale 1 / count; null: scale 1
+  Options o;
+  std::int64_t rows;
+  int cols;
+  int slots;  // 16-byte slots of the longest row
+};
+
+// A row's target as one int: its column, or kIgnoredRow, or kBadTarget for a target outside
+// [0, n) (not checked on the device: that row's loss and gradient are NaN). One register where
+// the target and two flags took four across the row's reduction.
+constexpr int kIgnoredRow = -1;
+constexpr int kBadTarget = -2;
+__device__ __forceinline__ int target_column(std::int64_t target, std::int64_t ignore_index, int n) {
+  if (target == ignore_index) return kIgnoredRow;
+  return target >= 0 && target < n ? static_cast<int>(target) : kBadTarget;
+}
+
+template <class T, bool kSoftcap, int kThreads, int kVecs, int kCluster>
+__global__ void __launch_bounds__(detail::row_block_threads(kThreads),
+                                  detail::kRowMaxThreads / detail::row_block_threads(kThreads))
+    cross_entropy_forward_kernel(ForwardArgs a) {
+  // (max, sum of exp(x - max), sum of x, x[target]) of the softcapped logits.
+  using Tile = detail::RowTile<T, kThreads, kVecs, kCluster, detail::OnlineSoftmaxOp, 4>;
+  constexpr int V = Tile::V;
+  __shared__ Tile tile;
+  tile.start();
+  const typename Tile::Share share = Tile::share(a.slots);
+  const Options& o = a.o;
+  const int n = a.cols;
+  // kMean's gradient scale, read once: a load per row would wait on it before the writes.
+  const float scale = a.valid_rows ? 1.f / static_cast<float>(*a.valid_rows) : 1.f;
+  int reduced = 0;
+  Tile::for_each_row(a.rows, [&](std::int64_t row, bool valid) {
+    const T* x_row = static_cast<const T*>(a.logits) + row * a.logits_stride;
+    const int shift = detail::row_shift(x_row);
+    const int t_col = valid ? target_column(a.targets[row], o.ignore_index, n) : kIgnoredRow;
+    // Elements outside the row load as -inf: no effect on the maximum, exp 0 in the sum (with
+    // the softcap, which maps them to -c, they are tested for instead).
+    const T pad = detail::from_float<T>(-kInf);
+    detail::Vec<T, V> held[kVecs];
+    Tile::load(x_row, share, shift, n, valid, pad, held);
+    const auto logit = [&](float raw, int col) {
+      if constexpr (kSoftcap) {
+        return detail::in_row(col, n) ? softcapped<true>(raw, o) : -kInf;
+      } else {
+        return raw;
+      }
+    };
+    // The softcap is increasing: the maximum of the raw logits, softcapped.
+    float m = -kInf;
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      float v[V];
+      detail::to_floats(held[i], v);
+#pragma unroll
+      for (int j = 0; j < V; ++j) m = fmaxf(m, v[j]);
+    }
+    m = softcapped<kSoftcap>(m, o);
+    // Summed against 0 when the thread has no finite maximum (see softmax_forward.cu).
+    const float pivot = m == -kInf ? 0.f : m;
+    detail::reconvert_after(held);
+    float stats[4] = {m, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      // Slots the thread does not own hold the padding and match no column of the row.
+      const int c = Tile::column(share, i, shift, n);
+      float v[V];
+      detail::to_floats(held[i], v);
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const float x = logit(v[j], c + j);
+        stats[1] += detail::exp_minus(x, pivot);
+        if (c + j == t_col) stats[3] = x;
+        if (detail::in_row(c + j, n)) stats[2] += x;  // skips the padding
+      }
+    }
+    tile.reduce(stats, reduced);
+    if (!valid) return;
+    // As the reference: NaN without a finite maximum, or with a NaN logit (via the sum).
+    const float lse = stats[0] == -kInf ? kNaN : stats[0] + logf(stats[1]);
+    const bool ignored = t_col == kIgnoredRow;
+    // Every thread forms the loss (the reporting thread writes it below): four statistics less
+    // held through the gradient's pass.
+    float loss = 0.f;
+    if (!ignored) {
+      loss = o.z_loss * lse * lse;
+      // Zero-weight terms are skipped so that a -inf logit cannot turn 0 * inf into NaN.
+      if (o.smoothing < 1.f) loss += (1.f - o.smoothing) * (lse - stats[3]);
+      if (o.smoothing > 0.f) loss += o.smoothing * (lse - stats[2] / static_cast<float>(n));
+      if (t_col == kBadTarget) loss = kNaN;
+    }
+    if (Tile::reporter()) {
+      a.loss[row * a.loss_stride] = loss;
+      if (a.lse) a.lse[row * a.lse_stride] = lse;
+    }
+    if (a.grad == nullptr) return;
+    detail::reconvert_after(held);
+    T* g_row = static_cast<T*>(a.grad) + row * a.grad_stride;
+    const bool g_vectors = detail::row_shift(g_row) == shift;
+    const float prob_weight = 1.f + 2.f * o.z_loss * lse;
+    const float smooth = o.smoothing / static_cast<float>(n);
+    const float row_scale = t_col == kBadTarget ? kNaN : scale;
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      if (!Tile::owns(share, i)) continue;
+      const int c = Tile::slot(share, i) * V - shift;
+      float v[V];
+      if (ignored) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) v[j] = 0.f;
+      } else {
+        detail::to_floats(held[i], v);
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          const float x = softcapped<kSoftcap>(v[j], o);
+          v[j] = logit_gradient<kSoftcap>(v[j], x, lse, c + j == t_col, prob_weight, smooth, o) *
+                 row_scale;
+        }
+      }
+      detail::store_slot<T, V>(g_row, c, n, g_vectors && c >= 0 && c + V <= n, v);
+    }
+  });
+}
+
+// Backward from the saved lse: elementwise within a row. A block takes kBackwardChunk slots of
+// one row (the row's target, lse and scale read once per block).
+constexpr int kBackwardThreads = 256;
+constexpr int kBackwardVecs = 4;
+constexpr int kBackwardChunk = kBackwardThreads * kBackwardVecs;
+
+struct BackwardArgs {
+  const float* grad_loss;  // kNone: per row; else one value
+  std::int64_t grad_loss_stride;  // 0 for a reduced loss
+  const void* logits;
+  std::int64_t logits_stride;
+  Targets targets;
+  const float* lse;
+  std::int64_t lse_stride;
+  void* grad;  // may be logits
+  std::int64_t grad_stride;
+  const std::int64_t* valid_rows;  // kMean: divides the scale; null otherwise
+  Options o;
+  std::int64_t rows;
+  int cols;
+  int chunks;  // blocks per row
+};
+
+template <class T, bool kSoftcap>
+__global__ void __launch_bounds__(kBackwardThreads) cross_entropy_backward_kernel(BackwardArgs a) {
+  constexpr int V = detail::kVec16<T>;
+  const Options& o = a.o;
+  const int n = a.cols;
+  for (std::int64_t b = blockIdx.x; b < a.rows * a.chunks; b += gridDim.x) {
+    const std::int64_t row = b / a.chunks;
+    const int first = static_cast<int>(b % a.chunks) * kBackwardChunk;
+    const T* x_row = static_cast<const T*>(a.logits) + row * a.logits_stride;
+    T* g_row = static_cast<T*>(a.grad) + row * a.grad_stride;
+    const int shift = detail::row_shift(x_row);
+    const bool g_vectors = detail::same_phase(x_row, g_row);
+    const int t_col = target_column(a.targets[row], o.ignore_index, n);
+    const bool ignored = t_col == kIgnoredRow;
+    const float lse = a.lse[row * a.lse_stride];
+    float scale = a.grad_loss[row * a.grad_loss_stride];
+    if (a.valid_rows) scale /= static_cast<float>(*a.valid_rows);
+    if (t_col == kBadTarget) scale = kNaN;
+    const float prob_weight = 1.f + 2.f * o.z_loss * lse;
+    const float smooth = o.smoothing / static_cast<float>(n);
+    detail::Vec<T, V> held[kBackwardVecs];
+#pragma unroll
+    for (int i = 0; i < kBackwardVecs; ++i) {
+      const int c = (first + i * kBackwardThreads + static_cast<int>(threadIdx.x)) * V - shift;
+      if (c < n && !ignored) held[i] = detail::load_slot<T, V>(x_row, c, n, c >= 0 && c + V <= n);
+    }
+#pragma unroll
+    for (int i = 0; i < kBackwardVecs; ++i) {
+      const int c = (first + i * kBackwardThreads + static_cast<int>(threadIdx.x)) * V - shift;
+      if (c >= n) continue;
+      float v[V];
+      if (ignored) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) v[j] = 0.f;
+      } else {
+        detail::to_floats(held[i], v);
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          const float x = softcapped<kSoftcap>(v[j], o);
+          v[j] = logit_gradient<kSoftcap>(v[j], x, lse, c + j == t_col, prob_weight, smooth, o) *
+                 scale;
+        }
+      }
+      detail::store_slot<T, V>(g_row, c, n, g_vectors && c >= 0 && c + V <= n, v);
+    }
+  }
+}
+
+// Rows not ignored, counted in a fixed order by one block.
+constexpr int kReduceThreads = 1024;
+
+__device__ __forceinline__ double block_sum(double v, double* scratch) {
+  double parts[1] = {v};
+  detail::row_reduce<kReduceThreads, detail::SumOp>(parts, scratch);
+  return parts[0];
+}
+
+__global__ void __launch_bounds__(kReduceThreads)
+    count_valid_kernel(Targets targets, std::int64_t rows, std::int64_t ignore_index,
+                       std::int64_t* count) {
+  __shared__ double scratch[kReduceThreads / 32];
+  double c = 0;
+#pragma unroll 8
+  for (std::int64_t i = threadIdx.x; i < rows; i += kReduceThreads) c += targets[i] != ignore_index;
+  c = block_sum(c, scratch);
+  if (threadIdx.x == 0) *count = static_cast<std::int64_t>(c);
+}
+
+// loss = the sum of the row losses, divided by the rows not ignored for kMean (0 / 0 = NaN
+// when all are ignored, as torch).
+__global__ void __launch_bounds__(kReduceThreads)
+    reduce_losses_kernel(const float* row_losses, Targets targets, std::int64_t rows,
+                         std::int64_t ignore_index, bool mean, float* loss) {
+  __shared__ double scratch[kReduceThreads / 32];
+  double sum = 0, count = 0;
+#pragma unroll 8
+  for (std::int64_t i = threadIdx.x; i < rows; i += kReduceThreads) {
+    sum += row_losses[i];
+    count += targets[i] != ignore_index;
+  }
+  sum = block_sum(sum, scratch);
+  count = block_sum(count, scratch);
+  if (threadIdx.x == 0) *loss = static_cast<float>(mean ? sum / count : sum);
+}
+
+// Scratch of the row reductions, one buffer per (device, stream), grown to the largest call
+// and kept for the process: calls on one stream are ordered, so they can share it, and calls on
+// different streams never do. Growing frees the old buffer after synchronizing its stream
+// (not allowed while the stream is being captured into a CUDA graph: run a call of the
+// largest size first). Layout: the valid-row count, then one float per row.
+struct Scratch {
+  std::int64_t* count;
+  float* rows;
+};
+
+Scratch scratch_for(std::int64_t rows, cudaStream_t stream, const char* op) {
+  struct Buffer {
+    void* data = nullptr;
+    std::size_t bytes = 0;
+  };
+  static std::mutex mutex;
+  static std::map<std::pair<int, cudaStream_t>, Buffer> buffers;
+  int device = 0;
+  detail::check_cuda(cudaGetDevice(&device), op, "cudaGetDevice");
+  const std::size_t need = sizeof(std::int64_t) * 2 + static_cast<std::size_t>(rows) * sizeof(float);
+  const std::lock_guard<std::mutex> lock(mutex);
+  Buffer& b = buffers[{device, stream}];
+  if (b.bytes < need) {
+    if (b.data != nullptr) {
+      detail::check_cuda(cudaStreamSynchronize(stream), op, "cudaStreamSynchronize (scratch)");
+      detail::check_cuda(cudaFree(b.data), op, "cudaFree (scratch)");
+      b = {};
+    }
+    const std::size_t bytes = std::max<std::size_t>(need, 4096);
+    detail::check_cuda(cudaMalloc(&b.data, bytes), op, "cudaMalloc (scratch)");
+    b.bytes = bytes;
+  }
+  return {static_cast<std::int64_t*>(b.data),
+          reinterpret_cast<float*>(static_cast<char*>(b.data) + 2 * sizeof(std::int64_t))};
+}
+
+Targets targets_of(const TensorView& t) {
+  return {t.data, t.stride(0), t.dtype == DType::kInt64};
+}
+
+Options options_of(const CrossEntropyOptions& o) {
+  const auto cap = static_cast<float>(o.softcap);
+  return {o.ignore_index, static_cast<float>(o.label_smoothing), static_cast<float>(o.z_loss), cap,
+          cap > 0.f ? 1.f / cap : 0.f};
+}
+
+std::int64_t* count_valid(const Targets& targets, std::int64_t rows, std::int64_t ignore_index,
+                          std::int64_t* count, cudaStream_t stream, const char* op) {
+  count_valid_kernel<<<1, kReduceThreads, 0, stream>>>(targets, rows, ignore_index, count);
+  detail::check_launch(op);
+  return count;
+}
+
+}  // namespace
+
+void cross_entropy_forward_cuda(const TensorView& logits, const TensorView& targets,
+                                TensorView loss, TensorView lse, TensorView grad_logits,
+                                const CrossEntropyOptions& options, cudaStream_t stream) {
+  const char* op = "cross_entropy_forward";
+  const detail::OpChecker c(op);
+  const detail::Rows r = c.rows(logits, "logits");
+  const bool per_row = options.reduction == Reduction::kNone;
+  ForwardArgs a{};
+  a.logits = logits.data;
+  a.logits_stride = r.row_stride;
+  a.targets = targets_of(targets);
+  a.lse = lse.defined() ? lse.ptr<float>() : nullptr;
+  a.lse_stride = lse.defined() ? lse.stride(0) : 0;
+  a.grad = grad_logits.defined() ? grad_logits.data : nullptr;
+  a.grad_stride = grad_logits.defined() ? c.rows(grad_logits, "grad_logits").row_stride : 0;
+  a.o = options_of(options);
+  a.rows = r.rows;
+  a.cols = static_cast<int>(std::min<std::int64_t>(r.cols, 1 << 30));
+  Scratch scratch{};
+  if (per_row) {
+    a.loss = loss.ptr<float>();
+    a.loss_stride = loss.stride(0);
+  } else {
+    scratch = scratch_for(r.rows, stream, op);
+    a.loss = scratch.rows;
+    a.loss_stride = 1;
+    if (options.reduction == Reduction::kMean && a.grad != nullptr) {
+      a.valid_rows = count_valid(a.targets, r.rows, options.ignore_index, scratch.count, stream, op);
+    }
+  }
+  detail::dispatch_activation_dtype(logits.dtype, op, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    // A warp per row at least: vocabularies are long, and fewer configurations compile.
+    constexpr int kMinThreads = 32;
+    detail::launch_rows<T, kMinThreads>(
+        op, r.rows, r.cols, detail::rows_max_shift(logits.data, r.row_stride, sizeof(T)), stream,
+        [&](auto threads, auto vecs, auto cluster) {
+          constexpr int kThreads = decltype(threads)::value;
+          constexpr int kVecs = decltype(vecs)::value;
+          constexpr int kCluster = decltype(cluster)::value;
+          return options.softcap > 0
+                     ? cross_entropy_forward_kernel<T, true, kThreads, kVecs, kCluster>
+                     : cross_entropy_forward_kernel<T, false, kThreads, kVecs, kCluster>;
+        },
+        a);
+  });
+  if (!per_row) {
+    reduce_losses_kernel<<<1, kReduceThreads, 0, stream>>>(
+        scratch.rows, a.targets, r.rows, options.ignore_index,
+        options.reduction == Reduction::kMean, loss.ptr<float>());
+    detail::check_launch(op);
+  }
+}
+
+void cross_entropy_backward_cuda(const TensorView& grad_loss, const TensorView& logits,
+                                 const TensorView& targets, const TensorView& lse,
+                                 TensorView grad_logits, const CrossEntropyOptions& options,
+                                 cudaStream_t stream) {
+  const char* op = "cross_entropy_backward";
+  const detail::OpChecker c(op);
+  const detail::Rows r = c.rows(logits, "logits");
+  if (r.rows == 0) return;
+  const bool per_row = options.reduction == Reduction::kNone;
+  BackwardArgs a{};
+  a.grad_loss = grad_loss.ptr<const float>();
+  a.grad_loss_stride = per_row ? grad_loss.stride(0) : 0;
+  a.logits = logits.data;
+  a.logits_stride = r.row_stride;
+  a.targets = targets_of(targets);
+  a.lse = lse.ptr<const float>();
+  a.lse_stride = lse.stride(0);
+  a.grad = grad_logits.data;
+  a.grad_stride = c.rows(grad_logits, "grad_logits").row_stride;
+  a.o = options_of(options);
+  a.rows = r.rows;
+  if (options.reduction == Reduction::kMean) {
+    a.valid_rows = count_valid(a.targets, r.rows, options.ignore_index,
+                               scratch_for(0, stream, op).count, stream, op);
+  }
+  detail::dispatch_activation_dtype(logits.dtype, op, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    constexpr int V = detail::kVec16<T>;
+    const std::int64_t slots =
+        detail::row_slots(r.cols, V, detail::rows_max_shift(logits.data, r.row_stride, sizeof(T)));
+    if (slots > std::int64_t{std::numeric_limits<int>::max()} - kBackwardChunk)
+      detail::throw_op_error(op, "rows of " + std::to_string(r.cols) + " logits are too long");
+    a.cols = static_cast<int>(r.cols);
+    a.chunks = static_cast<int>((slots + kBackwardChunk - 1) / kBackwardChunk);
+    const std::int64_t grid = detail::grid_for_tiles(r.rows * a.chunks, 1);
+    const auto kernel = options.softcap > 0 ? cross_entropy_backward_kernel<T, true>
+                                            : cross_entropy_backward_kernel<T, false>;
+    kernel<<<static_cast<unsigned>(grid), kBackwardThreads, 0, stream>>>(a);
+    detail::check_launch(op);
+  });
+}
+
+}  // namespace trainscale::ops::loss

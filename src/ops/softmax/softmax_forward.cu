@@ -1,0 +1,117 @@
+// Softmax forward: y = exp(x - max) / sum(exp(x - max)) per row, the row held in registers.
+// One reduction per row: each thread's (max, sum of exp(x - its max)) pair is merged online
+// (detail::OnlineSoftmaxOp) across the row's threads and cluster. The pass that sums the
+// thread's exponentials keeps them in the registers that held x (fp16 for 16-bit inputs, whose
+// values in (0, 1] it holds to 2^-11; float for float32), so the output is one multiply per
+// element: one exp per element, where recomputing exp(x - max) took a second one.
+#include <limits>
+#include <type_traits>
+
+#include "common/row_kernel.cuh"
+#include "ops/softmax/softmax_cuda.h"
+
+namespace trainscale::ops::softmax {
+namespace {
+
+struct ForwardArgs {
+  const void* x;
+  std::int64_t x_stride;
+  void* y;
+  std::int64_t y_stride;
+  std::int64_t rows;
+  int cols;
+  int slots;  // 16-byte slots of the longest row
+};
+
+// What the exponentials are kept as: the storage width of T.
+template <class T>
+using Exp = std::conditional_t<std::is_same_v<T, float>, float, __half>;
+
+template <class T, int kThreads, int kVecs, int kCluster>
+__global__ void __launch_bounds__(detail::row_block_threads(kThreads),
+                                  detail::kRowMaxThreads / detail::row_block_threads(kThreads))
+    softmax_forward_kernel(ForwardArgs a) {
+  using Tile = detail::RowTile<T, kThreads, kVecs, kCluster, detail::OnlineSoftmaxOp, 2>;
+  constexpr int V = Tile::V;
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  __shared__ Tile tile;
+  tile.start();
+  const typename Tile::Share share = Tile::share(a.slots);
+  const int n = a.cols;
+  int reduced = 0;
+  Tile::for_each_row(a.rows, [&](std::int64_t row, bool valid) {
+    const T* x_row = static_cast<const T*>(a.x) + row * a.x_stride;
+    const int shift = detail::row_shift(x_row);
+    // Elements outside the row load as -inf: no effect on the maximum, exp 0 in the sum.
+    const T pad = detail::from_float<T>(-kInf);
+    detail::Vec<T, V> held[kVecs];  // x, then the thread's exponentials as Exp<T>
+    Tile::load(x_row, share, shift, n, valid, pad, held);
+    // The thread's maximum (NaN skipped), then its exponentials against it; a thread without
+    // finite elements takes them against 0 so that its -inf give 0 (no -inf - -inf), and NaN
+    // stays NaN.
+    float m = -kInf;
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      float v[V];
+      detail::to_floats(held[i], v);
+#pragma unroll
+      for (int j = 0; j < V; ++j) m = fmaxf(m, v[j]);
+    }
+    const float pivot = m == -kInf ? 0.f : m;
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      float v[V];
+      detail::to_floats(held[i], v);
+      detail::Vec<Exp<T>, V> e;
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        v[j] = detail::exp_minus(v[j], pivot);
+        s += v[j];
+        e.v[j] = detail::from_float<Exp<T>>(v[j]);
+      }
+      memcpy(&held[i], &e, sizeof(e));
+    }
+    float stats[2] = {m, s};
+    tile.reduce(stats, reduced);
+    if (!valid) return;
+    // y = e * exp(pivot - max) / sum. No finite maximum (all -inf, or +inf): the factor is NaN
+    // (0 / 0, or a NaN sum), as in torch.
+    const float factor = (pivot == stats[0] ? 1.f : detail::exp_minus(pivot, stats[0])) / stats[1];
+    T* y_row = static_cast<T*>(a.y) + row * a.y_stride;
+    const bool y_vectors = detail::same_phase(x_row, y_row);
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      if (!Tile::owns(share, i)) continue;
+      const int c = Tile::slot(share, i) * V - shift;
+      detail::Vec<Exp<T>, V> e;
+      memcpy(&e, &held[i], sizeof(e));
+      float v[V];
+      detail::to_floats(e, v);
+#pragma unroll
+      for (int j = 0; j < V; ++j) v[j] *= factor;
+      detail::store_slot<T, V>(y_row, c, n, y_vectors && c >= 0 && c + V <= n, v);
+    }
+  });
+}
+
+}  // namespace
+
+void softmax_forward_cuda(const TensorView& x, TensorView y, cudaStream_t stream) {
+  const char* op = "softmax_forward";
+  const detail::OpChecker c(op);
+  const detail::Rows xr = c.rows(x, "x");
+  ForwardArgs a{x.data, xr.row_stride, y.data, c.rows(y, "y").row_stride, xr.rows,
+                static_cast<int>(xr.cols), 0};
+  detail::dispatch_activation_dtype(x.dtype, op, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    detail::launch_rows<T, 1>(op, xr.rows, xr.cols, detail::rows_max_shift(x.data, xr.row_stride, sizeof(T)),
+                           stream, [](auto threads, auto vecs, auto cluster) {
+                             return softmax_forward_kernel<T, decltype(threads)::value,
+                                                           decltype(vecs)::value,
+                                                           decltype(cluster)::value>;
+                           }, a);
+  });
+}
+
+}  // namespace trainscale::ops::softmax

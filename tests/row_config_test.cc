@@ -1,0 +1,40 @@
+// The row kernels' split (common/row_config.h): a pure function of the row length.
+#include <gtest/gtest.h>
+
+#include "common/row_config.h"
+
+namespace trainscale::detail {
+namespace {
+
+TEST(RowConfig, ThreadsGrowWithTheRowThenClusters) {
+  struct Expect {
+    std::int64_t slots;
+    int threads, vecs, cluster;
+  };
+  for (const Expect& e : std::initializer_list<Expect>{
+           {1, 1, 1, 1},      {2, 2, 1, 1},       {3, 4, 4, 1},       {16, 4, 4, 1},
+           {17, 8, 4, 1},     {1024, 256, 4, 1},  {4096, 1024, 4, 1}, {4097, 1024, 4, 2},
+           {16384, 1024, 4, 4}, {32768, 1024, 4, 8}, {32769, 1024, 4, 16}, {65536, 1024, 4, 16}}) {
+    const RowConfig c = row_config(e.slots, 1);
+    EXPECT_EQ(c.threads, e.threads) << e.slots;
+    EXPECT_EQ(c.vecs, e.vecs) << e.slots;
+    EXPECT_EQ(c.cluster, e.cluster) << e.slots;
+  }
+  EXPECT_EQ(row_config(65537, 1).threads, 0);  // longer than 16 blocks of 1024 threads hold
+  EXPECT_EQ(row_config(1, 32).threads, 32);    // a warp per row at least where asked
+  EXPECT_EQ(row_config(1, 32).vecs, 4);
+}
+
+TEST(RowConfig, SlotsCountTheFirstRowsShift) {
+  // bf16: 8 per slot. 8194 elements starting on 16 bytes span 1025 slots; shifted, up to 1026.
+  EXPECT_EQ(row_slots(8194, 8, 0), 1025);
+  EXPECT_EQ(row_slots(8194, 8, 7), 1026);
+  EXPECT_EQ(max_row_cols(8), 16 * 1024 * 4 * 8 - 7);
+  alignas(16) static char buffer[64];
+  EXPECT_EQ(rows_max_shift(buffer, 8, 2), 0);      // 16-byte rows from a 16-byte base
+  EXPECT_EQ(rows_max_shift(buffer + 2, 8, 2), 1);  // every row one element in
+  EXPECT_EQ(rows_max_shift(buffer, 9, 2), 7);      // rows at every phase
+}
+
+}  // namespace
+}  // namespace trainscale::detail

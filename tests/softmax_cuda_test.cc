@@ -1,0 +1,156 @@
+// Softmax kernels, through the public entry points, against the fp64 CPU reference on float64
+// copies of the same rounded inputs: every dtype, row lengths from 1 to 262144 (one thread per
+// row up to a cluster of 16 blocks), strided and misaligned rows, in place, M = 0, NaN / Inf
+// rows, and the error past the longest row.
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "common/row_config.h"
+#include "trainscale/softmax.h"
+#include "util/strided_device_buffer.h"
+
+namespace trainscale {
+namespace {
+
+using test::HostTensor;
+using test::Layout;
+using test::StridedDeviceBuffer;
+using Values = std::vector<double>;
+
+constexpr DType kDtypes[] = {DType::kBFloat16, DType::kFloat16, DType::kFloat32};
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// Rows per length: a few, and enough for several row groups where rows are short.
+std::vector<Layout> layouts() {
+  std::vector<Layout> out;
+  for (std::int64_t n : {1, 3, 17, 1000, 4096, 8193, 32768, 131072, 262144}) {
+    const std::int64_t rows = n <= 1000 ? 600 : n <= 8193 ? 9 : n <= 32768 ? 5 : 2;
+    out.push_back({rows, n, 0, false});
+  }
+  // Strided rows (whole vectors of padding), padding that breaks the 16-byte phase, a base one
+  // element off 16 bytes.
+  out.push_back({7, 4096, 8, false});
+  out.push_back({5, 1000, 3, false});
+  out.push_back({6, 520, 8, true});
+  out.push_back({3, 40000, 5, true});
+  out.push_back({0, 64, 0, false});
+  return out;
+}
+
+Values reference_forward(DType dt, const Values& x, const Layout& l) {
+  auto x64 = test::as_f64(x, l.rows, l.cols);
+  HostTensor y64(DType::kFloat64, {l.rows, l.cols});
+  softmax_forward(x64.view(), y64.view());
+  return test::rounded(dt, y64);
+}
+
+void check_forward(DType dt, const Layout& l, bool in_place) {
+  SCOPED_TRACE(test::describe(dt, l) + (in_place ? " in place" : ""));
+  const Values x = test::random_inputs(dt, l.rows * l.cols, 0, -8, 8, /*specials=*/false);
+  StridedDeviceBuffer d_x(dt, l, &x), d_y(dt, l);
+  const StridedDeviceBuffer& out = in_place ? d_x : d_y;
+  softmax_forward(d_x.view(), out.view());
+  EXPECT_TRUE(test::matches_reference(out.values(), reference_forward(dt, x, l), test::tolerance(dt)));
+  EXPECT_TRUE(out.padding_untouched());
+}
+
+TEST(SoftmaxCuda, ForwardMatchesReference) {
+  TS_REQUIRE_GPU();
+  for (DType dt : kDtypes)
+    for (const Layout& l : layouts()) check_forward(dt, l, false);
+}
+
+TEST(SoftmaxCuda, ForwardInPlace) {
+  TS_REQUIRE_GPU();
+  for (DType dt : kDtypes)
+    for (const Layout& l : {Layout{33, 1000, 0, false}, Layout{4, 32768, 0, false},
+                            Layout{2, 131072, 0, false}, Layout{5, 777, 5, true}})
+      check_forward(dt, l, true);
+}
+
+// Rows of specials: NaN anywhere or +inf or no finite element make the row NaN; -inf entries
+// give 0. Each row is long enough to span threads (and, at 40000, a cluster) that hold only
+// -inf, only finite values, or both.
+TEST(SoftmaxCuda, ForwardNanInfRows) {
+  TS_REQUIRE_GPU();
+  for (DType dt : kDtypes) {
+    for (std::int64_t n : {5, 300, 40000}) {
+      const Layout l{6, n, 0, false};
+      SCOPED_TRACE(test::describe(dt, l));
+      Values x = test::random_inputs(dt, l.rows * n, 0, -4, 4, false);
+      auto at = [&](std::int64_t r, std::int64_t j) -> double& { return x[r * n + j]; };
+      at(0, n / 2) = std::nan("");
+      at(1, n - 1) = kInf;
+      for (std::int64_t j = 0; j < n; ++j) at(2, j) = -kInf;
+      for (std::int64_t j = 0; j < n / 2 + 1; ++j) at(3, j) = -kInf;  // the first half -inf
+      at(4, 0) = -kInf;
+      for (std::int64_t j = 0; j < n; ++j) at(5, j) = j % 3 == 0 ? 30.0 : -kInf;
+      StridedDeviceBuffer d_x(dt, l, &x), d_y(dt, l);
+      softmax_forward(d_x.view(), d_y.view());
+      EXPECT_TRUE(test::matches_reference(d_y.values(), reference_forward(dt, x, l), test::tolerance(dt)));
+    }
+  }
+}
+
+void check_backward(DType dt, const Layout& l, bool in_place) {
+  SCOPED_TRACE(test::describe(dt, l) + (in_place ? " in place" : ""));
+  const std::int64_t n = l.rows * l.cols;
+  // y: a softmax output (probabilities) as the kernel's dtype holds it.
+  const Values logits = test::random_inputs(dt, n, 0, -4, 4, false);
+  const Values y = reference_forward(dt, logits, l);
+  const Values dy = test::random_inputs(dt, n, 1, -1, 1, false);
+  StridedDeviceBuffer d_dy(dt, l, &dy), d_y(dt, l, &y), d_dx(dt, l);
+  const StridedDeviceBuffer& out = in_place ? d_dy : d_dx;
+  softmax_backward(d_dy.view(), d_y.view(), out.view());
+  auto dy64 = test::as_f64(dy, l.rows, l.cols), y64 = test::as_f64(y, l.rows, l.cols);
+  HostTensor dx64(DType::kFloat64, {l.rows, l.cols});
+  softmax_backward(dy64.view(), y64.view(), dx64.view());
+  EXPECT_TRUE(test::matches_reference(out.values(), test::rounded(dt, dx64), test::tolerance(dt)));
+  EXPECT_TRUE(out.padding_untouched());
+}
+
+TEST(SoftmaxCuda, BackwardMatchesReference) {
+  TS_REQUIRE_GPU();
+  for (DType dt : kDtypes)
+    for (const Layout& l : layouts()) check_backward(dt, l, false);
+}
+
+TEST(SoftmaxCuda, BackwardInPlace) {
+  TS_REQUIRE_GPU();
+  for (DType dt : kDtypes)
+    for (const Layout& l : {Layout{33, 1000, 0, false}, Layout{2, 131072, 0, false},
+                            Layout{5, 777, 5, true}})
+      check_backward(dt, l, true);
+}
+
+// y and dx with other strides than dy (other 16-byte phases): element accesses where they differ.
+TEST(SoftmaxCuda, BackwardMixedLayouts) {
+  TS_REQUIRE_GPU();
+  const DType dt = DType::kBFloat16;
+  const Layout ldy{7, 3000, 0, false}, ly{7, 3000, 3, false}, ldx{7, 3000, 1, true};
+  const std::int64_t n = ldy.rows * ldy.cols;
+  const Values y = test::random_inputs(dt, n, 0, 0, 0.01, false);
+  const Values dy = test::random_inputs(dt, n, 1, -1, 1, false);
+  StridedDeviceBuffer d_dy(dt, ldy, &dy), d_y(dt, ly, &y), d_dx(dt, ldx);
+  softmax_backward(d_dy.view(), d_y.view(), d_dx.view());
+  auto dy64 = test::as_f64(dy, ldy.rows, ldy.cols), y64 = test::as_f64(y, ldy.rows, ldy.cols);
+  HostTensor dx64(DType::kFloat64, {ldy.rows, ldy.cols});
+  softmax_backward(dy64.view(), y64.view(), dx64.view());
+  EXPECT_TRUE(test::matches_reference(d_dx.values(), test::rounded(dt, dx64), test::tolerance(dt)));
+  EXPECT_TRUE(d_dx.padding_untouched());
+}
+
+TEST(SoftmaxCuda, RowsLongerThanSupportedThrow) {
+  TS_REQUIRE_GPU();
+  const DType dt = DType::kFloat32;
+  const std::int64_t n = detail::max_row_cols(4) + 4;
+  const Layout l{1, n, 0, false};
+  StridedDeviceBuffer d_x(dt, l), d_y(dt, l);
+  TS_EXPECT_ERROR(softmax_forward(d_x.view(), d_y.view()), "softmax_forward", "longer");
+  TS_EXPECT_ERROR(softmax_backward(d_x.view(), d_x.view(), d_y.view()), "softmax_backward", "longer");
+}
+
+}  // namespace
+}  // namespace trainscale
