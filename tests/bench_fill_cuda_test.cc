@@ -133,7 +133,7 @@ TEST(BenchGateCuda, WrongKernelsFailThePrefixAndSampledGates) {
   Registry registry = Registry::global();
   add_wrong(registry, "rmsnorm_forward");
   add_wrong(registry, "rmsnorm_backward");
-  const RunOptions options = quick_gpu_run({"rmsnorm_fwd_wrong", "rmsnorm_bwd_wrong"});
+  const RunOptions options = quick_gpu_run({"rmsnorm_forward_wrong", "rmsnorm_backward_wrong"});
   RunResult result;
   run_cases(registry, options, result);
   ASSERT_EQ(result.rows.size(), 2u);
