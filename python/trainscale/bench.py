@@ -209,7 +209,7 @@ def _liger_baseline():
 
     setups = {"rmsnorm_forward": rms_fwd, "rmsnorm_backward": rms_bwd, "fused_add_rmsnorm_forward": fused_add_fwd,
               "layernorm_forward": ln_fwd, "layernorm_backward": ln_bwd,
-              "swiglu_forward": lambda t: (lambda: swiglu_forward(t["a"], t["b"])[2]), "swiglu_backward": swiglu_backward,
+              "swiglu_forward": lambda t: (lambda: swiglu_forward(t["a"], t["b"])[2]), "swiglu_backward": swiglu_bwd,
               "rope_forward": rope(False), "rope_backward": rope(True)}
     if _softmax_forward is not None:
         def softmax_backward(t):
