@@ -70,6 +70,28 @@ __device__ __forceinline__ float logit_gradient(float raw, float x, float lse, b
   return g;
 }
 
+// Writes the gradient of one 16-byte slot of a row (column c of n, logits held in registers):
+// zeros for an ignored row, else logit_gradient times the row's scale. Shared by the forward that
+// writes the gradient in its pass and the backward from the saved lse.
+template <class T, int V, bool kSoftcap>
+__device__ __forceinline__ void store_gradient(T* g_row, int c, int n, bool g_vectors, const detail::Vec<T, V>& held,
+                                               bool ignored, float lse, int t_col, float prob_weight,
+                                               float smooth, float scale, const Options& o) {
+  float v[V];
+  if (ignored) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) v[j] = 0.f;
+  } else {
+    detail::to_floats(held, v);
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const float x = softcapped<kSoftcap>(v[j], o);
+      v[j] = logit_gradient<kSoftcap>(v[j], x, lse, c + j == t_col, prob_weight, smooth, o) * scale;
+    }
+  }
+  detail::store_slot<T, V>(g_row, c, n, g_vectors && c >= 0 && c + V <= n, v);
+}
+
 struct ForwardArgs {
   const void* logits;
   std::int64_t logits_stride;
@@ -186,20 +208,8 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
     for (int i = 0; i < kVecs; ++i) {
       if (!Tile::owns(share, i)) continue;
       const int c = Tile::slot(share, i) * V - shift;
-      float v[V];
-      if (ignored) {
-#pragma unroll
-        for (int j = 0; j < V; ++j) v[j] = 0.f;
-      } else {
-        detail::to_floats(held[i], v);
-#pragma unroll
-        for (int j = 0; j < V; ++j) {
-          const float x = softcapped<kSoftcap>(v[j], o);
-          v[j] = logit_gradient<kSoftcap>(v[j], x, lse, c + j == t_col, prob_weight, smooth, o) *
-                 row_scale;
-        }
-      }
-      detail::store_slot<T, V>(g_row, c, n, g_vectors && c >= 0 && c + V <= n, v);
+      store_gradient<T, V, kSoftcap>(g_row, c, n, g_vectors, held[i], ignored, lse, t_col, prob_weight,
+                                     smooth, row_scale, o);
     }
   });
 }
@@ -257,20 +267,8 @@ __global__ void __launch_bounds__(kBackwardThreads) cross_entropy_backward_kerne
     for (int i = 0; i < kBackwardVecs; ++i) {
       const int c = (first + i * kBackwardThreads + static_cast<int>(threadIdx.x)) * V - shift;
       if (c >= n) continue;
-      float v[V];
-      if (ignored) {
-#pragma unroll
-        for (int j = 0; j < V; ++j) v[j] = 0.f;
-      } else {
-        detail::to_floats(held[i], v);
-#pragma unroll
-        for (int j = 0; j < V; ++j) {
-          const float x = softcapped<kSoftcap>(v[j], o);
-          v[j] = logit_gradient<kSoftcap>(v[j], x, lse, c + j == t_col, prob_weight, smooth, o) *
-                 scale;
-        }
-      }
-      detail::store_slot<T, V>(g_row, c, n, g_vectors && c >= 0 && c + V <= n, v);
+      store_gradient<T, V, kSoftcap>(g_row, c, n, g_vectors, held[i], ignored, lse, t_col, prob_weight,
+                                     smooth, scale, o);
     }
   }
 }
@@ -371,8 +369,7 @@ void cross_entropy_forward_cuda(const TensorView& logits, const TensorView& targ
                                 TensorView loss, TensorView lse, TensorView grad_logits,
                                 const CrossEntropyOptions& options, cudaStream_t stream) {
   const char* op = "cross_entropy_forward";
-  const detail::OpChecker c(op);
-  const detail::Rows r = c.rows(logits, "logits");
+  const detail::Rows r = detail::row_layout(logits);
   const bool per_row = options.reduction == Reduction::kNone;
   ForwardArgs a{};
   a.logits = logits.data;
@@ -381,7 +378,7 @@ void cross_entropy_forward_cuda(const TensorView& logits, const TensorView& targ
   a.lse = lse.defined() ? lse.ptr<float>() : nullptr;
   a.lse_stride = lse.defined() ? lse.stride(0) : 0;
   a.grad = grad_logits.defined() ? grad_logits.data : nullptr;
-  a.grad_stride = grad_logits.defined() ? c.rows(grad_logits, "grad_logits").row_stride : 0;
+  a.grad_stride = grad_logits.defined() ? detail::row_layout(grad_logits).row_stride : 0;
   a.o = options_of(options);
   a.rows = r.rows;
   a.cols = static_cast<int>(std::min<std::int64_t>(r.cols, 1 << 30));
@@ -426,8 +423,7 @@ void cross_entropy_backward_cuda(const TensorView& grad_loss, const TensorView& 
                                  TensorView grad_logits, const CrossEntropyOptions& options,
                                  cudaStream_t stream) {
   const char* op = "cross_entropy_backward";
-  const detail::OpChecker c(op);
-  const detail::Rows r = c.rows(logits, "logits");
+  const detail::Rows r = detail::row_layout(logits);
   if (r.rows == 0) return;
   const bool per_row = options.reduction == Reduction::kNone;
   BackwardArgs a{};
@@ -439,7 +435,7 @@ void cross_entropy_backward_cuda(const TensorView& grad_loss, const TensorView& 
   a.lse = lse.ptr<const float>();
   a.lse_stride = lse.stride(0);
   a.grad = grad_logits.data;
-  a.grad_stride = c.rows(grad_logits, "grad_logits").row_stride;
+  a.grad_stride = detail::row_layout(grad_logits).row_stride;
   a.o = options_of(options);
   a.rows = r.rows;
   if (options.reduction == Reduction::kMean) {

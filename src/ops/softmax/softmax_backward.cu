@@ -78,10 +78,9 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
 void softmax_backward_cuda(const TensorView& dy, const TensorView& y, TensorView dx,
                            cudaStream_t stream) {
   const char* op = "softmax_backward";
-  const detail::OpChecker c(op);
-  const detail::Rows r = c.rows(dy, "dy");
-  BackwardArgs a{dy.data, r.row_stride, y.data, c.rows(y, "y").row_stride, dx.data,
-                 c.rows(dx, "dx").row_stride, r.rows, static_cast<int>(r.cols), 0};
+  const detail::Rows r = detail::row_layout(dy);
+  BackwardArgs a{dy.data, r.row_stride, y.data, detail::row_layout(y).row_stride, dx.data,
+                 detail::row_layout(dx).row_stride, r.rows, static_cast<int>(r.cols), 0};
   detail::dispatch_activation_dtype(dy.dtype, op, [&](auto tag) {
     using T = typename decltype(tag)::type;
     detail::launch_rows<T, 1>(op, r.rows, r.cols, detail::rows_max_shift(dy.data, r.row_stride, sizeof(T)),

@@ -99,9 +99,8 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
 
 void softmax_forward_cuda(const TensorView& x, TensorView y, cudaStream_t stream) {
   const char* op = "softmax_forward";
-  const detail::OpChecker c(op);
-  const detail::Rows xr = c.rows(x, "x");
-  ForwardArgs a{x.data, xr.row_stride, y.data, c.rows(y, "y").row_stride, xr.rows,
+  const detail::Rows xr = detail::row_layout(x);
+  ForwardArgs a{x.data, xr.row_stride, y.data, detail::row_layout(y).row_stride, xr.rows,
                 static_cast<int>(xr.cols), 0};
   detail::dispatch_activation_dtype(x.dtype, op, [&](auto tag) {
     using T = typename decltype(tag)::type;
