@@ -3,6 +3,7 @@
 #include <limits>
 #include <string>
 
+#include "ops/loss/fused_linear_plan.h"
 #include "ops/loss/loss_internal.h"
 #include "trainscale/loss.h"
 #include "util/test_util.h"
@@ -551,10 +552,12 @@ LinearResult run_flce(const LinearProblem& p, DType stat, const CrossEntropyOpti
                                         .grad_weight = r.grad_weight.view(),
                                         .grad_bias = r.grad_bias.view()}, o);
   } else {
-    ops::loss::fused_linear_cross_entropy_forward_cpu(p.hidden.view(), p.weight.view(), p.bias.view(),
-                                                      p.targets.view(), r.loss.view(), r.lse.view(),
-                                                      r.grad_hidden.view(), r.grad_weight.view(),
-                                                      r.grad_bias.view(), o, chunk_rows);
+    ops::loss::fused_linear_cross_entropy_forward_cpu(
+        {.hidden = p.hidden.view(), .weight = p.weight.view(), .bias = p.bias.view(),
+         .targets = p.targets.view(), .loss = r.loss.view(), .lse = r.lse.view(),
+         .grad_hidden = r.grad_hidden.view(), .grad_weight = r.grad_weight.view(),
+         .grad_bias = r.grad_bias.view()},
+        o, chunk_rows);
   }
   return r;
 }
@@ -621,6 +624,78 @@ TEST(FusedLinearCrossEntropy, GradientsMatchFiniteDifferences) {
       EXPECT_TRUE(test::matches_reference(r.grad_bias.values(), perturbed(&LinearProblem::bias), 1e-7)) << what;
     }
   }
+}
+
+// With grad_loss, the gradients are those of sum_t grad_loss[t] * loss[t] (kNone) or of
+// grad_loss * loss (reduced).
+TEST(FusedLinearCrossEntropy, UpstreamGradientScalesTheGradients) {
+  const std::int64_t tokens = 4, dim = 3, classes = 5;
+  for (Reduction red : kReductions) {
+    const auto o = with_reduction(option_cases().back().options, red);
+    const auto p = make_linear_problem(DType::kFloat64, tokens, dim, classes, o.ignore_index);
+    const bool per_row = red == Reduction::kNone;
+    const std::vector<double> upstream = per_row ? std::vector<double>{0.5, -2.0, 3.0, 0.25} : std::vector<double>{-1.5};
+    const auto grad_loss = HostTensor::from_values(DType::kFloat64, per_row ? std::vector<std::int64_t>{tokens}
+                                                                           : std::vector<std::int64_t>{},
+                                                   upstream);
+    auto run = [&](const LinearProblem& q, bool with_upstream) {
+      LinearResult r{loss_tensor(DType::kFloat64, tokens, red), HostTensor(DType::kFloat64, {tokens}),
+                     HostTensor(DType::kFloat64, q.hidden.shape()), HostTensor(DType::kFloat64, q.weight.shape()),
+                     HostTensor(DType::kFloat64, q.bias.shape())};
+      fused_linear_cross_entropy_forward({.hidden = q.hidden.view(), .weight = q.weight.view(),
+                                          .bias = q.bias.view(), .targets = q.targets.view(),
+                                          .loss = r.loss.view(), .lse = r.lse.view(),
+                                          .grad_loss = with_upstream ? grad_loss.view() : TensorView{},
+                                          .grad_hidden = r.grad_hidden.view(),
+                                          .grad_weight = r.grad_weight.view(),
+                                          .grad_bias = r.grad_bias.view()},
+                                         o);
+      return r;
+    };
+    const LinearResult r = run(p, true);
+    auto weighted_loss = [&](const LinearProblem& q) { return test::dot(run(q, false).loss.values(), upstream); };
+    auto perturbed = [&](HostTensor LinearProblem::*member) {
+      return test::numeric_gradient((p.*member).values(), [&](const std::vector<double>& x) {
+        LinearProblem q = p;
+        for (std::size_t i = 0; i < x.size(); ++i) (q.*member).set(static_cast<std::int64_t>(i), x[i]);
+        return weighted_loss(q);
+      });
+    };
+    const char* what = reduction_name(red);
+    EXPECT_TRUE(test::matches_reference(r.grad_hidden.values(), perturbed(&LinearProblem::hidden), 1e-7)) << what;
+    EXPECT_TRUE(test::matches_reference(r.grad_weight.values(), perturbed(&LinearProblem::weight), 1e-7)) << what;
+    EXPECT_TRUE(test::matches_reference(r.grad_bias.values(), perturbed(&LinearProblem::bias), 1e-7)) << what;
+  }
+}
+
+TEST(FusedLinearCrossEntropy, PlanBoundsTheLiveLogits) {
+  using ops::loss::default_chunk_tokens;
+  // Llama-3 8B's head: 512 MiB of bf16 logits hold 2092 rows of 128256; a multiple of 128.
+  EXPECT_EQ(default_chunk_tokens(8192, 128256, 2), 2048);
+  EXPECT_EQ(default_chunk_tokens(100, 128256, 2), 100);  // all fit
+  EXPECT_EQ(default_chunk_tokens(1 << 20, std::int64_t{1} << 40, 4), 128);  // at least a tile
+  const std::int64_t tokens = 8192, dim = 4096, classes = 128256;
+  TensorView h(nullptr, DType::kBFloat16, {tokens, dim}), w(nullptr, DType::kBFloat16, {classes, dim});
+  TensorView t(nullptr, DType::kInt64, {tokens}), loss(nullptr, DType::kFloat32, {});
+  TensorView gw(nullptr, DType::kBFloat16, {classes, dim});
+  FusedLinearCrossEntropyArgs a{.hidden = h, .weight = w, .targets = t, .loss = loss, .grad_weight = gw};
+  auto p = ops::loss::plan_fused_linear(a, {});
+  EXPECT_EQ(p.chunks, 4);
+  EXPECT_EQ(p.logits_ld, classes);
+  EXPECT_TRUE(p.float_weight_acc);
+  EXPECT_GE(p.bytes, std::size_t{2048} * classes * 2 + std::size_t{classes} * dim * 4);
+  a.grad_weight_accumulation = DType::kBFloat16;  // in place: no [V, H] buffer
+  p = ops::loss::plan_fused_linear(a, {});
+  EXPECT_FALSE(p.float_weight_acc);
+  EXPECT_LT(p.bytes, std::size_t{600} << 20);
+  a.grad_weight_accumulation = DType::kFloat32;
+  a.chunk_tokens = tokens;  // one chunk: the product accumulates in float32 by itself
+  p = ops::loss::plan_fused_linear(a, {});
+  EXPECT_EQ(p.chunks, 1);
+  EXPECT_FALSE(p.float_weight_acc);
+  // Odd vocabularies pad the logits' rows to 16 bytes.
+  a.weight = TensorView(nullptr, DType::kBFloat16, {13, dim});
+  EXPECT_EQ(ops::loss::plan_fused_linear(a, {}).logits_ld, 16);
 }
 
 TEST(FusedLinearCrossEntropy, ChunkSizeDoesNotChangeABit) {

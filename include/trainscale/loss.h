@@ -1,6 +1,7 @@
 // Losses: mean squared error, cross-entropy, fused linear cross-entropy.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "trainscale/tensor.h"
@@ -54,12 +55,26 @@ void cross_entropy_backward(const TensorView& grad_loss, const TensorView& logit
                             TensorView grad_logits, const CrossEntropyOptions& options = {},
                             cudaStream_t stream = nullptr);
 
-// cross_entropy_forward(hidden @ weight^T + bias, targets) without materializing every row's
-// logits at once. hidden [T, H], weight [V, H] and bias [V] (optional): one dtype (float32,
-// float16, bfloat16; float64 on the CPU). targets, loss, lse: as cross_entropy_forward with
-// M = T. grad_hidden [T, H], grad_weight [V, H], grad_bias [V] (needs bias): optional outputs,
-// dtypes of their inputs, computed in the same pass for an upstream gradient of 1 (of the
-// sum of loss for kNone). The tensors are named at the call so that none can be swapped:
+// cross_entropy_forward(hidden @ weight^T + bias, targets) and its gradients without
+// materializing every row's logits at once: tokens go in chunks, and only one chunk's logits
+// (then their gradient, in place) are live.
+//   hidden [T, H], weight [V, H], bias [V] (optional): one dtype (float32, float16, bfloat16;
+//     float64 on the CPU), rows contiguous.
+//   targets, loss, lse: as cross_entropy_forward with M = T.
+//   grad_loss: optional upstream gradient of loss (float32; [T] for kNone, else one element);
+//     absent means 1 (for kNone: 1 for every token, the gradient of the sum of loss).
+//   grad_hidden [T, H], grad_weight [V, H], grad_bias [V] (needs bias): optional outputs in the
+//     dtypes of their inputs, computed in the same call.
+//   workspace (CUDA only): at least fused_linear_cross_entropy_workspace_bytes(args, options)
+//     bytes, 256-byte aligned; the call owns it until the stream reaches its end.
+//   chunk_tokens: tokens per chunk, 0 = chosen from the shape (at most kFusedLinearChunkBytes
+//     of logits live). Results do not depend on it except through grad_weight's accumulation.
+//   grad_weight_accumulation: kFloat32 sums the chunks' contributions to grad_weight (and
+//     grad_bias) in float32 and rounds once at the end (a [V, H] float32 buffer in the workspace
+//     when there is more than one chunk and the weight is not float32); the weight's own dtype
+//     accumulates in grad_weight itself (no buffer; one rounding per chunk).
+// Every GEMM accumulates in float32. Deterministic: the same bits every run for the same
+// arguments. The tensors are named at the call so that none can be swapped:
 //   fused_linear_cross_entropy_forward({.hidden = h, .weight = w, .targets = t, .loss = loss},
 //                                      options, stream);
 struct FusedLinearCrossEntropyArgs {
@@ -69,12 +84,21 @@ struct FusedLinearCrossEntropyArgs {
   TensorView targets;
   TensorView loss;
   TensorView lse;          // optional
+  TensorView grad_loss;    // optional
   TensorView grad_hidden;  // optional
   TensorView grad_weight;  // optional
   TensorView grad_bias;    // optional, needs bias
+  TensorView workspace;    // CUDA only
+  std::int64_t chunk_tokens = 0;
+  DType grad_weight_accumulation = DType::kFloat32;
 };
+inline constexpr std::int64_t kFusedLinearChunkBytes = std::int64_t{512} << 20;
 void fused_linear_cross_entropy_forward(const FusedLinearCrossEntropyArgs& args,
                                         const CrossEntropyOptions& options = {},
                                         cudaStream_t stream = nullptr);
+// Bytes of workspace the CUDA path of fused_linear_cross_entropy_forward needs for these
+// arguments (their shapes, dtypes and which outputs are given; data pointers are not read).
+std::size_t fused_linear_cross_entropy_workspace_bytes(const FusedLinearCrossEntropyArgs& args,
+                                                       const CrossEntropyOptions& options = {});
 
 }  // namespace trainscale

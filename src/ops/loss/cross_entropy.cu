@@ -365,6 +365,19 @@ std::int64_t* count_valid(const Targets& targets, std::int64_t rows, std::int64_
 
 }  // namespace
 
+void count_valid_rows_cuda(const TensorView& targets, std::int64_t ignore_index, std::int64_t* count,
+                           cudaStream_t stream, const char* op) {
+  count_valid(targets_of(targets), targets.size(0), ignore_index, count, stream, op);
+}
+
+void reduce_row_losses_cuda(const float* row_losses, const TensorView& targets,
+                            std::int64_t ignore_index, bool mean, float* loss, cudaStream_t stream,
+                            const char* op) {
+  reduce_losses_kernel<<<1, kReduceThreads, 0, stream>>>(row_losses, targets_of(targets), targets.size(0),
+                                                         ignore_index, mean, loss);
+  detail::check_launch(op);
+}
+
 void cross_entropy_forward_cuda(const TensorView& logits, const TensorView& targets,
                                 TensorView loss, TensorView lse, TensorView grad_logits,
                                 const CrossEntropyOptions& options, cudaStream_t stream) {
@@ -411,10 +424,8 @@ void cross_entropy_forward_cuda(const TensorView& logits, const TensorView& targ
         a);
   });
   if (!per_row) {
-    reduce_losses_kernel<<<1, kReduceThreads, 0, stream>>>(
-        scratch.rows, a.targets, r.rows, options.ignore_index,
-        options.reduction == Reduction::kMean, loss.ptr<float>());
-    detail::check_launch(op);
+    reduce_row_losses_cuda(scratch.rows, targets, options.ignore_index,
+                           options.reduction == Reduction::kMean, loss.ptr<float>(), stream, op);
   }
 }
 

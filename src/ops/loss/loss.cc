@@ -2,6 +2,7 @@
 
 #include "ops/loss/loss_internal.h"
 
+#include "ops/loss/fused_linear_plan.h"
 #include "ops/loss/loss_cuda.h"
 
 namespace trainscale {
@@ -167,39 +168,69 @@ void cross_entropy_backward(const TensorView& grad_loss, const TensorView& logit
   ops::loss::cross_entropy_backward_cpu(grad_loss, logits, targets, lse, grad_logits, options);
 }
 
-void fused_linear_cross_entropy_forward(const FusedLinearCrossEntropyArgs& args,
-                                        const CrossEntropyOptions& options,
-                                        cudaStream_t /*stream*/) {
-  const auto& [hidden, weight, bias, targets, loss, lse, grad_hidden, grad_weight, grad_bias] =
-      args;
-  detail::OpChecker c("fused_linear_cross_entropy_forward");
-  const std::int64_t tokens = c.matrix(hidden, "hidden").rows;
-  const std::int64_t classes = c.matrix(weight, "weight").rows;
-  c.same_dtype(weight, "weight", hidden, "hidden");
-  c.dim_size(weight, "weight", 1, hidden.size(1), "the hidden size of 'hidden'");
+namespace {
+
+// Validates every argument of fused_linear_cross_entropy_forward (all but the workspace's
+// size, which the CUDA path checks against its plan).
+void check_fused_linear(detail::OpChecker& c, const FusedLinearCrossEntropyArgs& a,
+                        const CrossEntropyOptions& options) {
+  const std::int64_t tokens = c.matrix(a.hidden, "hidden").rows;
+  const std::int64_t classes = c.matrix(a.weight, "weight").rows;
+  c.same_dtype(a.weight, "weight", a.hidden, "hidden");
+  c.dim_size(a.weight, "weight", 1, a.hidden.size(1), "the hidden size of 'hidden'");
   if (!(classes >= 1))
-    c.fail("weight", "at least one class (V >= 1)", "shape " + weight.shape_str());
-  if (bias.defined()) {
-    c.present(bias, "bias").same_dtype(bias, "bias", hidden, "hidden").ndim(bias, "bias", 1);
-    c.dim_size(bias, "bias", 0, classes, "one per row of 'weight'");
+    c.fail("weight", "at least one class (V >= 1)", "shape " + a.weight.shape_str());
+  if (a.bias.defined()) {
+    c.present(a.bias, "bias").same_dtype(a.bias, "bias", a.hidden, "hidden").ndim(a.bias, "bias", 1);
+    c.dim_size(a.bias, "bias", 0, classes, "one per row of 'weight'");
   }
-  check_targets(c, targets, tokens, "one per row of 'hidden'");
+  check_targets(c, a.targets, tokens, "one per row of 'hidden'");
   check_options(c, options);
-  check_row_loss(c, loss, "loss", tokens, "one per row of 'hidden'", options.reduction);
-  if (lse.defined()) check_row_values(c, lse, "lse", tokens, "one per row of 'hidden'");
-  if (grad_hidden.defined()) c.like(grad_hidden, "grad_hidden", hidden, "hidden");
-  if (grad_weight.defined()) c.like(grad_weight, "grad_weight", weight, "weight");
-  if (grad_bias.defined()) {
-    if (!(bias.defined()))
+  check_row_loss(c, a.loss, "loss", tokens, "one per row of 'hidden'", options.reduction);
+  if (a.lse.defined()) check_row_values(c, a.lse, "lse", tokens, "one per row of 'hidden'");
+  if (a.grad_loss.defined())
+    check_row_loss(c, a.grad_loss, "grad_loss", tokens, "one per row of 'hidden'", options.reduction);
+  if (a.grad_hidden.defined()) c.like(a.grad_hidden, "grad_hidden", a.hidden, "hidden");
+  if (a.grad_weight.defined()) c.like(a.grad_weight, "grad_weight", a.weight, "weight");
+  if (a.grad_bias.defined()) {
+    if (!(a.bias.defined()))
       c.fail("grad_bias", "a 'bias' to differentiate", "grad_bias without bias");
-    c.matches(grad_bias, "grad_bias", bias, "bias");
+    c.matches(a.grad_bias, "grad_bias", a.bias, "bias");
   }
-  c.outputs_disjoint({{loss, "loss"}, {lse, "lse"}, {grad_hidden, "grad_hidden"},
-                      {grad_weight, "grad_weight"}, {grad_bias, "grad_bias"}},
-                     {{hidden, "hidden"}, {weight, "weight"}, {bias, "bias"}, {targets, "targets"}});
-  if (c.on_cuda()) detail::throw_no_cuda_kernel(c.op());
-  ops::loss::fused_linear_cross_entropy_forward_cpu(hidden, weight, bias, targets, loss, lse,
-                                                    grad_hidden, grad_weight, grad_bias, options);
+  if (!(a.chunk_tokens >= 0))
+    c.fail("chunk_tokens", "a count >= 0 (0 chooses it)", std::to_string(a.chunk_tokens));
+  if (!(a.grad_weight_accumulation == DType::kFloat32 ||
+        a.grad_weight_accumulation == a.weight.dtype))
+    c.fail("grad_weight_accumulation", std::string("float32 or the weight's dtype (") +
+                                           dtype_name(a.weight.dtype) + ")",
+           dtype_name(a.grad_weight_accumulation));
+  c.outputs_disjoint({{a.loss, "loss"}, {a.lse, "lse"}, {a.grad_hidden, "grad_hidden"},
+                      {a.grad_weight, "grad_weight"}, {a.grad_bias, "grad_bias"},
+                      {a.workspace, "workspace"}},
+                     {{a.hidden, "hidden"}, {a.weight, "weight"}, {a.bias, "bias"},
+                      {a.targets, "targets"}, {a.grad_loss, "grad_loss"}});
+}
+
+}  // namespace
+
+void fused_linear_cross_entropy_forward(const FusedLinearCrossEntropyArgs& args,
+                                        const CrossEntropyOptions& options, cudaStream_t stream) {
+  detail::OpChecker c("fused_linear_cross_entropy_forward");
+  check_fused_linear(c, args, options);
+  if (detail::ran_on_cuda(c, [&] {
+        ops::loss::fused_linear_cross_entropy_forward_cuda(args, options, stream);
+      })) {
+    return;
+  }
+  ops::loss::fused_linear_cross_entropy_forward_cpu(args, options);
+}
+
+std::size_t fused_linear_cross_entropy_workspace_bytes(const FusedLinearCrossEntropyArgs& args,
+                                                       const CrossEntropyOptions& options) {
+  detail::OpChecker c("fused_linear_cross_entropy_workspace_bytes");
+  c.matrix(args.hidden, "hidden");
+  c.matrix(args.weight, "weight");
+  return ops::loss::plan_fused_linear(args, options).bytes;
 }
 
 }  // namespace trainscale

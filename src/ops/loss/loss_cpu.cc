@@ -4,6 +4,7 @@
 #include <limits>
 #include <span>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/host_dtype.h"
@@ -277,20 +278,27 @@ void cross_entropy_backward_cpu(const TensorView& grad_loss, const TensorView& l
   });
 }
 
-void fused_linear_cross_entropy_forward_cpu(const TensorView& hidden, const TensorView& weight,
-                                            const TensorView& bias, const TensorView& targets,
-                                            TensorView loss, TensorView lse,
-                                            TensorView grad_hidden, TensorView grad_weight,
-                                            TensorView grad_bias,
+void fused_linear_cross_entropy_forward_cpu(const FusedLinearCrossEntropyArgs& args,
                                             const CrossEntropyOptions& options,
                                             std::int64_t chunk_rows) {
+  const auto& [hidden, weight, bias, targets, loss, lse, grad_loss] =
+      std::tie(args.hidden, args.weight, args.bias, args.targets, args.loss, args.lse, args.grad_loss);
+  const auto& [grad_hidden, grad_weight, grad_bias] =
+      std::tie(args.grad_hidden, args.grad_weight, args.grad_bias);
   detail::OpChecker c("fused_linear_cross_entropy_forward");
   const auto rh = c.rows(hidden, "hidden"), rw = c.rows(weight, "weight");
   const detail::Rows rgh = grad_hidden.defined() ? c.rows(grad_hidden, "grad_hidden") : detail::Rows{};
   const detail::Rows rgw = grad_weight.defined() ? c.rows(grad_weight, "grad_weight") : detail::Rows{};
   const std::int64_t tokens = rh.rows, dim = rh.cols, classes = rw.rows;
   const std::int64_t valid = count_valid_targets(c.op(), targets, classes, options.ignore_index);
-  const double scale = reduction_scale(options.reduction, valid);
+  const bool per_row = options.reduction == Reduction::kNone;
+  // The gradient scale of token t: its upstream gradient (1 when absent), over the rows not
+  // ignored for kMean.
+  const double reduced_scale = (per_row || !grad_loss.defined() ? 1.0 : load_at(grad_loss, 0)) *
+                               reduction_scale(options.reduction, valid);
+  const auto scale_of = [&](std::int64_t t) {
+    return per_row && grad_loss.defined() ? load_at(grad_loss, t) : reduced_scale;
+  };
   const bool with_grad = grad_hidden.defined() || grad_weight.defined() || grad_bias.defined();
   auto h_at = [&](std::int64_t t, std::int64_t k) { return load_as_double(hidden.dtype, hidden.data, row_offset(rh, t) + k); };
   auto w_at = [&](std::int64_t v, std::int64_t k) { return load_as_double(weight.dtype, weight.data, row_offset(rw, v) + k); };
@@ -313,7 +321,7 @@ void fused_linear_cross_entropy_forward_cpu(const TensorView& hidden, const Tens
           for (std::int64_t k = 0; k < dim; ++k) dot += h_at(t, k) * w_at(v, k);
           x[v] = dot;
         }
-        const RowResult res = forward_row(x, target_at(targets, t), scale, with_grad, options);
+        const RowResult res = forward_row(x, target_at(targets, t), scale_of(t), with_grad, options);
         row_losses[t] = res.loss;
         if (lse.defined()) store_at(lse, t, res.lse);
       }

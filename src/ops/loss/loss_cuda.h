@@ -1,5 +1,5 @@
-// CUDA launchers of the loss family; arguments arrive validated by loss.cc. MSE (mse.cu) and
-// cross-entropy (cross_entropy.cu) have kernels; fused linear cross-entropy is CPU-only.
+// CUDA launchers of the loss family; arguments arrive validated by loss.cc: MSE (mse.cu),
+// cross-entropy (cross_entropy.cu), fused linear cross-entropy (fused_linear_cross_entropy.cu).
 #pragma once
 
 #include "ops/loss/loss_internal.h"
@@ -37,5 +37,20 @@ void cross_entropy_backward_cuda(const TensorView& grad_loss, const TensorView& 
                                  const TensorView& targets, const TensorView& lse,
                                  TensorView grad_logits, const CrossEntropyOptions& options,
                                  cudaStream_t stream);
+
+// The row reductions of cross_entropy.cu, for the fused linear cross-entropy: targets not
+// ignore_index counted into *count, and loss = the sum of row_losses (one per target; over
+// the rows not ignored for mean), each by one block in a fixed order.
+void count_valid_rows_cuda(const TensorView& targets, std::int64_t ignore_index, std::int64_t* count,
+                           cudaStream_t stream, const char* op);
+void reduce_row_losses_cuda(const float* row_losses, const TensorView& targets,
+                            std::int64_t ignore_index, bool mean, float* loss, cudaStream_t stream,
+                            const char* op);
+
+// Chunks of tokens through cuBLASLt and the cross-entropy kernel (fused_linear_plan.h); every
+// result bit-identical run to run. loss, lse, grad_loss: float32.
+void fused_linear_cross_entropy_forward_cuda(const FusedLinearCrossEntropyArgs& args,
+                                             const CrossEntropyOptions& options,
+                                             cudaStream_t stream);
 
 }  // namespace trainscale::ops::loss

@@ -22,11 +22,9 @@ void cross_entropy_backward_cpu(const TensorView& grad_loss, const TensorView& l
 // Rows of logits the fused linear cross-entropy reference holds (in double) at once. The
 // results do not depend on it; tests pass other values to show that.
 inline constexpr std::int64_t kFusedLinearChunkRows = 32;
-void fused_linear_cross_entropy_forward_cpu(const TensorView& hidden, const TensorView& weight,
-                                            const TensorView& bias, const TensorView& targets,
-                                            TensorView loss, TensorView lse,
-                                            TensorView grad_hidden, TensorView grad_weight,
-                                            TensorView grad_bias,
+// The reference ignores workspace, chunk_tokens and grad_weight_accumulation: it accumulates
+// every gradient in double and rounds once.
+void fused_linear_cross_entropy_forward_cpu(const FusedLinearCrossEntropyArgs& args,
                                             const CrossEntropyOptions& options,
                                             std::int64_t chunk_rows = kFusedLinearChunkRows);
 

@@ -1,0 +1,63 @@
+#include "ops/loss/fused_linear_plan.h"
+
+#include <algorithm>
+
+namespace trainscale::ops::loss {
+namespace {
+
+constexpr std::size_t kAlign = 256;
+
+std::size_t round_up(std::size_t v, std::size_t to) { return (v + to - 1) / to * to; }
+
+}  // namespace
+
+std::int64_t default_chunk_tokens(std::int64_t tokens, std::int64_t classes, std::size_t elem_bytes) {
+  constexpr std::int64_t kTile = 128;
+  const std::int64_t row_bytes = std::max<std::int64_t>(classes, 1) * static_cast<std::int64_t>(elem_bytes);
+  const std::int64_t fit = kFusedLinearChunkBytes / row_bytes;
+  if (fit >= tokens) return std::max<std::int64_t>(tokens, 1);
+  return std::max(kTile, fit / kTile * kTile);
+}
+
+FusedLinearPlan plan_fused_linear(const FusedLinearCrossEntropyArgs& a,
+                                  const CrossEntropyOptions& options) {
+  FusedLinearPlan p;
+  const std::int64_t tokens = a.hidden.size(0), classes = a.weight.size(0), dim = a.weight.size(1);
+  const std::size_t elem = dtype_size(a.hidden.dtype);
+  p.chunk_tokens = a.chunk_tokens > 0 ? std::min(a.chunk_tokens, std::max<std::int64_t>(tokens, 1))
+                                      : default_chunk_tokens(tokens, classes, elem);
+  p.chunks = (tokens + p.chunk_tokens - 1) / p.chunk_tokens;
+  const std::int64_t per_vector = static_cast<std::int64_t>(16 / elem);
+  p.logits_ld = (classes + per_vector - 1) / per_vector * per_vector;
+  p.float_weight_acc = a.grad_weight.defined() && p.chunks > 1 &&
+                       a.grad_weight_accumulation == DType::kFloat32 &&
+                       a.weight.dtype != DType::kFloat32;
+  p.float_bias_acc = a.grad_bias.defined();
+  const bool reduced = options.reduction != Reduction::kNone;
+  // The lse is kept when the upstream gradient is per token: the gradient is then formed by a
+  // second kernel from it.
+  const bool per_token_upstream = !reduced && a.grad_loss.defined();
+  const bool with_grad = a.grad_hidden.defined() || a.grad_weight.defined() || a.grad_bias.defined();
+
+  std::size_t at = 0;
+  const auto take = [&](std::size_t bytes) {
+    const std::size_t offset = at;
+    at = round_up(at + bytes, kAlign);
+    return offset;
+  };
+  const auto u = [](std::int64_t v) { return static_cast<std::size_t>(v); };
+  p.gemm_workspace = take(kGemmWorkspaceBytes);
+  p.logits = take(u(p.chunk_tokens) * u(p.logits_ld) * elem);
+  p.scalars = take(64);
+  if (reduced) p.row_losses = take(u(tokens) * sizeof(float));
+  if (per_token_upstream && with_grad && !a.lse.defined()) p.row_lse = take(u(tokens) * sizeof(float));
+  if (p.float_weight_acc) p.weight_acc = take(u(classes) * u(dim) * sizeof(float));
+  if (p.float_bias_acc) {
+    p.bias_acc = take(u(classes) * sizeof(float));
+    p.ones = take(u(p.chunk_tokens) * elem);
+  }
+  p.bytes = at;
+  return p;
+}
+
+}  // namespace trainscale::ops::loss
