@@ -679,20 +679,29 @@ TEST(FusedLinearCrossEntropy, PlanBoundsTheLiveLogits) {
   TensorView t(nullptr, DType::kInt64, {tokens}), loss(nullptr, DType::kFloat32, {});
   TensorView gw(nullptr, DType::kBFloat16, {classes, dim});
   FusedLinearCrossEntropyArgs a{.hidden = h, .weight = w, .targets = t, .loss = loss, .grad_weight = gw};
+  // Summed in float32: all 8192 tokens' logits (2 GiB) cost less than a 2048-token chunk and
+  // the [V, H] float32 buffer, so one chunk (the product accumulates in float32 by itself).
   auto p = ops::loss::plan_fused_linear(a, {});
-  EXPECT_EQ(p.chunks, 4);
+  EXPECT_EQ(p.chunks, 1);
   EXPECT_EQ(p.logits_ld, classes);
+  EXPECT_FALSE(p.float_weight_acc);
+  EXPECT_LT(p.bytes, std::size_t{tokens} * classes * 2 + (std::size_t{64} << 20));
+  a.chunk_tokens = 2048;  // asked for: four chunks and the buffer
+  p = ops::loss::plan_fused_linear(a, {});
+  EXPECT_EQ(p.chunks, 4);
   EXPECT_TRUE(p.float_weight_acc);
   EXPECT_GE(p.bytes, std::size_t{2048} * classes * 2 + std::size_t{classes} * dim * 4);
-  a.grad_weight_accumulation = DType::kBFloat16;  // in place: no [V, H] buffer
+  a.chunk_tokens = 0;
+  a.hidden = TensorView(nullptr, DType::kBFloat16, {4 * tokens, dim});  // logits exceed that
+  a.targets = TensorView(nullptr, DType::kInt64, {4 * tokens});
   p = ops::loss::plan_fused_linear(a, {});
+  EXPECT_EQ(p.chunk_tokens, 2048);
+  EXPECT_TRUE(p.float_weight_acc);
+  a.grad_weight_accumulation = DType::kBFloat16;  // in place: no [V, H] buffer, bounded memory
+  p = ops::loss::plan_fused_linear(a, {});
+  EXPECT_EQ(p.chunk_tokens, 2048);
   EXPECT_FALSE(p.float_weight_acc);
   EXPECT_LT(p.bytes, std::size_t{600} << 20);
-  a.grad_weight_accumulation = DType::kFloat32;
-  a.chunk_tokens = tokens;  // one chunk: the product accumulates in float32 by itself
-  p = ops::loss::plan_fused_linear(a, {});
-  EXPECT_EQ(p.chunks, 1);
-  EXPECT_FALSE(p.float_weight_acc);
   // Odd vocabularies pad the logits' rows to 16 bytes.
   a.weight = TensorView(nullptr, DType::kBFloat16, {13, dim});
   EXPECT_EQ(ops::loss::plan_fused_linear(a, {}).logits_ld, 16);

@@ -46,7 +46,8 @@ __global__ void fill_kernel(T* p, std::int64_t n, float v) {
   }
 }
 
-// out[r, c] = acc[r, c] (float32 [rows, cols], contiguous) rounded to T, four at a time.
+// out[r, c] = acc[r, c] (float32 [rows, cols], contiguous, cols a multiple of 4) rounded to T,
+// four at a time.
 template <class T>
 __global__ void round_rows_kernel(const float* acc, T* out, std::int64_t rows, std::int64_t cols,
                                   std::int64_t out_ld) {
@@ -81,13 +82,15 @@ unsigned grid_for(std::int64_t items) {
 }
 
 // acc [rows, cols] float32 (contiguous, 16-byte aligned) rounded into out (row stride out_ld).
+// Rows of a multiple of 4 go four at a time, others one element at a time.
 void round_into(const float* acc, const TensorView& out, std::int64_t rows, std::int64_t cols,
                 std::int64_t out_ld, cudaStream_t stream) {
   if (rows == 0 || cols == 0) return;
   detail::dispatch_activation_dtype(out.dtype, kOp, [&](auto tag) {
     using T = typename decltype(tag)::type;
     T* o = out.ptr<T>();
-    const std::int64_t quad_cols = cols / 4 * 4;
+    // Whole rows of float4 only when every row starts 16-byte aligned.
+    const std::int64_t quad_cols = cols % 4 == 0 ? cols : 0;
     if (quad_cols > 0) {
       round_rows_kernel<T><<<grid_for(rows * cols / 4), kThreads, 0, stream>>>(acc, o, rows, cols, out_ld);
       detail::check_launch(kOp);

@@ -24,14 +24,24 @@ FusedLinearPlan plan_fused_linear(const FusedLinearCrossEntropyArgs& a,
   FusedLinearPlan p;
   const std::int64_t tokens = a.hidden.size(0), classes = a.weight.size(0), dim = a.weight.size(1);
   const std::size_t elem = dtype_size(a.hidden.dtype);
-  p.chunk_tokens = a.chunk_tokens > 0 ? std::min(a.chunk_tokens, std::max<std::int64_t>(tokens, 1))
-                                      : default_chunk_tokens(tokens, classes, elem);
-  p.chunks = (tokens + p.chunk_tokens - 1) / p.chunk_tokens;
   const std::int64_t per_vector = static_cast<std::int64_t>(16 / elem);
   p.logits_ld = (classes + per_vector - 1) / per_vector * per_vector;
-  p.float_weight_acc = a.grad_weight.defined() && p.chunks > 1 &&
-                       a.grad_weight_accumulation == DType::kFloat32 &&
-                       a.weight.dtype != DType::kFloat32;
+  const auto u = [](std::int64_t v) { return static_cast<std::size_t>(v); };
+  // Chunks of a bf16 / fp16 weight summed in float32 need a [V, H] float32 buffer; when every
+  // token's logits take no more memory than that buffer plus a chunk, one chunk is smaller,
+  // faster (no buffer traffic, no final rounding pass) and exact in the same way.
+  const bool float_sum = a.grad_weight.defined() && a.grad_weight_accumulation == DType::kFloat32 &&
+                         a.weight.dtype != DType::kFloat32;
+  std::int64_t chunk = a.chunk_tokens > 0 ? std::min(a.chunk_tokens, std::max<std::int64_t>(tokens, 1))
+                                          : default_chunk_tokens(tokens, classes, elem);
+  if (a.chunk_tokens == 0 && float_sum && chunk < tokens) {
+    const std::size_t all_logits = u(tokens) * u(p.logits_ld) * elem;
+    const std::size_t chunked = u(chunk) * u(p.logits_ld) * elem + u(classes) * u(dim) * sizeof(float);
+    if (all_logits <= chunked) chunk = tokens;
+  }
+  p.chunk_tokens = chunk;
+  p.chunks = (tokens + p.chunk_tokens - 1) / p.chunk_tokens;
+  p.float_weight_acc = float_sum && p.chunks > 1;
   p.float_bias_acc = a.grad_bias.defined();
   const bool reduced = options.reduction != Reduction::kNone;
   // The lse is kept when the upstream gradient is per token: the gradient is then formed by a
@@ -45,7 +55,6 @@ FusedLinearPlan plan_fused_linear(const FusedLinearCrossEntropyArgs& a,
     at = round_up(at + bytes, kAlign);
     return offset;
   };
-  const auto u = [](std::int64_t v) { return static_cast<std::size_t>(v); };
   p.gemm_workspace = take(kGemmWorkspaceBytes);
   p.logits = take(u(p.chunk_tokens) * u(p.logits_ld) * elem);
   p.scalars = take(64);
