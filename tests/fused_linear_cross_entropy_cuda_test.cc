@@ -239,7 +239,8 @@ TEST(FusedLinearCrossEntropyCuda, WorkspaceErrors) {
   DeviceTensor ws(HostTensor(DType::kInt64, {static_cast<std::int64_t>(bytes / 8)}), false);
   a.workspace = ws.view();
   a.workspace.shape[0] = static_cast<std::int64_t>(bytes / 8) - 1;
-  TS_EXPECT_ERROR(fused_linear_cross_entropy_forward(a), op, "workspace", std::to_string(bytes).c_str());
+  const std::string need = std::to_string(bytes);
+  TS_EXPECT_ERROR(fused_linear_cross_entropy_forward(a), op, "workspace", need.c_str());
   a.workspace = ws.view();
   fused_linear_cross_entropy_forward(a);
   a.grad_weight_accumulation = DType::kFloat16;
