@@ -208,14 +208,14 @@ TEST(BenchTerminal, TableHasTheDocumentedColumns) {
   EXPECT_EQ(text.find("rmsnorm_forward 1024x4096 bfloat16: gated"), std::string::npos) << text;
 }
 
-// A median is not known more finely than the timer: 0.06 ms kernels 0.3 us apart with tiny CIs
+// A median is not known more finely than the timer: 10 us kernels 0.3 us apart with tiny CIs
 // are the same under CUDA events (0.5 us resolution), different under a graph of 100 launches
 // or the host timer.
 TEST(BenchCompare, NoiseIsAtLeastTheTimerResolution) {
   RunResult old_run, new_run;
   for (const char* timer : {"cuda-events", "cuda-graph", "host"}) {
-    old_run.rows.push_back(timed_row(timer, "trainscale", false, 0.0600, 0.0005));
-    new_run.rows.push_back(timed_row(timer, "trainscale", false, 0.0603, 0.0005));
+    old_run.rows.push_back(timed_row(timer, "trainscale", false, 0.0100, 0.0005));
+    new_run.rows.push_back(timed_row(timer, "trainscale", false, 0.0103, 0.0005));
     for (Row* r : {&old_run.rows.back(), &new_run.rows.back()}) {
       r->timer = timer;
       r->batch = std::string(timer) == "cuda-graph" ? 100 : 1;
@@ -224,9 +224,22 @@ TEST(BenchCompare, NoiseIsAtLeastTheTimerResolution) {
   const Comparison c = compare_runs(old_run, new_run, 0.05);
   ASSERT_EQ(c.rows.size(), 3u);
   EXPECT_EQ(c.rows[0].verdict, Verdict::kSame);
-  EXPECT_NEAR(c.rows[0].noise, 1e-3 / 0.06, 1e-9);
+  EXPECT_NEAR(c.rows[0].noise, 1e-3 / 0.01, 1e-9);
   EXPECT_EQ(c.rows[1].verdict, Verdict::kSlower);
   EXPECT_EQ(c.rows[2].verdict, Verdict::kSlower);
+}
+
+// Nor more finely than a re-run moves it: medians 1.5 % apart with 0.1 % CIs are the same
+// (kRunToRun each), 2.5 % apart they are not.
+TEST(BenchCompare, NoiseIsAtLeastTheRunToRunFloor) {
+  RunResult old_run, new_run;
+  old_run.rows = {timed_row("close", "trainscale", false, 1.0, 0.001), timed_row("apart", "trainscale", false, 1.0, 0.001)};
+  new_run.rows = {timed_row("close", "trainscale", false, 1.015, 0.001), timed_row("apart", "trainscale", false, 1.025, 0.001)};
+  const Comparison c = compare_runs(old_run, new_run, 0.05);
+  ASSERT_EQ(c.rows.size(), 2u);
+  EXPECT_EQ(c.rows[0].verdict, Verdict::kSame);
+  EXPECT_NEAR(c.rows[0].noise, kRunToRun * (1.0 + 1.015), 1e-12);
+  EXPECT_EQ(c.rows[1].verdict, Verdict::kSlower);
 }
 
 TEST(BenchCompare, VerdictsFollowTheNoise) {

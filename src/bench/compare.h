@@ -1,7 +1,8 @@
 // Row-by-row comparison of two runs. A timed row is FASTER or SLOWER only when the medians
-// differ by more than the measured noise of both (the sum of the two medians' 95% CI
-// half-widths), else SAME; a SLOWER row beyond the threshold, or a row that passed its gate
-// before and fails now, is a regression.
+// differ by more than the noise of both (the sum of the two medians' uncertainties: 95% CI
+// half-width, at least the timer's resolution and kRunToRun of the median), else SAME; a
+// SLOWER row beyond the threshold, or a row that passed its gate before and fails now, is a
+// regression.
 #pragma once
 
 #include <iosfwd>
@@ -13,6 +14,10 @@
 
 namespace trainscale::bench {
 
+// The least relative uncertainty of a median when it is compared with another run's: what a
+// re-run of the same commit moves a row by, beyond its own samples' CI.
+inline constexpr double kRunToRun = 0.01;
+
 enum class Verdict { kFaster, kSlower, kSame, kNotTimed, kOnlyOld, kOnlyNew };
 const char* verdict_name(Verdict verdict);  // "FASTER", "SLOWER", "SAME", ...
 
@@ -21,7 +26,7 @@ struct RowComparison {
   const Row* old_row = nullptr;
   const Row* new_row = nullptr;
   double change = 0;  // new median / old median - 1
-  double noise = 0;   // relative: (old + new CI half-widths) / old median
+  double noise = 0;   // relative: (old + new uncertainties) / old median
   Verdict verdict = Verdict::kSame;
   bool regression = false;
 };
