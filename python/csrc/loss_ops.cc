@@ -1,6 +1,7 @@
 // Cross-entropy and fused linear cross-entropy as torch.ops.trainscale ops:
 // python/trainscale/loss.py wraps them, the entry points are in include/trainscale/loss.h.
 // Outputs (and the CUDA workspace) are allocated here.
+#include <cstddef>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -123,9 +124,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_linear_cross_entropy_fo
         .grad_weight_accumulation =
             to_dtype(grad_weight_accumulation, op, "grad_weight_accumulation"),
     };
-    // The CPU reference needs no workspace; on CUDA the caching allocator owns it.
+    // The CPU reference needs no workspace; on CUDA the caching allocator owns it. The query
+    // checks only what it reads (hidden and weight), which the forward checks first as well:
+    // when it fails, the forward reports the error under its own name.
     if (hidden.is_cuda()) {
-      const auto bytes = ts::fused_linear_cross_entropy_workspace_bytes(args, o);
+      std::size_t bytes = 0;
+      try {
+        bytes = ts::fused_linear_cross_entropy_workspace_bytes(args, o);
+      } catch (const ts::Error&) {
+      }
       workspace =
           at::empty({static_cast<int64_t>(bytes)}, hidden.options().dtype(at::kByte));
       args.workspace = view(workspace, op, "workspace");
