@@ -92,18 +92,26 @@ def _(hidden, weight, bias, target, grad_loss, ignore_index, label_smoothing, z_
 # tokens are exact. An input whose gradient the forward did not compute gets it that way too.
 def _flce_setup(ctx, inputs, output):
     hidden, weight, bias, target, _grad_loss, *options = inputs
-    with_grads = tuple(options[5:8])  # with_grad_hidden, with_grad_weight, with_grad_bias
     ctx.options = options[:5]  # ignore_index, label_smoothing, z_loss, softcap, reduction
     ctx.accumulation = options[8:]  # grad_weight_accumulation, chunk_tokens
-    ctx.with_grads = with_grads if ctx.options[4] != "none" else (False, False, False)
+    ctx.with_grads = options[5:8] if ctx.options[4] != "none" else (False, False, False)
     ctx.save_for_backward(hidden, weight, bias, target, *output[2:])
     ctx.mark_non_differentiable(*output[1:])
+
+
+# Whether the running backward keeps its graph (retain_graph), so that it may run again; assumed
+# where this torch cannot tell.
+_keeps_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: True)
 
 
 def _flce_backward(ctx, dloss, *_):
     hidden, weight, bias, target, *saved = ctx.saved_tensors
     wanted = ctx.needs_input_grad[:3]
-    grads = [g * dloss if w and have else None
+    # The saved gradients are scaled in place (no second gradient-sized buffer) when nothing reads
+    # them again: an eager backward that frees its graph. Traced (torch.compile, a functional
+    # graph: tensor subclasses here) or with retain_graph, a scaled copy.
+    in_place = type(dloss) is torch.Tensor and not _keeps_graph()
+    grads = [(g.mul_(dloss) if in_place else g * dloss) if w and have else None
              for g, w, have in zip(saved, wanted, ctx.with_grads)]
     missing = [w and g is None for w, g in zip(wanted, grads)]
     if any(missing):
