@@ -112,6 +112,11 @@ def test_training_loss_without_logits(monkeypatch, dtype):
         model.train()
         monkeypatch.setattr(ts.config, "use_fused_linear_cross_entropy", False)
         torch.testing.assert_close(model(input_ids=ids, labels=labels).logits, ref_logits)
+        monkeypatch.setattr(ts.config, "use_fused_linear_cross_entropy", True)
+        model.lm_head = original.lm_head  # replaced after patching (as resize_token_embeddings does)
+        out = model(input_ids=ids, labels=labels)
+        torch.testing.assert_close(out.logits, ref_logits)
+        torch.testing.assert_close(out.loss, loss, rtol=rtol, atol=0)
 
 
 def test_patch_rejects_non_modules():

@@ -144,9 +144,10 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     """cross_entropy(hidden @ weight.T + bias, target, ...) without the logits: hidden [..., H],
     weight [V, H], bias [V] (optional), one dtype; target [...] integer. Tokens go through the
     kernel in chunks of chunk_tokens (0 chooses), so only one chunk's logits exist at a time; the
-    options and the loss (float32; float64 for float64 inputs) are cross_entropy's. When hidden, weight or bias requires grad,
-    a 'mean' / 'sum' loss computes their gradients in the same call (the backward scales them);
-    a 'none' loss computes them in the backward, from its per-token upstream gradient.
+    options and the loss (float32; float64 for float64 inputs) are cross_entropy's. When hidden,
+    weight or bias requires grad, a 'mean' / 'sum' loss computes their gradients in the same call
+    (the backward scales them); a 'none' loss computes them in the backward, from its per-token
+    upstream gradient.
     grad_weight_accumulation: torch.float32 (grad_weight summed over the chunks in float32) or
     the weight's dtype (summed in grad_weight itself: no float32 [V, H] buffer, a rounding per
     chunk)."""

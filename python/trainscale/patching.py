@@ -83,10 +83,13 @@ class _LMHead(nn.Linear):
 
 def _fused_loss_pre_hook(model, args, kwargs):
     # Labels by keyword, as Trainer and transformers pass them; anything else (no labels,
-    # evaluation, the switch off) runs the model unchanged, logits included.
-    fused = (model.training and kwargs.get("labels") is not None and
+    # evaluation, the switch off, an lm_head replaced since) runs the model unchanged, logits
+    # included.
+    head = model.lm_head
+    fused = (model.training and kwargs.get("labels") is not None and isinstance(head, _LMHead) and
              config.use_fused_linear_cross_entropy is not False)
-    model.lm_head.hidden = [] if fused else None
+    if isinstance(head, _LMHead):
+        head.hidden = [] if fused else None
     model._trainscale_labels = kwargs["labels"] if fused else None
     if fused:
         return args, {**kwargs, "labels": None}
@@ -95,14 +98,14 @@ def _fused_loss_pre_hook(model, args, kwargs):
 
 def _fused_loss_hook(model, args, kwargs, output):
     labels, model._trainscale_labels = model._trainscale_labels, None
-    hidden, model.lm_head.hidden = model.lm_head.hidden, None
     if labels is None:
         return None
+    head = model.lm_head
+    hidden, head.hidden = head.hidden, None
     if len(hidden) != 1:
         raise RuntimeError(f"trainscale.patch: {type(model).__name__}'s forward ran lm_head {len(hidden)} times; "
                            "the fused loss expects once")
-    h, head = hidden[0], model.lm_head
-    h = h.reshape(-1, h.shape[-1])
+    h = hidden[0].reshape(-1, hidden[0].shape[-1])
     ignore_index = kwargs.get("ignore_index", -100)
     loss = _causal_lm_loss(lambda target, reduction: linear_cross_entropy(h, head.weight, target, head.bias,
                                                                           ignore_index=ignore_index,
