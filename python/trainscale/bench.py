@@ -306,7 +306,7 @@ def _flce_run(loss_fn, h, w, t):
     return run
 
 
-def _flce_reference(h, w, t, generator):
+def _flce_reference(h, w, t, sampler):
     """The mean cross-entropy of h @ w.T in float32 (tokens in chunks, so no [T, V] logits), with
     the rows of grad_hidden of sampled tokens and of grad_weight of sampled classes (the targets
     of some of those tokens and as many random classes): (loss, tokens, grad_hidden[tokens],
@@ -319,12 +319,12 @@ def _flce_reference(h, w, t, generator):
         chunk = max(1, (1 << 28) // vocab)  # 1 GiB of float32 logits at a time
         lse = torch.cat([torch.logsumexp(hf[i:i + chunk] @ wf.T, -1) for i in range(0, tokens_n, chunk)])
         loss = (lse - (hf * wf[t]).sum(-1)).mean()
-        perm = torch.randperm(tokens_n, generator=generator, device="cpu").to(h.device)
+        perm = torch.randperm(tokens_n, generator=sampler).to(h.device)
         tokens = perm[:_FLCE_SAMPLE].sort().values
         probs = torch.softmax(hf[tokens] @ wf.T, -1)
         probs[torch.arange(len(tokens), device=h.device), t[tokens]] -= 1
         grad_hidden = probs @ wf / tokens_n
-        random_classes = torch.randint(0, vocab, (_FLCE_SAMPLE // 2,), generator=generator, device="cpu")
+        random_classes = torch.randint(0, vocab, (_FLCE_SAMPLE // 2,), generator=sampler)
         classes = torch.cat([t[tokens[:_FLCE_SAMPLE // 2]], random_classes.to(h.device)]).unique()
         g = torch.exp(hf @ wf[classes].T - lse[:, None]) - (t[:, None] == classes[None, :]).float()
         grad_weight = g.T @ hf / tokens_n
@@ -419,15 +419,16 @@ def run_flce(result, shapes, impls, device, timing, seed, progress):
     stops it with the rows so far (meta.interrupted)."""
     gemm_tflops = (result.get("roofline") or {}).get("gemm_bf16_tflops")
     available = [i for i in _flce_implementations(device.type == "cuda") if not impls or i[0] in impls]
-    generator = torch.Generator(device="cpu").manual_seed(seed)
+    generator = torch.Generator(device=device).manual_seed(seed)  # inputs made where they are used
+    sampler = torch.Generator().manual_seed(seed)  # the gated rows
     started = time.monotonic()
     try:
         for n, shape in enumerate(shapes):
             t, h, v = shape
-            hidden = torch.randn(t, h, generator=generator).to(device, FLCE_DTYPE)
-            weight = (torch.randn(v, h, generator=generator) * h ** -0.5).to(device, FLCE_DTYPE)
-            target = torch.randint(0, v, (t,), generator=generator).to(device)
-            ref = _flce_reference(hidden, weight, target, generator)
+            hidden = torch.randn(t, h, generator=generator, device=device, dtype=FLCE_DTYPE)
+            weight = torch.randn(v, h, generator=generator, device=device, dtype=FLCE_DTYPE).mul_(h ** -0.5)
+            target = torch.randint(0, v, (t,), generator=generator, device=device)
+            ref = _flce_reference(hidden, weight, target, sampler)
             _free_memory(device)
             for name, ours, make in available:
                 row = _flce_row(shape, name, ours, device, device.type == "cuda" and timing["flush_l2"])
