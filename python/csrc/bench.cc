@@ -300,6 +300,30 @@ tb::BaselineFactory python_factory(const PythonBaseline& baseline, int device) {
   };
 }
 
+// A run without rows yet: this machine's environment, the timing options and, on a GPU, the
+// roofline (cached or measured).
+tb::RunResult new_run(const std::string& suite, bool use_gpu, int device, const tb::TimingOptions& timing,
+                      std::uint64_t seed, bool roofline, const std::string& command_line) {
+  tb::RunResult result;
+  result.suite = suite;
+  result.timing = timing;
+  result.env = tb::capture_environment(use_gpu, device);
+  result.env.seed = seed;
+  result.env.command_line = command_line;
+  if (use_gpu && roofline) result.roofline = tb::load_or_measure_roofline(result.env, timing, false);
+  return result;
+}
+
+// new_run as JSON text, for rows measured in Python (python -m trainscale.bench --suite flce).
+std::string empty_run(const std::string& suite, bool use_gpu, int device, const py::dict& timing,
+                      std::uint64_t seed, bool roofline, const std::string& command_line) {
+#if !defined(TRAINSCALE_TORCH_CUDA)
+  if (use_gpu) arg_error("empty_run", "use_gpu", "this build of trainscale has no CUDA support");
+#endif
+  return tb::to_json(new_run(suite, use_gpu, device, timing_from(timing, "empty_run"), seed, roofline,
+                             command_line)).dump(2);
+}
+
 // A whole benchmark run; returns the result as JSON text (docs/bench-json.md).
 std::string run_bench(const std::vector<std::string>& suites, const std::vector<std::string>& ops,
                       const std::vector<std::string>& dtypes, const std::vector<std::string>& configs,
@@ -354,13 +378,7 @@ std::string run_bench(const std::vector<std::string>& suites, const std::vector<
   options.seed = seed;
 
   const auto started = std::chrono::steady_clock::now();
-  tb::RunResult result;
-  result.suite = join(suites);
-  result.timing = options.timing;
-  result.env = tb::capture_environment(use_gpu, device);
-  result.env.seed = seed;
-  result.env.command_line = command_line;
-  if (use_gpu && roofline) result.roofline = tb::load_or_measure_roofline(result.env, options.timing, false);
+  tb::RunResult result = new_run(join(suites), use_gpu, device, options.timing, seed, roofline, command_line);
   tb::clear_interrupt();
   // Ctrl-C only sets Python's flag while C++ runs: the engine asks for it while it waits.
   tb::set_interrupt_poll([] {
@@ -411,6 +429,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("run_bench", &run_bench, py::arg("suites"), py::arg("ops"), py::arg("dtypes"), py::arg("configs"),
         py::arg("impls"), py::arg("baselines"), py::arg("use_gpu"), py::arg("device"), py::arg("timing"),
         py::arg("seed"), py::arg("roofline"), py::arg("command_line"), py::arg("progress"));
+  m.def("empty_run", &empty_run, py::arg("suite"), py::arg("use_gpu"), py::arg("device"), py::arg("timing"),
+        py::arg("seed"), py::arg("roofline"), py::arg("command_line"),
+        "JSON text of a run without rows (environment, timing options, roofline on a GPU)");
   m.def("report", &report, py::arg("json"), py::arg("format"));
   m.attr("has_cuda") =
 #if defined(TRAINSCALE_TORCH_CUDA)

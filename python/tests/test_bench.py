@@ -1,13 +1,17 @@
 """python -m trainscale.bench on the CPU (smoke suite, short timing; --device cpu, so the same on a
 GPU machine): the JSON of
 docs/bench-json.md with ours and the PyTorch baselines gated and timed, CSV / Markdown from the
-C++ reporters, the suites from the C++ registry, usage errors."""
+C++ reporters, the suites from the C++ registry, usage errors; the flce suite measured in Python
+(gate, OOM rows, memory table)."""
 import json
 import subprocess
 import sys
 
 import pytest
+import torch
+import torch.nn.functional as tF
 
+import trainscale as ts
 from conftest import cuda
 from trainscale import _C, bench
 
@@ -101,3 +105,90 @@ def test_cli_usage_errors():
     run = subprocess.run([sys.executable, "-m", "trainscale.bench", "--list", "--suite", "smoke"],
                          capture_output=True, text=True)
     assert run.returncode == 0 and "rmsnorm_forward 64x512 bfloat16" in run.stdout
+
+
+def flce_rows(tmp_path, *options):
+    out = tmp_path / "flce.json"
+    rc = bench.main(["--suite", "flce", "--json", str(out)] + list(options) + CPU)
+    return rc, json.load(open(out))
+
+
+def test_flce_cpu(tmp_path):
+    """The flce suite (forward + backward through autograd, measured in Python) on its CPU shapes:
+    every implementation on the same inputs, gated on sampled rows, timed, in the JSON schema the
+    C++ reporters read."""
+    md = tmp_path / "flce.md"
+    rc, doc = flce_rows(tmp_path, "--impl", "cpu-ref,torch", "--md", str(md))
+    assert rc == 0 and doc["meta"]["suite"] == "flce" and doc["meta"]["env"]["device"] == "cpu"
+    rows = doc["rows"]
+    assert [(r["shape"], r["impl"]) for r in rows] == [(s, i) for s in ("64x32x500", "37x24x1001")
+                                                       for i in ("cpu-ref", "torch")]
+    for r in rows:
+        assert r["status"] == "ok", r["message"]
+        assert r["op"] == bench.FLCE_OP and r["dtype"] == "bfloat16" and r["baseline"] == (r["impl"] == "torch")
+        assert r["gate"]["rel_l2"] <= r["gate"]["tolerance"] == 1e-2 and r["gate"]["rows"] == "all"
+        t, h, v = map(int, r["shape"].split("x"))
+        assert r["flops"] == 6 * t * h * v and r["bound"] == "compute" and r["tflops"] > 0
+        assert r["timer"] == "host" and r["ms"]["count"] >= 1 and not r["cold"]
+    assert "## fused_linear_cross_entropy_forward_with_grad" in md.read_text()
+    run = subprocess.run([sys.executable, "-m", "trainscale.bench", "--suite", "flce", "--list", "--device", "cpu"],
+                         capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.splitlines() == [
+        f"{bench.FLCE_OP} 64x32x500 bfloat16", f"{bench.FLCE_OP} 37x24x1001 bfloat16"]
+
+
+def test_flce_gate_oom_and_usage(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "_flce_eager", lambda h, w, t: 2 * tF.cross_entropy(tF.linear(h, w), t))
+    rc, doc = flce_rows(tmp_path, "--impl", "torch", "--configs", "37x24x1001")
+    (row,) = doc["rows"]
+    # A baseline failing its gate is reported, not timed, and does not fail the run.
+    assert rc == 0 and row["status"] == "failed" and "(loss)" in row["message"] and "ms" not in row
+
+    def out_of_memory():
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
+    monkeypatch.setattr(bench, "_flce_implementations",
+                        lambda use_gpu: [("cpu-ref", True, lambda: ts.linear_cross_entropy),
+                                         ("torch", False, out_of_memory)])
+    rc, doc = flce_rows(tmp_path, "--configs", "37x24x1001")
+    assert rc == 0 and [r["status"] for r in doc["rows"]] == ["ok", "unsupported"]
+    assert doc["rows"][1]["message"].startswith("skipped (OOM): CUDA out of memory")
+
+    for options, error in ((["--suite", "flce,smoke"], "runs alone"), (["--suite", "flce", "--ops", "softmax_forward"],
+                                                                       "has one op"),
+                           (["--suite", "flce", "--impl", "nope"], "--impl")):
+        run = subprocess.run([sys.executable, "-m", "trainscale.bench"] + options + ["--device", "cpu"],
+                             capture_output=True, text=True)
+        assert run.returncode == 2 and error in run.stderr, run.stderr
+
+
+def test_flce_memory_table():
+    rows = [{"op": bench.FLCE_OP, "device": "cuda", "case": c, "impl": i, "message": m, **extra}
+            for c, i, m, extra in (("a", "trainscale", "", {"extra_memory_bytes": 3 << 29}),
+                                   ("a", "torch", "", {"extra_memory_bytes": 5 << 30}),
+                                   ("b", "trainscale", "", {"extra_memory_bytes": 1 << 30}),
+                                   ("b", "torch", "skipped (OOM): CUDA out of memory", {}))]
+    text = bench.memory_table({"rows": rows}, markdown=False)
+    assert text.splitlines()[0] == "Peak memory beyond inputs and outputs (GiB):"
+    assert [line.split() for line in text.splitlines()[3:]] == [["a", "|", "1.50", "|", "5.00"],
+                                                               ["b", "|", "1.00", "|", "OOM"]]
+    md = bench.memory_table({"rows": rows}, markdown=True)
+    assert "| Case | trainscale | torch |" in md and "| b | 1.00 | OOM |" in md
+    assert bench.memory_table({"rows": [dict(rows[0], device="cpu")]}, markdown=False) == ""
+
+
+@cuda
+def test_flce_gpu(tmp_path):
+    """On the GPU: the smallest sweep shape, ours and eager PyTorch gated, timed with CUDA events,
+    and their peak memory beyond inputs and outputs. Ours holds one chunk of bf16 logits (here
+    all 2048 tokens fit in one) and cuBLASLt's workspace; eager PyTorch the logits, their log-softmax
+    and both gradients."""
+    md = tmp_path / "flce.md"
+    rc = bench.main(["--suite", "flce", "--configs", "2048x4096x32000", "--impl", "trainscale,torch",
+                     "--json", str(tmp_path / "g.json"), "--md", str(md)] + FAST)
+    doc = json.load(open(tmp_path / "g.json"))
+    rows = {r["impl"]: r for r in doc["rows"]}
+    assert rc == 0 and all(r["status"] == "ok" for r in rows.values()), [r["message"] for r in rows.values()]
+    assert all(r["timer"] == "cuda-events" and r["cold"] for r in rows.values())
+    logits_bytes = 2048 * 32000 * 2
+    assert rows["trainscale"]["extra_memory_bytes"] < 1.5 * logits_bytes < rows["torch"]["extra_memory_bytes"]
+    assert "Peak memory beyond inputs and outputs" in md.read_text()

@@ -1,5 +1,7 @@
-"""trainscale.patch on a tiny Hugging Face Llama (CPU, fp64): the swapped model computes the
-same loss and gradients as the original. Skipped when transformers is not installed."""
+"""trainscale.patch on a tiny Hugging Face Llama (CPU, fp64 and fp32): the swapped model computes
+the same loss and gradients as the original, in evaluation mode (logits, then the loss) and in
+training (the loss from the hidden states, without logits). Skipped when transformers is not
+installed."""
 import copy
 
 import pytest
@@ -18,9 +20,9 @@ def tiny_llama():
     return transformers.LlamaForCausalLM(cfg).double().eval()
 
 
-def loss_and_grads(model, ids, position_ids=None):
+def loss_and_grads(model, ids, position_ids=None, labels=None, **kwargs):
     model.zero_grad()
-    loss = model(input_ids=ids, labels=ids, position_ids=position_ids).loss
+    loss = model(input_ids=ids, labels=ids if labels is None else labels, position_ids=position_ids, **kwargs).loss
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -66,9 +68,55 @@ def test_patch_fp32_and_idempotent(monkeypatch):
     ts.patch(model, verbose=False)
     again = ts.patch(model, verbose=False)
     assert again["rms_norm"] == [] and again["swiglu_mlp"] == [] and again["rope"] == []
-    assert again["cross_entropy"] == []
+    assert again["cross_entropy"] == [] and again["linear_cross_entropy"] == []
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, original(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_training_loss_without_logits(monkeypatch, dtype):
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", modeling_llama.apply_rotary_pos_emb)
+    monkeypatch.setattr(ts.config, "use_fused_linear_cross_entropy", True)
+    torch.manual_seed(0)
+    model = tiny_llama().to(dtype).train()
+    original = copy.deepcopy(model)
+    ids = torch.randint(0, 97, (2, 11))
+    labels = ids.clone()
+    labels[0, :4] = -100  # a prompt that is not trained on
+    report = ts.patch(model, verbose=False)
+    assert report["linear_cross_entropy"] == ["LlamaForCausalLM"]
+    assert model.lm_head.weight is dict(model.named_parameters())["lm_head.weight"]
+
+    # transformers computes the loss from float32 logits; ours from the hidden states in the
+    # model's dtype (float64 stays float64).
+    rtol = 1e-6 if dtype == torch.float64 else 1e-5
+    for kwargs in ({"num_items_in_batch": torch.tensor(9)}, {}):
+        ref_loss, ref_grads = loss_and_grads(original, ids, labels=labels, **kwargs)
+        loss, grads = loss_and_grads(model, ids, labels=labels, **kwargs)
+        torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=0, check_dtype=False)
+        for name in grads:
+            scale = ref_grads[name].abs().max().item()
+            torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=1e-5 * scale, msg=name)
+
+    assert model(input_ids=ids, labels=labels).logits is None
+    as_tuple = model(input_ids=ids, labels=labels, return_dict=False)
+    torch.testing.assert_close(as_tuple[0], loss)  # the mean; transformers' order: the loss first
+    # Without labels, in evaluation, or with the switch off: the logits as before.
+    with torch.no_grad():
+        ref_logits = original(input_ids=ids).logits
+        torch.testing.assert_close(model(input_ids=ids).logits, ref_logits)
+        model.eval()
+        out = model(input_ids=ids, labels=labels)
+        torch.testing.assert_close(out.logits, ref_logits)
+        torch.testing.assert_close(out.loss, loss, rtol=rtol, atol=0)
+        model.train()
+        monkeypatch.setattr(ts.config, "use_fused_linear_cross_entropy", False)
+        torch.testing.assert_close(model(input_ids=ids, labels=labels).logits, ref_logits)
+        monkeypatch.setattr(ts.config, "use_fused_linear_cross_entropy", True)
+        model.lm_head = original.lm_head  # replaced after patching (as resize_token_embeddings does)
+        out = model(input_ids=ids, labels=labels)
+        torch.testing.assert_close(out.logits, ref_logits)
+        torch.testing.assert_close(out.loss, loss, rtol=rtol, atol=0)
 
 
 def test_patch_rejects_non_modules():

@@ -24,6 +24,7 @@ from .functional import (  # noqa: E402
     fused_add_rms_norm_,
     gelu,
     layer_norm,
+    linear_cross_entropy,
     rms_norm,
     rope_tables,
     silu,
@@ -34,6 +35,7 @@ from .modules import (  # noqa: E402
     CrossEntropyLoss,
     FusedAddRMSNorm,
     LayerNorm,
+    LinearCrossEntropyLoss,
     RMSNorm,
     RotaryEmbedding,
     SwiGLU,
@@ -45,8 +47,8 @@ from .selection import config, print_selection  # noqa: E402
 __version__ = "0.1.0"
 __all__ = [
     "apply_rotary", "cross_entropy", "fp8_quantize", "fused_add_rms_norm", "fused_add_rms_norm_",
-    "gelu", "layer_norm", "rms_norm", "rope_tables", "silu", "softmax", "swiglu",
-    "CrossEntropyLoss", "FusedAddRMSNorm", "LayerNorm", "RMSNorm", "RotaryEmbedding", "SwiGLU",
-    "SwiGLUMLP", "config", "hf_apply_rotary_pos_emb", "hf_causal_lm_loss", "patch",
-    "print_selection",
+    "gelu", "layer_norm", "linear_cross_entropy", "rms_norm", "rope_tables", "silu", "softmax", "swiglu",
+    "CrossEntropyLoss", "FusedAddRMSNorm", "LayerNorm", "LinearCrossEntropyLoss", "RMSNorm",
+    "RotaryEmbedding", "SwiGLU", "SwiGLUMLP", "config", "hf_apply_rotary_pos_emb", "hf_causal_lm_loss",
+    "patch", "print_selection",
 ]

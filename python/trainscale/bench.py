@@ -7,11 +7,18 @@ Each baseline gets the case's input tensors by name and returns its outputs in t
 order; work it needs before the timed call (compilation, tables, the forward pass of a
 backward) happens in its untimed setup. PyTorch callables are timed one call per CUDA event
 pair (no CUDA graphs), so tiny shapes include their launch overhead.
+
+The flce suite (fused linear cross-entropy, forward and backward through autograd) is measured
+here in Python rather than by the engine's cases: it also reports each implementation's peak
+memory, and its gate is a float32 reference on sampled rows (section "flce" below).
 """
 import argparse
+import gc
 import inspect
 import json
+import math
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -244,8 +251,242 @@ def baselines(use_gpu):
     return out
 
 
+# ---- flce: fused linear cross-entropy, forward + backward ----------------------------------------
+
+FLCE_SUITE = "flce"
+FLCE_OP = "fused_linear_cross_entropy_forward_with_grad"  # loss and both gradients in one call
+# (T, H, V): the Llama-3 8B head, then T x V at H 4096. On the CPU, where ours is the fp64
+# reference, small shapes with the same code path.
+FLCE_SHAPES = [(8192, 4096, 128256)] + [(t, 4096, v) for t in (2048, 8192, 32768) for v in (32000, 128256, 256000)
+                                        if (t, v) != (8192, 128256)]
+FLCE_CPU_SHAPES = [(64, 32, 500), (37, 24, 1001)]
+FLCE_DTYPE = torch.bfloat16
+FLCE_TOLERANCE = 1e-2  # the engine's bf16 tolerance (relative L2 error), src/bench/gate.cc
+_FLCE_SAMPLE = 64  # tokens whose grad_hidden rows, and about as many classes whose grad_weight rows, are gated
+
+
+def _flce_eager(h, w, t):
+    return F.cross_entropy(F.linear(h, w), t)
+
+
+def _flce_implementations(use_gpu):
+    """(name, is ours, make) of each implementation available here; make() -> loss_fn(h, w, t)."""
+    from .loss import linear_cross_entropy
+
+    def compiled():
+        torch._dynamo.reset()  # one compilation per shape: not limited by dynamo's recompile limit
+        return torch.compile(_flce_eager, dynamic=False)
+    out = [("trainscale" if use_gpu else "cpu-ref", True, lambda: linear_cross_entropy),
+           ("torch", False, lambda: _flce_eager), ("torch-compile", False, compiled)]
+    if hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions"):
+        def torch_chunked():
+            options = torch.nn.LinearCrossEntropyOptions()
+            return lambda h, w, t: F.linear_cross_entropy(h, w, t, options=options)
+        out.append(("torch-linear-ce", False, torch_chunked))
+    if use_gpu:
+        try:
+            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+        except ImportError:
+            pass
+        else:
+            def liger():
+                loss = LigerFusedLinearCrossEntropyLoss()
+                return lambda h, w, t: loss(w, h, t)
+            out.append(("liger", False, liger))
+    return out
+
+
+def _flce_run(loss_fn, h, w, t):
+    """A call of forward and backward: (loss, grad_hidden, grad_weight), as training does it."""
+    h, w = h.detach().requires_grad_(), w.detach().requires_grad_()
+
+    def run():
+        loss = loss_fn(h, w, t)
+        return (loss.detach(), *torch.autograd.grad(loss, (h, w)))
+    return run
+
+
+def _flce_reference(h, w, t, sampler):
+    """The mean cross-entropy of h @ w.T in float32 (tokens in chunks, so no [T, V] logits), with
+    the rows of grad_hidden of sampled tokens and of grad_weight of sampled classes (the targets
+    of some of those tokens and as many random classes): (loss, tokens, grad_hidden[tokens],
+    classes, grad_weight[classes])."""
+    tokens_n, vocab = h.shape[0], w.shape[0]
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")  # no TF32
+    try:
+        hf, wf = h.float(), w.float()
+        chunk = max(1, (1 << 28) // vocab)  # 1 GiB of float32 logits at a time
+        lse = torch.cat([torch.logsumexp(hf[i:i + chunk] @ wf.T, -1) for i in range(0, tokens_n, chunk)])
+        loss = (lse - (hf * wf[t]).sum(-1)).mean()
+        perm = torch.randperm(tokens_n, generator=sampler).to(h.device)
+        tokens = perm[:_FLCE_SAMPLE].sort().values
+        probs = torch.softmax(hf[tokens] @ wf.T, -1)
+        probs[torch.arange(len(tokens), device=h.device), t[tokens]] -= 1
+        grad_hidden = probs @ wf / tokens_n
+        random_classes = torch.randint(0, vocab, (_FLCE_SAMPLE // 2,), generator=sampler)
+        classes = torch.cat([t[tokens[:_FLCE_SAMPLE // 2]], random_classes.to(h.device)]).unique()
+        g = torch.exp(hf @ wf[classes].T - lse[:, None]) - (t[:, None] == classes[None, :]).float()
+        grad_weight = g.T @ hf / tokens_n
+        return loss, tokens, grad_hidden, classes, grad_weight
+    finally:
+        torch.set_float32_matmul_precision(precision)
+
+
+def _flce_gate(outs, ref):
+    """(rel_l2, max_abs_err, name of the worst output) of (loss, grad_hidden, grad_weight) against
+    the reference's rows; NaN counts as an infinite error."""
+    loss, grad_hidden, grad_weight = outs
+    ref_loss, tokens, ref_hidden, classes, ref_weight = ref
+    errors, max_abs = [], 0.0
+    for name, got, want in (("loss", loss.reshape(1), ref_loss.reshape(1)),
+                            ("grad_hidden", grad_hidden[tokens], ref_hidden),
+                            ("grad_weight", grad_weight[classes], ref_weight)):
+        diff = got.double() - want.double()
+        rel = (diff.norm() / want.double().norm()).item()
+        errors.append((math.inf if math.isnan(rel) else rel, name))
+        max_abs = max(max_abs, diff.abs().max().item())
+    rel, name = max(errors)
+    return rel, max_abs, name
+
+
+def _nbytes(tensors):
+    return sum(x.numel() * x.element_size() for x in tensors)
+
+
+def _flce_row(shape, impl, ours, device, cold):
+    t, h, v = shape
+    dims = f"{t}x{h}x{v}"
+    dtype = str(FLCE_DTYPE).replace("torch.", "")
+    elem = torch.tensor([], dtype=FLCE_DTYPE).element_size()
+    return {"case": f"{FLCE_OP} {dims} {dtype}", "op": FLCE_OP, "family": "loss", "shape": dims, "dtype": dtype,
+            "impl": impl, "baseline": not ours, "device": device.type, "status": "ok", "message": "",
+            "timer": "", "batch": 1, "cold": cold, "rotate": 1, "stop_reason": "",
+            "bytes": 2 * (t + v) * h * elem + t * 8 + 4, "flops": 6 * t * h * v, "bound": "compute",
+            "gate": {"tolerance": FLCE_TOLERANCE, "rows_checked": min(t, _FLCE_SAMPLE), "rows_total": t,
+                     "rows": "all" if t <= _FLCE_SAMPLE else "sample"}}
+
+
+def _free_memory(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _flce_measure(row, make, inputs, ref, device, timing, gemm_tflops):
+    """Fills row: gate, then (CUDA) peak memory beyond inputs and outputs of one call, then time."""
+    run = _flce_run(make(), *inputs)
+    run()  # compiles / tunes / warms up, untimed
+    _free_memory(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    outs = run()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        out_bytes = _nbytes(outs)
+        row["extra_memory_bytes"] = torch.cuda.max_memory_allocated(device) - base - out_bytes
+        row["peak_memory_bytes"] = row["extra_memory_bytes"] + out_bytes
+    rel, max_abs, worst = _flce_gate(outs, ref)
+    row["gate"].update(rel_l2=rel, max_abs_err=max_abs)  # non-finite: null in the JSON (_finite)
+    del outs
+    if not rel <= FLCE_TOLERANCE:
+        row.update(status="failed", message=f"relative L2 error {rel:.3g} > tolerance {FLCE_TOLERANCE:g} ({worst})")
+        return
+    stats = _C.time_callable(run, device.index if device.type == "cuda" else -1, timing)
+    ms = stats["median"]
+    row.update(timer=stats["timer"], stop_reason=stats["stop_reason"],
+               ms={k: stats[k] for k in ("count", "median", "mean", "std", "min", "max", "p5", "p95", "p99",
+                                         "rel_noise")},
+               gbps=row["bytes"] / ms / 1e6, tflops=row["flops"] / ms / 1e9,
+               pct_roofline=100 * row["flops"] / ms / 1e9 / gemm_tflops if gemm_tflops else None,
+               clocks={"sm_mhz_min": stats["sm_mhz_min"], "sm_mhz_max": stats["sm_mhz_max"], "throttle_retakes": 0,
+                       "throttled": stats["throttled"], "throttle_reasons": ""})
+
+
+def flce_configs(use_gpu, configs=()):
+    """The suite's (T, H, V) here, only those named in configs ("TxHxV") when given."""
+    shapes = FLCE_SHAPES if use_gpu else FLCE_CPU_SHAPES
+    return [s for s in shapes if not configs or "x".join(map(str, s)) in configs]
+
+
+def run_flce(result, shapes, impls, device, timing, seed, progress):
+    """Appends the flce rows of these shapes and implementations (all when impls is empty) to
+    result (the JSON document of docs/bench-json.md): each implementation on the same inputs,
+    gated against _flce_reference, its peak memory measured (CUDA), then timed. A baseline that
+    runs out of memory is reported unsupported ("skipped (OOM)"), and the run goes on. Ctrl-C
+    stops it with the rows so far (meta.interrupted)."""
+    gemm_tflops = (result.get("roofline") or {}).get("gemm_bf16_tflops")
+    available = [i for i in _flce_implementations(device.type == "cuda") if not impls or i[0] in impls]
+    generator = torch.Generator(device=device).manual_seed(seed)  # inputs made where they are used
+    sampler = torch.Generator().manual_seed(seed)  # the gated rows
+    started = time.monotonic()
+    try:
+        for n, shape in enumerate(shapes):
+            t, h, v = shape
+            hidden = torch.randn(t, h, generator=generator, device=device, dtype=FLCE_DTYPE)
+            weight = torch.randn(v, h, generator=generator, device=device, dtype=FLCE_DTYPE).mul_(h ** -0.5)
+            target = torch.randint(0, v, (t,), generator=generator, device=device)
+            ref = _flce_reference(hidden, weight, target, sampler)
+            _free_memory(device)
+            for name, ours, make in available:
+                row = _flce_row(shape, name, ours, device, device.type == "cuda" and timing["flush_l2"])
+                if progress:
+                    print(f"[flce {n + 1}/{len(shapes)}] {row['case']} [{name}]", file=sys.stderr, flush=True)
+                try:
+                    _flce_measure(row, make, (hidden, weight, target), ref, device, timing, gemm_tflops)
+                except torch.cuda.OutOfMemoryError as e:  # a failure of ours, whose memory is bounded
+                    row.update(status="failed" if ours else "unsupported",
+                               message=f"skipped (OOM): {str(e).splitlines()[0]}")
+                except NotImplementedError as e:
+                    row.update(status="unsupported", message=str(e))
+                except KeyboardInterrupt:
+                    row.update(status="interrupted", message="interrupted")
+                    raise
+                except Exception as e:  # noqa: BLE001 (reported in the row, like the engine does)
+                    row.update(status="failed", message=f"{type(e).__name__}: {e}"[:500])
+                finally:
+                    result["rows"].append(row)
+                    _free_memory(device)
+            del hidden, weight, target, ref
+    except KeyboardInterrupt:
+        result["meta"]["interrupted"] = True
+    result["meta"]["wall_seconds"] = result["meta"].get("wall_seconds", 0.0) + time.monotonic() - started
+
+
+def _format_gib(n):
+    return f"{n / 2**30:.2f}"
+
+
+def memory_table(result, markdown):
+    """Peak memory beyond inputs and outputs per case and implementation (flce rows on CUDA;
+    "" when there are none)."""
+    rows = [r for r in result["rows"] if r["op"] == FLCE_OP and r["device"] == "cuda"]
+    if not rows:
+        return ""
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    cell = {(r["case"], r["impl"]): "OOM" if r["message"].startswith("skipped (OOM)") else
+            _format_gib(r["extra_memory_bytes"]) if "extra_memory_bytes" in r else "-" for r in rows}
+    lines = [["Case"] + impls] + [[c] + [cell.get((c, i), "-") for i in impls] for c in cases]
+    title = "Peak memory beyond inputs and outputs (GiB)"
+    if markdown:
+        out = [f"## {title}", "", "| " + " | ".join(lines[0]) + " |", "|---" + "|---:" * len(impls) + "|"]
+        out += ["| " + " | ".join(line) + " |" for line in lines[1:]]
+        return "\n".join(out) + "\n"
+    widths = [max(len(line[k]) for line in lines) for k in range(len(lines[0]))]
+    text = [title + ":"]
+    for k, line in enumerate(lines):
+        text.append(" | ".join([line[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(line[1:], widths[1:])]))
+        if k == 0:
+            text.append("-" * len(text[-1]))
+    return "\n".join(text) + "\n"
+
+
 def plot(result, path):
-    """GB/s per shape and implementation, one panel per (op, dtype)."""
+    """GB/s (TFLOP/s for compute-bound ops such as flce's) per shape and implementation, one panel
+    per (op, dtype)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -260,13 +501,14 @@ def plot(result, path):
         shapes = list(dict.fromkeys(r["shape"] for r in sel))
         impls = list(dict.fromkeys(r["impl"] for r in sel))
         width = 0.8 / len(impls)
+        metric, unit = ("tflops", "TFLOP/s") if sel[0]["bound"] == "compute" else ("gbps", "GB/s")
         for k, impl in enumerate(impls):
-            gbps = {r["shape"]: r["gbps"] for r in sel if r["impl"] == impl}
-            xs = [i + k * width for i, s in enumerate(shapes) if s in gbps]
-            ax.bar(xs, [gbps[s] for s in shapes if s in gbps], width, label=impl)
+            values = {r["shape"]: r[metric] for r in sel if r["impl"] == impl}
+            xs = [i + k * width for i, s in enumerate(shapes) if s in values]
+            ax.bar(xs, [values[s] for s in shapes if s in values], width, label=impl)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(shapes))], shapes, fontsize=8)
         ax.set_title(f"{op} {dtype}")
-        ax.set_ylabel("GB/s")
+        ax.set_ylabel(unit)
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -283,16 +525,17 @@ def main(argv=None):
                "failed or errored (a baseline that fails its gate is reported FAILED but does not fail the run); "
                "130 when interrupted (Ctrl-C writes the results so far). On a GPU, ops that have only their CPU "
                "reference are listed as such and not run.")
-    p.add_argument("--suite", default=None, help="suites, comma-separated (default: llama on a GPU, smoke on the CPU)")
+    p.add_argument("--suite", default=None, help="suites, comma-separated (default: llama on a GPU, smoke on the CPU); "
+                                                 f"{FLCE_SUITE} runs alone")
     p.add_argument("--ops", default="", help="only these ops (--list shows them)")
     p.add_argument("--dtype", default="", help="only these dtypes (fp32, fp16, bf16, ...)")
     p.add_argument("--configs", default="", help="only these shapes (dims joined by x)")
     p.add_argument("--impl", default="", help="only these implementations (trainscale / cpu-ref, torch, "
-                                               "torch-compile, liger, quack)")
+                                               "torch-compile, liger, quack; flce: also torch-linear-ce)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     p.add_argument("--gpu", type=int, default=0, help="CUDA device index")
     p.add_argument("--json"), p.add_argument("--csv"), p.add_argument("--md")
-    p.add_argument("--plot", help="PNG of GB/s per shape and implementation (needs matplotlib)")
+    p.add_argument("--plot", help="PNG of GB/s (TFLOP/s) per shape and implementation (needs matplotlib)")
     p.add_argument("--target-noise", type=float, default=0.005)
     p.add_argument("--min-samples", type=int, default=10)
     p.add_argument("--min-time-ms", type=float, default=50.0)
@@ -309,6 +552,14 @@ def main(argv=None):
         p.error("--device cuda: no CUDA device, or trainscale was built without CUDA")
     use_gpu = args.device != "cpu" and torch.cuda.is_available() and _C.has_cuda
     suites = _csv_list(args.suite or ("llama" if use_gpu else "smoke"))
+    timing = {"target_rel_noise": args.target_noise, "min_samples": args.min_samples,
+              "min_time_ms": args.min_time_ms, "timeout_ms": args.timeout_ms, "warmup_ms": args.warmup_ms,
+              "flush_l2": not args.warm}
+    command_line = " ".join(["python -m trainscale.bench"] + sys.argv[1:])
+    if FLCE_SUITE in suites:
+        if len(suites) > 1:
+            p.error(f"--suite {FLCE_SUITE} runs alone (measured in Python, not by the engine)")
+        return _main_flce(p, args, use_gpu, timing, command_line)
     if args.list:
         ops = set(_csv_list(args.ops))
         try:
@@ -319,33 +570,69 @@ def main(argv=None):
             if not ops or op in ops:
                 print(f"{op} {'x'.join(map(str, shape))} {dtype}")
         return 0
-    timing = {"target_rel_noise": args.target_noise, "min_samples": args.min_samples,
-              "min_time_ms": args.min_time_ms, "timeout_ms": args.timeout_ms, "warmup_ms": args.warmup_ms,
-              "flush_l2": not args.warm}
     try:
         text = _C.run_bench(suites, _csv_list(args.ops), _csv_list(args.dtype), _csv_list(args.configs),
                             _csv_list(args.impl), baselines(use_gpu), use_gpu, args.gpu, timing, args.seed,
-                            not args.no_roofline, " ".join(["python -m trainscale.bench"] + sys.argv[1:]),
-                            not args.quiet)
+                            not args.no_roofline, command_line, not args.quiet)
     except ValueError as e:
         p.error(str(e))
+    return _report(args, text)
+
+
+def _main_flce(p, args, use_gpu, timing, command_line):
+    ops, impls = _csv_list(args.ops), _csv_list(args.impl)
+    if any(op != FLCE_OP for op in ops):
+        p.error(f"--ops: the {FLCE_SUITE} suite has one op, {FLCE_OP}")
+    known = [name for name, _, _ in _flce_implementations(use_gpu)]
+    if any(impl not in known for impl in impls):
+        p.error(f"--impl: the {FLCE_SUITE} suite has {', '.join(known)} here")
+    dtypes = _csv_list(args.dtype)
+    wanted = not dtypes or any(d in ("bf16", "bfloat16") for d in dtypes)
+    shapes = flce_configs(use_gpu, _csv_list(args.configs)) if wanted else []
+    if args.list:
+        for t, h, v in shapes:
+            print(f"{FLCE_OP} {t}x{h}x{v} bfloat16")
+        return 0
+    result = json.loads(_C.empty_run(FLCE_SUITE, use_gpu, args.gpu, timing, args.seed,
+                                     use_gpu and not args.no_roofline, command_line))
+    device = torch.device("cuda", args.gpu) if use_gpu else torch.device("cpu")
+    run_flce(result, shapes, impls, device, timing, args.seed, not args.quiet)
+    return _report(args, json.dumps(_finite(result), indent=2))
+
+
+def _finite(obj):
+    """obj with NaN / Inf replaced by None, as the C++ writer does (JSON has no such numbers)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def _report(args, text):
+    """Writes the run's JSON text and its reports; returns the exit status."""
     # The measurements first: nothing after this can lose them.
     if args.json:
         with open(args.json, "w") as f:
             f.write(text + "\n")
-    print(_C.report(text, "terminal"), end="")
-    for path, fmt in ((args.csv, "csv"), (args.md, "markdown")):
-        if path:
-            with open(path, "w") as f:
-                f.write(_C.report(text, fmt))
     result = json.loads(text)
+    memory = memory_table(result, markdown=False)
+    print(_C.report(text, "terminal") + ("\n" + memory if memory else ""), end="")
+    if args.csv:
+        with open(args.csv, "w") as f:
+            f.write(_C.report(text, "csv"))
+    if args.md:
+        memory = memory_table(result, markdown=True)
+        with open(args.md, "w") as f:
+            f.write(_C.report(text, "markdown") + ("\n" + memory if memory else ""))
     if args.plot:
         plot(result, args.plot)
     if result["meta"]["interrupted"]:
         return 130
     # Ours failing fails the run; a baseline failing its gate is reported FAILED only.
     return 1 if any(r["status"] == "failed" and not r.get("baseline") for r in result["rows"]) else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -5,7 +5,7 @@ ours (the default), PyTorch's (trainscale.reference), or the faster of the two p
 ("auto"). docs/python.md maps each to its C++ entry point, bench op and torch op."""
 from .activation import gelu, silu, swiglu  # noqa: F401
 from .fp8 import fp8_quantize  # noqa: F401
-from .loss import cross_entropy  # noqa: F401
+from .loss import cross_entropy, linear_cross_entropy  # noqa: F401
 from .norm import fused_add_rms_norm, fused_add_rms_norm_, layer_norm, rms_norm  # noqa: F401
 from .rope import apply_rotary, rope_tables  # noqa: F401
 from .softmax import softmax  # noqa: F401

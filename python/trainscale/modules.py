@@ -125,3 +125,27 @@ class CrossEntropyLoss(nn.Module):
     def extra_repr(self):
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
                 f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, softcap={self.softcap}")
+
+
+class LinearCrossEntropyLoss(nn.Module):
+    """The loss of a linear head without its logits: forward(hidden, weight, target, bias=None)
+    is trainscale.linear_cross_entropy with this module's options (the head's weight stays
+    where it lives, e.g. a model's lm_head). The loss is float32."""
+
+    def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                 z_loss: float = 0.0, softcap: float = 0.0, grad_weight_accumulation: torch.dtype = torch.float32,
+                 chunk_tokens: int = 0):
+        super().__init__()
+        self.ignore_index, self.reduction = ignore_index, reduction
+        self.label_smoothing, self.z_loss, self.softcap = label_smoothing, z_loss, softcap
+        self.grad_weight_accumulation, self.chunk_tokens = grad_weight_accumulation, chunk_tokens
+
+    def forward(self, hidden, weight, target, bias=None):
+        return F.linear_cross_entropy(hidden, weight, target, bias, self.ignore_index, self.label_smoothing,
+                                      self.z_loss, self.softcap, self.reduction, self.grad_weight_accumulation,
+                                      self.chunk_tokens)
+
+    def extra_repr(self):
+        return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+                f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, softcap={self.softcap}, "
+                f"grad_weight_accumulation={self.grad_weight_accumulation}, chunk_tokens={self.chunk_tokens}")

@@ -7,11 +7,15 @@ from typing import Dict, List
 import torch
 from torch import nn
 
-from .functional import apply_rotary, cross_entropy
+from .functional import apply_rotary, cross_entropy, linear_cross_entropy
 from .modules import RMSNorm, SwiGLUMLP
+from .selection import config
 
 # RMSNorms computing x * rsqrt(mean(x^2) + eps) * weight (Gemma's adds 1 to the weight: not these).
 _RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+# Causal LMs whose forward computes `logits = self.lm_head(hidden_states)` and then, with labels,
+# `self.loss_function(logits=logits, labels=labels, ..., **kwargs)`, with nothing in between.
+_FUSED_LOSS_MODELS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 def hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
@@ -36,23 +40,81 @@ def hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     return (q_out.transpose(1, 2), k_out.transpose(1, 2)) if unsqueeze_dim == 1 else (q_out, k_out)
 
 
+def _causal_lm_loss(loss_of, labels, device, num_items_in_batch, ignore_index, shift_labels):
+    """transformers' causal-LM reduction of loss_of(target, reduction): token s predicts label
+    s + 1 (or shift_labels), mean over the tokens not ignored, or the sum divided by
+    num_items_in_batch when given."""
+    if shift_labels is None:
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    target = shift_labels.reshape(-1).to(device)
+    if num_items_in_batch is None:
+        return loss_of(target, "mean")
+    loss = loss_of(target, "sum")
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
 def hf_causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None,
                       ignore_index: int = -100, shift_labels=None, **kwargs):
     """Drop-in for transformers' ForCausalLMLoss: token s predicts label s + 1 (or shift_labels),
     mean over the tokens not ignored, or the sum divided by num_items_in_batch when given. The
     logits are not upcast first: trainscale.cross_entropy reads them as they are and computes
     in float32."""
-    if shift_labels is None:
-        labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
-        shift_labels = labels[..., 1:]
-    target = shift_labels.reshape(-1).to(logits.device)
     logits = logits.reshape(-1, vocab_size)
-    if num_items_in_batch is None:
-        return cross_entropy(logits, target, ignore_index=ignore_index, reduction="mean")
-    loss = cross_entropy(logits, target, ignore_index=ignore_index, reduction="sum")
-    if torch.is_tensor(num_items_in_batch):
-        num_items_in_batch = num_items_in_batch.to(loss.device)
-    return loss / num_items_in_batch
+    return _causal_lm_loss(lambda target, reduction: cross_entropy(logits, target, ignore_index=ignore_index,
+                                                                   reduction=reduction),
+                           labels, logits.device, num_items_in_batch, ignore_index, shift_labels)
+
+
+class _LMHead(nn.Linear):
+    """A causal LM's lm_head (the same Parameters) that, while `hidden` is a list, appends its
+    input there and returns None instead of the logits: the model's forward then runs to its
+    end without them, and the loss comes from those hidden states (_fused_loss_hook)."""
+
+    hidden = None
+
+    def forward(self, x):
+        if self.hidden is None:
+            return super().forward(x)
+        self.hidden.append(x)
+        return None
+
+
+def _fused_loss_pre_hook(model, args, kwargs):
+    # Labels by keyword, as Trainer and transformers pass them; anything else (no labels,
+    # evaluation, the switch off, an lm_head replaced since) runs the model unchanged, logits
+    # included.
+    head = model.lm_head
+    fused = (model.training and kwargs.get("labels") is not None and isinstance(head, _LMHead) and
+             config.use_fused_linear_cross_entropy is not False)
+    if isinstance(head, _LMHead):
+        head.hidden = [] if fused else None
+    model._trainscale_labels = kwargs["labels"] if fused else None
+    if fused:
+        return args, {**kwargs, "labels": None}
+    return None
+
+
+def _fused_loss_hook(model, args, kwargs, output):
+    labels, model._trainscale_labels = model._trainscale_labels, None
+    if labels is None:
+        return None
+    head = model.lm_head
+    hidden, head.hidden = head.hidden, None
+    if len(hidden) != 1:
+        raise RuntimeError(f"trainscale.patch: {type(model).__name__}'s forward ran lm_head {len(hidden)} times; "
+                           "the fused loss expects once")
+    h = hidden[0].reshape(-1, hidden[0].shape[-1])
+    ignore_index = kwargs.get("ignore_index", -100)
+    loss = _causal_lm_loss(lambda target, reduction: linear_cross_entropy(h, head.weight, target, head.bias,
+                                                                          ignore_index=ignore_index,
+                                                                          reduction=reduction),
+                           labels, h.device, kwargs.get("num_items_in_batch"), ignore_index,
+                           kwargs.get("shift_labels"))
+    if isinstance(output, tuple):  # return_dict=False: transformers puts the loss first
+        return (loss,) + output
+    return type(output)(loss=loss, **{k: v for k, v in output.items() if k != "loss"})
 
 
 def _is_silu(act) -> bool:
@@ -101,14 +163,30 @@ class PatchReport(Dict[str, List[str]]):
         return "\n".join(lines)
 
 
+def _fuse_loss(m) -> bool:
+    """Makes a Llama-family causal LM compute its training loss with linear_cross_entropy."""
+    if type(m).__name__ not in _FUSED_LOSS_MODELS or type(getattr(m, "lm_head", None)) is not nn.Linear:
+        return False
+    old = m.lm_head
+    head = _LMHead(old.in_features, old.out_features, bias=old.bias is not None, device="meta")
+    head.weight, head.bias = old.weight, old.bias
+    m.lm_head = head
+    m.register_forward_pre_hook(_fused_loss_pre_hook, with_kwargs=True)
+    m.register_forward_hook(_fused_loss_hook, with_kwargs=True)
+    return True
+
+
 def patch(model: nn.Module, rms_norm: bool = True, swiglu: bool = True, rope: bool = True,
-          cross_entropy: bool = True, verbose: bool = True) -> PatchReport:
+          cross_entropy: bool = True, linear_cross_entropy: bool = True, verbose: bool = True) -> PatchReport:
     """Swaps in trainscale, in place: Llama-style RMSNorms -> trainscale.RMSNorm, SiLU-gated MLPs
     (gate_proj / up_proj / down_proj) -> trainscale.SwiGLUMLP (same Linear layers, fused
     activation), apply_rotary_pos_emb of the model's modeling module -> hf_apply_rotary_pos_emb
-    (that module's function, so every model of that type in the process uses it), and the
+    (that module's function, so every model of that type in the process uses it), the
     causal-LM loss of each submodule with a settable `loss_function` (transformers' models) ->
-    hf_causal_lm_loss. Returns (and with verbose prints) a report of what was swapped."""
+    hf_causal_lm_loss, and, in Llama / Mistral / Qwen2 / Qwen3 causal LMs, the training loss
+    (labels given, model.training) -> linear_cross_entropy of the last hidden states and
+    lm_head's weight, without the logits (the output's `logits` is then None). Returns (and
+    with verbose prints) a report of what was swapped."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"trainscale.patch: argument 'model': expected a torch.nn.Module, got {type(model).__name__}")
     report = PatchReport()
@@ -131,6 +209,9 @@ def patch(model: nn.Module, rms_norm: bool = True, swiglu: bool = True, rope: bo
                     getattr(m, "loss_function", hf_causal_lm_loss) is not hf_causal_lm_loss:
                 m.loss_function = hf_causal_lm_loss  # transformers' settable property
                 report["cross_entropy"].append(name or type(m).__name__)
+    if linear_cross_entropy:
+        report["linear_cross_entropy"] = [name or type(m).__name__ for name, m in list(model.named_modules())
+                                          if _fuse_loss(m)]
     if verbose:
         print(report)
     return report

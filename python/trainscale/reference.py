@@ -163,3 +163,13 @@ def cross_entropy(logits, target, ignore_index=-100, label_smoothing=0.0, z_loss
     if reduction == "sum":
         return loss.sum()
     return loss.sum() / valid.sum()
+
+
+def linear_cross_entropy(hidden, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0,
+                         z_loss=0.0, softcap=0.0, reduction="mean", grad_weight_accumulation=torch.float32,
+                         chunk_tokens=0):
+    """trainscale.linear_cross_entropy's math: the logits in hidden's dtype (F.linear), then
+    cross_entropy above. Every logit exists at once; grad_weight_accumulation and chunk_tokens
+    (how ours splits the work) do not apply."""
+    return cross_entropy(F.linear(hidden, weight, bias), target, ignore_index, label_smoothing, z_loss, softcap,
+                         reduction)
