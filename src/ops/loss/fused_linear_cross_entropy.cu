@@ -12,6 +12,7 @@
 #include "common/cuda_check.h"
 #include "common/dtype.cuh"
 #include "common/gemm.h"
+#include "common/vec.cuh"
 #include "ops/loss/fused_linear_plan.h"
 #include "ops/loss/loss_cuda.h"
 
