@@ -76,6 +76,15 @@ TEST(BenchCli, ListPrintsCasesWithoutRunning) {
   EXPECT_EQ(o.output.find("bfloat16"), std::string::npos) << o.output;
 }
 
+TEST(BenchCli, ListShowsTheFlceSuiteWithItsWorkspace) {
+  const Outcome o = run_cli("--suite flce --list");
+  EXPECT_EQ(o.exit_code, 0) << o.output;
+  EXPECT_NE(o.output.find("fused_linear_cross_entropy_forward 8192x4096x128256 bfloat16"), std::string::npos) << o.output;
+  EXPECT_NE(o.output.find("fused_linear_cross_entropy_forward 32768x4096x256000 bfloat16"), std::string::npos)
+      << o.output;
+  EXPECT_NE(o.output.find("Scratch"), std::string::npos) << o.output;
+}
+
 TEST(BenchCli, RunCompareAndReport) {
   const fs::path dir = temp_dir();
   const std::string json = (dir / "run.json").string();

@@ -498,7 +498,7 @@ TEST(BenchGate, ComputeBoundCasesAreGatedOnARunOfIndependentGroups) {
   const Case c = op->make(shape, DType::kFloat32);
   EXPECT_EQ(c.groups, 4);
   GateLimits limits;
-  limits.group_flops = c.flops / 2;  // two of the four groups
+  limits.reference_flops = c.flops / 2;  // two of the four groups
   const GateData gate(c, 11, limits);
   EXPECT_EQ(gate.coverage(), RowCoverage::kGroups);
   const GateResult right = gate_on_cpu(c, gate, c.entry);

@@ -8,6 +8,7 @@
 
 #include "bench/engine.h"
 #include "bench/tensors.h"
+#include "trainscale/loss.h"
 #include "trainscale/norm.h"
 #include "util/gpu_util.h"
 
@@ -43,6 +44,23 @@ TEST(BenchFillCuda, DeviceFillIsBitIdenticalToTheHostFill) {
         EXPECT_EQ(first_mismatch, -1) << "value " << random_value(fill, first_mismatch);
       }
     }
+  }
+}
+
+// Integer fills with a share of special values (the targets' ignore_index) match too.
+TEST(BenchFillCuda, SpecialIntegersAreTheSameOnTheDevice) {
+  TS_REQUIRE_GPU();
+  for (DType dtype : {DType::kInt32, DType::kInt64}) {
+    RandomFill fill(11, 0, 127999, dtype);
+    fill.special_share = 1.0 / 32;
+    fill.special = -100;
+    const std::int64_t shape[] = {100'003};
+    OwnedTensor host(dtype, shape, Device::cpu()), device(dtype, shape, Device::cuda()), back(dtype, shape, Device::cpu());
+    fill_random(host.view(), fill);
+    fill_random(device.view(), fill);
+    copy_tensor(back.view(), device.view());
+    EXPECT_EQ(std::memcmp(host.view().data, back.view().data, static_cast<std::size_t>(host.bytes())), 0)
+        << dtype_name(dtype);
   }
 }
 
@@ -146,6 +164,53 @@ TEST(BenchGateCuda, WrongKernelsFailThePrefixAndSampledGates) {
   EXPECT_EQ(result.rows[1].rows_coverage, RowCoverage::kPrefix);
   EXPECT_NE(result.rows[1].message.find("prefix problem: the first 16 of 64 rows"), std::string::npos)
       << result.rows[1].message;
+}
+
+// The fused linear cross-entropy's own sampled gate passes our CUDA path and the unfused
+// baseline at a shape of several token chunks (bf16: two, with grad_weight summed in float32;
+// fp32: three), and fails our path run with label smoothing, which the reference does not have.
+TEST(BenchGateCuda, FusedLinearCrossEntropyPassesItsSampledGate) {
+  TS_REQUIRE_GPU();
+  const std::string op = "fused_linear_cross_entropy_forward", wrong = op + "_wrong";
+  const std::vector<std::int64_t> shape = {8192, 256, 40000};
+  Registry registry = Registry::global();
+  const CaseFactory make = registry.find_op(op)->make;
+  registry.add_op({wrong, "loss", "T x H x V", [=](std::span<const std::int64_t> config, DType dtype) {
+                     Case c = make(config, dtype);
+                     c.op = wrong;
+                     const auto [h, w, t, loss, lse, gh, gw, ws] = c.ids("hidden", "weight", "targets", "loss", "lse",
+                                                                      "grad_hidden", "grad_weight", "workspace");
+                     CrossEntropyOptions smoothed;
+                     smoothed.label_smoothing = 0.1;
+                     c.entry = [=](CaseTensors v, cudaStream_t s) {
+                       fused_linear_cross_entropy_forward({.hidden = v[h], .weight = v[w], .targets = v[t],
+                                                           .loss = v[loss], .lse = v[lse], .grad_hidden = v[gh],
+                                                           .grad_weight = v[gw], .workspace = v[ws]},
+                                                          smoothed, s);
+                     };
+                     return c;
+                   }});
+  for (const std::string& name : {op, wrong}) {
+    registry.add_configs("smoke", name, {shape}, {DType::kBFloat16, DType::kFloat32});
+  }
+  RunOptions options = quick_gpu_run({op, wrong});
+  options.selection.configs = {shape};
+  options.gate.reference_flops = 2e9;
+  RunResult result;
+  run_cases(registry, options, result);
+  ASSERT_EQ(result.rows.size(), 6u);  // (trainscale, unfused) x (bf16, fp32), then the wrong one's
+  for (const Row& r : result.rows) {
+    SCOPED_TRACE(r.key());
+    EXPECT_EQ(r.rows_coverage, RowCoverage::kCaseSample);
+    EXPECT_NE(r.gate_scope.find("of 8192 tokens"), std::string::npos) << r.gate_scope;
+    if (r.op == wrong) {
+      EXPECT_EQ(r.status, Status::kFailed);
+      EXPECT_NE(r.message.find("[fp64 on the host"), std::string::npos) << r.message;
+      continue;
+    }
+    EXPECT_EQ(r.status, Status::kOk) << r.message;
+    EXPECT_GT(r.extra_memory_bytes, 0);
+  }
 }
 
 }  // namespace

@@ -114,13 +114,13 @@ TEST(BenchJson, MatchesTheDocumentedSchema) {
   const nlohmann::json& row = j.at("rows").at(0);
   for (const char* key : {"case", "op", "family", "shape", "dtype", "impl", "baseline", "device", "status", "message",
                           "timer", "batch", "cold", "rotate", "ms", "stop_reason", "bytes", "flops", "bound", "gbps",
-                          "tflops", "pct_roofline", "gate", "peak_memory_bytes", "clocks"}) {
+                          "tflops", "pct_roofline", "gate", "peak_memory_bytes", "extra_memory_bytes", "clocks"}) {
     EXPECT_TRUE(row.contains(key)) << key;
   }
   for (const char* key : {"count", "median", "mean", "std", "min", "max", "p5", "p95", "p99", "rel_noise"}) {
     EXPECT_TRUE(row.at("ms").contains(key)) << key;
   }
-  for (const char* key : {"rel_l2", "max_abs_err", "tolerance", "rows_checked", "rows_total", "rows"}) {
+  for (const char* key : {"rel_l2", "max_abs_err", "tolerance", "rows_checked", "rows_total", "rows", "scope"}) {
     EXPECT_TRUE(row.at("gate").contains(key)) << key;
   }
   EXPECT_EQ(row.at("gate").at("rows"), "sample");
@@ -206,6 +206,55 @@ TEST(BenchTerminal, TableHasTheDocumentedColumns) {
   EXPECT_NE(text.find(note), std::string::npos) << text;
   EXPECT_EQ(text.find(note, text.find(note) + 1), std::string::npos) << text;
   EXPECT_EQ(text.find("rmsnorm_forward 1024x4096 bfloat16: gated"), std::string::npos) << text;
+}
+
+// A compute-bound case gated by its own sampled check, with a workspace, next to a baseline
+// that keeps more memory: the reports show the memory beyond inputs and outputs where a row
+// has some, and say which rows the gate checked.
+TEST(BenchReports, ExtraMemoryAndCaseSampleNotes) {
+  RunResult run = sample_run();
+  const std::string scope = "fp64 on the host: lse and grad_hidden at 9 of 8192 tokens (0, 8191)";
+  for (const char* impl : {"trainscale", "unfused"}) {
+    Row r = timed_row("fused_linear_cross_entropy_forward", impl, std::string(impl) != "trainscale", 10.0);
+    r.bound = Bound::kCompute;
+    r.rows_coverage = RowCoverage::kCaseSample;
+    r.rows_checked = 9;
+    r.rows_total = 8192;
+    r.gate_scope = scope;
+    r.extra_memory_bytes = r.baseline ? std::int64_t{2} << 30 : std::int64_t{3} << 29;
+    run.rows.push_back(r);
+  }
+  const nlohmann::json j = to_json(run);
+  EXPECT_EQ(j.at("rows").at(5).at("gate").at("rows"), "case-sample");
+  EXPECT_EQ(j.at("rows").at(5).at("gate").at("scope"), scope);
+  EXPECT_EQ(j.at("rows").at(6).at("extra_memory_bytes"), std::int64_t{2} << 30);
+  const RunResult back = run_result_from_json(nlohmann::json::parse(j.dump()));
+  EXPECT_EQ(to_json(back), j);
+  EXPECT_EQ(back.rows[5].rows_coverage, RowCoverage::kCaseSample);
+
+  std::ostringstream md;
+  write_markdown(md, run);
+  const std::string m = md.str();
+  EXPECT_NE(m.find("| Noise (samples) | Extra memory |"), std::string::npos) << m;
+  EXPECT_NE(m.find("| 1.5 GiB / 2.0 GiB |"), std::string::npos) << m;
+  // Only the table of the op that has some.
+  EXPECT_EQ(m.find("| Noise (samples) | Extra memory |"), m.rfind("| Noise (samples) | Extra memory |")) << m;
+  EXPECT_NE(m.find("## Gated on sampled rows"), std::string::npos) << m;
+  EXPECT_NE(m.find("- fused_linear_cross_entropy_forward 1024x4096 bfloat16: " + scope + "\n"), std::string::npos) << m;
+
+  std::ostringstream term;
+  write_terminal_table(term, run);
+  const std::string t = term.str();
+  EXPECT_NE(t.find("Extra memory"), std::string::npos) << t;
+  EXPECT_NE(t.find("1.5 GiB / 2.0 GiB"), std::string::npos) << t;
+  const std::string note = "  fused_linear_cross_entropy_forward 1024x4096 bfloat16: " + scope + "\n";
+  EXPECT_NE(t.find(note), std::string::npos) << t;
+  EXPECT_EQ(t.find(note, t.find(note) + 1), std::string::npos) << t;  // once per case
+
+  // Without such rows, no column.
+  std::ostringstream plain;
+  write_terminal_table(plain, sample_run());
+  EXPECT_EQ(plain.str().find("Extra memory"), std::string::npos);
 }
 
 // A median is not known more finely than the timer: 10 us kernels 0.3 us apart with tiny CIs

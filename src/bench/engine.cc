@@ -196,6 +196,7 @@ struct Runner {
       row.rows_checked = check.rows_checked;
       row.rows_total = check.rows_total;
       row.rows_coverage = check.coverage;
+      row.gate_scope = check.scope;
       if (check.passed && &gate_impl != &impl) {
         // The gated call solved a smaller problem: the memory kept is the full problem's.
         impl.run(views_of(sets[0]), stream());
@@ -203,6 +204,7 @@ struct Runner {
         kept = std::max(kept, memory_kept());
       }
       row.peak_memory_bytes = output_bytes(c) + impl.workspace_bytes + kept;
+      row.extra_memory_bytes = c.scratch_bytes() + impl.workspace_bytes + kept;
       if (!check.passed) {
         row.status = Status::kFailed;
         row.message = check.message;

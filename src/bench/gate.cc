@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <thread>
 #include <random>
@@ -146,6 +147,8 @@ GateData::GateData(const Case& c, std::uint64_t seed, const GateLimits& limits) 
   for (std::size_t i = 0; i < c.tensors.size(); ++i) {
     const TensorSpec& spec = c.tensors[i];
     fills_.emplace_back(seed + 0x100 * (i + 1), spec.lo, spec.hi, spec.dtype);
+    fills_.back().special_share = spec.special_share;
+    fills_.back().special = spec.special;
   }
 
   // Rows: dim 0 of the row-wise tensors, when they agree on it.
@@ -160,10 +163,15 @@ GateData::GateData(const Case& c, std::uint64_t seed, const GateLimits& limits) 
     if (spec.shape[0] > 0) largest_row = std::max(largest_row, numel_of(spec.shape) / spec.shape[0]);
   }
   rows_checked_ = rows_total_;
-  if (c.groups > 0 && c.flops > limits.group_flops) {
+  if (c.sampled_check && c.flops > limits.reference_flops) {
+    coverage_ = RowCoverage::kCaseSample;
+    sample_plan_ = c.sampled_check->plan(seed ^ 0xC4E5u, limits.reference_flops, fills_);
+    rows_total_ = sample_plan_->rows_total;
+    rows_checked_ = sample_plan_->rows_checked;
+  } else if (c.groups > 0 && c.flops > limits.reference_flops) {
     coverage_ = RowCoverage::kGroups;
     group_count_ = std::clamp<std::int64_t>(
-        static_cast<std::int64_t>(limits.group_flops / (c.flops / static_cast<double>(c.groups))), 1, c.groups);
+        static_cast<std::int64_t>(limits.reference_flops / (c.flops / static_cast<double>(c.groups))), 1, c.groups);
     std::mt19937_64 rng(seed ^ 0x6A0Bu);
     first_group_ = std::uniform_int_distribution<std::int64_t>(0, c.groups - group_count_)(rng);
     rows_total_ = c.groups;
@@ -192,8 +200,61 @@ GateData::GateData(const Case& c, std::uint64_t seed, const GateLimits& limits) 
   }
 }
 
-// The reference job: it owns copies of everything it reads, so an abandoned job (Ctrl-C) can
-// finish or run on after the GateData that started it is gone.
+namespace {
+std::atomic<int> g_abandoned_running{0};
+}  // namespace
+
+bool abandoned_references_running() { return g_abandoned_running.load() > 0; }
+
+// Host work on a detached worker thread. The work owns copies of everything it reads, so a job
+// abandoned by Ctrl-C can finish or run on after the GateData that started it is gone.
+struct GateData::Job {
+  std::exception_ptr error;
+  std::mutex mutex;
+  std::condition_variable cv;
+  bool done = false;
+  bool abandoned = false;  // Ctrl-C: nobody waits for it any more
+
+  static std::shared_ptr<Job> start(std::function<void()> work) {
+    auto job = std::make_shared<Job>();
+    std::thread([job, work = std::move(work)] {
+      std::exception_ptr error;
+      try {
+        work();
+      } catch (...) {
+        error = std::current_exception();
+      }
+      std::lock_guard<std::mutex> lock(job->mutex);
+      job->error = error;
+      job->done = true;
+      if (job->abandoned) --g_abandoned_running;
+      job->cv.notify_all();
+    }).detach();
+    return job;
+  }
+
+  // Waits for the end and rethrows the work's error as "reference failed: ..."; on Ctrl-C
+  // throws GateInterrupted and leaves the job to finish on its own.
+  void wait() {
+    std::unique_lock<std::mutex> lock(mutex);
+    while (!done) {
+      cv.wait_for(lock, std::chrono::milliseconds(50));
+      if (!done && interrupt_requested()) {
+        abandoned = true;
+        ++g_abandoned_running;
+        throw GateInterrupted();
+      }
+    }
+    if (!error) return;
+    try {
+      std::rethrow_exception(error);
+    } catch (const std::exception& e) {
+      throw std::runtime_error(std::string("reference failed: ") + e.what());
+    }
+  }
+};
+
+// The reference of the rows the gate checks, computed by a Job on copies of what it reads.
 struct GateData::Reference {
   Case gated;
   std::vector<RandomFill> fills;
@@ -201,11 +262,6 @@ struct GateData::Reference {
   RowCoverage coverage = RowCoverage::kAll;
   GroupRun group_run;  // kGroups only
   std::vector<std::vector<double>> values;  // per output tensor (empty for inputs)
-  std::exception_ptr error;
-  std::mutex mutex;
-  std::condition_variable cv;
-  bool done = false;
-  bool abandoned = false;  // Ctrl-C: nobody waits for it any more
 
   // The reference on float64 copies of the rows it checks, made on the host from their indices.
   void compute() {
@@ -242,52 +298,35 @@ struct GateData::Reference {
   }
 };
 
-namespace {
-std::atomic<int> g_abandoned_running{0};
-}  // namespace
-
-bool abandoned_references_running() { return g_abandoned_running.load() > 0; }
-
 const std::vector<std::vector<double>>& GateData::reference() const {
   if (!reference_) {
-    auto job = std::make_shared<Reference>();
-    job->gated = gated_case();
-    job->fills = fills_;
-    job->sampled_rows = sampled_rows_;
-    job->coverage = coverage_;
-    if (coverage_ == RowCoverage::kGroups) job->group_run = {case_.groups, first_group_, group_count_};
-    std::thread([job] {
-      try {
-        job->compute();
-      } catch (...) {
-        job->error = std::current_exception();
-      }
-      std::lock_guard<std::mutex> lock(job->mutex);
-      job->done = true;
-      if (job->abandoned) --g_abandoned_running;
-      job->cv.notify_all();
-    }).detach();
-    reference_ = job;
+    auto reference = std::make_shared<Reference>();
+    reference->gated = gated_case();
+    reference->fills = fills_;
+    reference->sampled_rows = sampled_rows_;
+    reference->coverage = coverage_;
+    if (coverage_ == RowCoverage::kGroups) reference->group_run = {case_.groups, first_group_, group_count_};
+    reference_ = reference;
+    reference_job_ = Job::start([reference] { reference->compute(); });
   }
-  const std::shared_ptr<Reference> job = reference_;
-  std::unique_lock<std::mutex> lock(job->mutex);
-  while (!job->done) {
-    job->cv.wait_for(lock, std::chrono::milliseconds(50));
-    if (!job->done && interrupt_requested()) {
-      job->abandoned = true;  // the thread finishes on its own copy
-      ++g_abandoned_running;
-      reference_.reset();
-      throw GateInterrupted();
-    }
+  try {
+    reference_job_->wait();
+  } catch (const GateInterrupted&) {
+    reference_.reset();  // a later check starts it again
+    reference_job_.reset();
+    throw;
   }
-  if (job->error) {
-    try {
-      std::rethrow_exception(job->error);
-    } catch (const std::exception& e) {
-      throw std::runtime_error(std::string("reference failed: ") + e.what());
-    }
-  }
-  return job->values;
+  return reference_->values;
+}
+
+std::vector<SampledValues> GateData::sampled_values(const std::vector<TensorView>& views) const {
+  std::vector<std::vector<double>> read;
+  for (const OutputRead& r : sample_plan_->reads) read.push_back(checked_values(views[r.output.index], r.rows));
+  auto values = std::make_shared<std::vector<SampledValues>>();
+  Job::start([values, check = case_.sampled_check->check, plan = *sample_plan_, fills = fills_, read = std::move(read)] {
+    *values = check(plan, fills, read);
+  })->wait();
+  return *values;
 }
 
 void GateData::load_inputs(const std::vector<OwnedTensor>& tensors) const {
@@ -312,13 +351,44 @@ std::vector<TensorView> GateData::gated_views(const std::vector<OwnedTensor>& te
   return views;
 }
 
+std::string GateData::coverage_note() const {
+  switch (coverage_) {
+    case RowCoverage::kPrefix:
+      return " [prefix problem: the first " + std::to_string(rows_checked_) + " of " + std::to_string(rows_total_) +
+             " rows]";
+    case RowCoverage::kGroups:
+      return " [groups " + std::to_string(first_group_) + " to " + std::to_string(first_group_ + group_count_ - 1) +
+             " of " + std::to_string(rows_total_) + "]";
+    case RowCoverage::kCaseSample: return " [" + sample_plan_->scope + "]";
+    default: return "";
+  }
+}
+
 GateResult GateData::check(const std::vector<OwnedTensor>& tensors) const {
   GateResult result;
   result.passed = true;
   result.rows_total = rows_total_;
   result.rows_checked = rows_checked_;
   result.coverage = coverage_;
+  if (sample_plan_) result.scope = sample_plan_->scope;
+  const auto add = [&](const TensorSpec& spec, const std::vector<double>& out, const std::vector<double>& ref) {
+    const double tol = tolerance_of(spec);
+    const ValueCheck v = check_values(out, ref, tol);
+    if (v.rel_l2 >= result.rel_l2) {
+      result.rel_l2 = v.rel_l2;
+      result.tolerance = tol;
+    }
+    result.max_abs = std::max(result.max_abs, v.max_abs);
+    if (!v.ok && result.passed) {
+      result.passed = false;
+      result.message = "output '" + spec.name + "': " + v.problem + coverage_note();
+    }
+  };
   const std::vector<TensorView> views = gated_views(tensors);
+  if (coverage_ == RowCoverage::kCaseSample) {
+    for (const SampledValues& v : sampled_values(views)) add(case_.tensors[v.output.index], v.out, v.ref);
+    return result;
+  }
   for (std::size_t i = 0; i < views.size(); ++i) {
     const TensorSpec& spec = case_.tensors[i];
     if (!is_checked_output(spec.role)) continue;
@@ -333,26 +403,28 @@ GateResult GateData::check(const std::vector<OwnedTensor>& tensors) const {
     } else {
       out = checked_values(views[i], sampled ? std::span<const std::int64_t>(sampled_rows_) : std::span<const std::int64_t>());
     }
-    const double tol = tolerance_of(spec);
-    const ValueCheck v = check_values(out, reference()[i], tol);
-    if (v.rel_l2 >= result.rel_l2) {
-      result.rel_l2 = v.rel_l2;
-      result.tolerance = tol;
-    }
-    result.max_abs = std::max(result.max_abs, v.max_abs);
-    if (!v.ok && result.passed) {
-      result.passed = false;
-      result.message = "output '" + spec.name + "': " + v.problem;
-      if (coverage_ == RowCoverage::kPrefix) {
-        result.message += " [prefix problem: the first " + std::to_string(rows_checked_) + " of " +
-                          std::to_string(rows_total_) + " rows]";
-      } else if (coverage_ == RowCoverage::kGroups) {
-        result.message += " [groups " + std::to_string(first_group_) + " to " +
-                          std::to_string(first_group_ + group_count_ - 1) + " of " + std::to_string(rows_total_) + "]";
-      }
-    }
+    add(spec, out, reference()[i]);
   }
   return result;
+}
+
+std::vector<std::int64_t> spread_rows(std::int64_t n, std::int64_t count, std::uint64_t seed) {
+  std::vector<std::int64_t> rows;
+  count = std::max<std::int64_t>(count, 2);
+  if (count >= n) {
+    for (std::int64_t r = 0; r < n; ++r) rows.push_back(r);
+    return rows;
+  }
+  rows.push_back(0);
+  // Strata of [1, n - 1): count - 2 < n - 2 of them, so none is empty.
+  std::mt19937_64 rng(seed);
+  const std::int64_t inner = n - 2, strata = count - 2;
+  for (std::int64_t s = 0; s < strata; ++s) {
+    const std::int64_t lo = 1 + s * inner / strata, hi = 1 + (s + 1) * inner / strata;
+    rows.push_back(std::uniform_int_distribution<std::int64_t>(lo, hi - 1)(rng));
+  }
+  rows.push_back(n - 1);
+  return rows;
 }
 
 }  // namespace trainscale::bench

@@ -6,7 +6,8 @@
 // fills its tensors, the host makes only the rows the reference needs). Small cases are checked
 // whole; large ones on a random sample of rows when their rows are independent, else on a prefix
 // problem: the first rows only, the implementation called on views of those rows. Compute-bound
-// cases that split into independent groups (attention heads) are checked on a run of groups.
+// cases that split into independent groups (attention heads) are checked on a run of groups;
+// those whose rows are coupled may bring their own fp64 check of sampled rows (SampledCheck).
 #pragma once
 
 #include <cstdint>
@@ -45,6 +46,7 @@ struct GateResult {
   double tolerance = 0;      // of the output with the worst rel_l2
   std::int64_t rows_checked = 0, rows_total = 0;
   RowCoverage coverage = RowCoverage::kAll;
+  std::string scope;  // kCaseSample: SamplePlan::scope
 };
 
 // When the gate checks part of a case's rows. Row-wise tensors are those with
@@ -57,10 +59,18 @@ struct GateLimits {
   // row-wise tensor, check the prefix problem with as many rows as keep each row-wise tensor
   // within it (at least one row). 2^26 elements: 512 MiB per float64 copy.
   std::int64_t prefix_elements = std::int64_t{1} << 26;
-  // Cases with independent groups (Case::groups): above this many FLOPs, check as many
-  // consecutive groups as stay within it (at least one). 2e10: seconds of fp64 on a few cores.
-  double group_flops = 2e10;
+  // Compute-bound cases above this many FLOPs do not run their fp64 reference whole: those with
+  // independent groups (Case::groups) check as many consecutive groups as stay within it (at
+  // least one), those with a Case::sampled_check spend about this many FLOPs on it. 2e10:
+  // seconds of fp64 on a few cores.
+  double reference_flops = 2e10;
 };
+
+// `count` (at least 2) distinct rows of [0, n), sorted: the first, the last, and one drawn from
+// each of count - 2 equal strata between them, so that the sample reaches every part of the rows
+// (every chunk a kernel splits them into, when there are at most count - 2). Every row when
+// count >= n.
+std::vector<std::int64_t> spread_rows(std::int64_t n, std::int64_t count, std::uint64_t seed);
 
 // Thrown by GateData::check when Ctrl-C came while the reference was computed.
 class GateInterrupted : public std::runtime_error {
@@ -78,6 +88,8 @@ class GateData {
   GateData(const Case& c, std::uint64_t seed, const GateLimits& limits = {});
 
   RowCoverage coverage() const { return coverage_; }
+  // kCaseSample: what the case's own check reads (nullopt otherwise).
+  const std::optional<SamplePlan>& sample_plan() const { return sample_plan_; }
   // The problem the gated call solves: the case, or its prefix problem (row-wise tensors cut to
   // the first rows; config dim 0 too when it is the row count). Implementations that plan for
   // a shape (baselines) are made for it to run the gated call.
@@ -98,10 +110,17 @@ class GateData {
   RowCoverage coverage_ = RowCoverage::kAll;
   std::vector<std::int64_t> sampled_rows_;  // sorted; kSample only
   std::int64_t first_group_ = 0, group_count_ = 0;  // kGroups only
+  std::optional<SamplePlan> sample_plan_;  // kCaseSample only
   std::int64_t rows_total_ = 0, rows_checked_ = 0;
-  struct Reference;  // computed on a worker thread, which owns it with this object
+  struct Job;        // host work on a worker thread that Ctrl-C abandons
+  struct Reference;  // computed by a Job, which owns it with this object
   const std::vector<std::vector<double>>& reference() const;
   mutable std::shared_ptr<Reference> reference_;
+  mutable std::shared_ptr<Job> reference_job_;
+  // kCaseSample: the case's check of the outputs in `views`, on a worker thread.
+  std::vector<SampledValues> sampled_values(const std::vector<TensorView>& views) const;
+  // What a failure message adds about the rows checked ("" when all were).
+  std::string coverage_note() const;
 };
 
 }  // namespace trainscale::bench

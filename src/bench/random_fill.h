@@ -31,6 +31,10 @@ struct RandomFill {
   std::uint64_t key = 0;  // the tensor's seed, hashed once
   double lo = -1.0, hi = 1.0;
   DType dtype = DType::kFloat32;
+  // Integers only: this share of the elements (drawn per index like the values) holds
+  // `special` instead, e.g. cross-entropy's ignore_index among the targets.
+  double special_share = 0.0;
+  std::int64_t special = 0;
 
   RandomFill() = default;
   RandomFill(std::uint64_t seed, double lo_, double hi_, DType dtype_)
@@ -54,6 +58,7 @@ TRAINSCALE_BENCH_HD inline float round_to_format(float v, int man_bits, int min_
 TRAINSCALE_BENCH_HD inline double random_value(const RandomFill& fill, std::int64_t index) {
   const std::uint64_t bits = splitmix64(fill.key + static_cast<std::uint64_t>(index) * 0x9E3779B97F4A7C15ull);
   if (fill.dtype == DType::kInt32 || fill.dtype == DType::kInt64) {
+    if (static_cast<double>(bits >> 40) * 0x1p-24 < fill.special_share) return static_cast<double>(fill.special);
     const auto lo = static_cast<std::int64_t>(fill.lo);
     const auto span = static_cast<std::uint64_t>(static_cast<std::int64_t>(fill.hi) - lo) + 1;
     return static_cast<double>(lo + static_cast<std::int64_t>(bits % span));

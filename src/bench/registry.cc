@@ -22,6 +22,17 @@ std::string Case::shape_str() const { return bench::shape_str(shape); }
 
 std::string Case::name() const { return op + " " + shape_str() + " " + dtype_name(dtype); }
 
+std::int64_t Case::scratch_bytes() const {
+  std::int64_t bytes = 0;
+  for (const TensorSpec& t : tensors) {
+    if (t.role != Role::kScratch) continue;
+    std::int64_t n = 1;
+    for (std::int64_t d : t.shape) n *= d;
+    bytes += n * static_cast<std::int64_t>(dtype_size(t.dtype));
+  }
+  return bytes;
+}
+
 TensorId Case::id(std::string_view name) const {
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     if (tensors[i].name == name) return {i};

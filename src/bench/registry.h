@@ -20,6 +20,7 @@
 #include <string_view>
 #include <vector>
 
+#include "bench/random_fill.h"
 #include "trainscale/tensor.h"
 
 namespace trainscale::bench {
@@ -44,6 +45,9 @@ struct TensorSpec {
   Role role = Role::kInput;
   // Random inputs are uniform in [lo, hi] (integers: every value in [lo, hi]).
   double lo = -1.0, hi = 1.0;
+  // Integer inputs: about this share of the elements holds `special` instead (RandomFill).
+  double special_share = 0.0;
+  std::int64_t special = 0;
   // dtype of this tensor in the reference call; unset: float64 for floating dtypes, unchanged
   // otherwise. Set it where the reference insists (float32 statistics, exact fp8 codes).
   std::optional<DType> reference_dtype;
@@ -104,6 +108,41 @@ struct Implementation {
   bool capturable = true;
 };
 
+// Rows of one output that a case's own check (SampledCheck) reads back from the gated call.
+struct OutputRead {
+  TensorId output;
+  std::vector<std::int64_t> rows;  // indices along dim 0; empty: the whole tensor
+};
+
+// What a case's own check reads, and what the reports say it covers.
+struct SamplePlan {
+  std::vector<OutputRead> reads;
+  std::int64_t rows_checked = 0, rows_total = 0;  // of the problem's rows (tokens, ...)
+  std::string scope;  // which rows of which outputs are checked, and how, in words
+};
+
+// Values of one output from the implementation next to their fp64 reference; the gate compares
+// them at the output's tolerance.
+struct SampledValues {
+  TensorId output;
+  std::vector<double> out, ref;
+};
+
+// The gate of a compute-bound case whose whole fp64 reference would take minutes on the host
+// and whose rows are coupled (a weight gradient sums over all of them), so that neither a row
+// sample nor a prefix problem is the same computation: the case checks sampled rows of the full
+// call its own way, in fp64 from the inputs' fills and what it reads back.
+struct SampledCheck {
+  // The rows to read, chosen from `seed` for about `flops` FLOPs of host work. `fills` (one per
+  // tensor, in Case::tensors' order) say what every input holds.
+  std::function<SamplePlan(std::uint64_t seed, double flops, std::span<const RandomFill> fills)> plan;
+  // The checked values and their references, from what was read (in plan.reads' order) and the
+  // inputs' fills. Runs on the gate's worker thread.
+  std::function<std::vector<SampledValues>(const SamplePlan& plan, std::span<const RandomFill> fills,
+                                           const std::vector<std::vector<double>>& read)>
+      check;
+};
+
 struct Case {
   std::string op;      // "rmsnorm_forward"
   std::string family;  // "norm"
@@ -128,6 +167,8 @@ struct Case {
   // g of the outputs depends only on group g of the inputs. The gate then checks a run of
   // consecutive groups. 0: no groups.
   std::int64_t groups = 0;
+  // Replaces `reference` above GateLimits::reference_flops (see SampledCheck).
+  std::optional<SampledCheck> sampled_check;
 
   // The tensor this case declares as `name`; throws std::logic_error, naming the case's tensors,
   // for a name it does not declare.
@@ -142,6 +183,7 @@ struct Case {
 
   std::string shape_str() const;  // "32768x4096"
   std::string name() const;       // "rmsnorm_forward 32768x4096 bfloat16"
+  std::int64_t scratch_bytes() const;  // of its Role::kScratch tensors
 };
 
 // Builds an op's case for one config; throws Unsupported for a shape or dtype it lacks.
@@ -164,7 +206,7 @@ struct Config {
 
 // The suites of docs/contract.md; configs may only be added to these.
 inline constexpr const char* kSuiteNames[] = {"smoke", "quack",     "quack-m", "dsv3",
-                                              "llama", "attention", "sweep"};
+                                              "llama", "attention", "flce",    "sweep"};
 
 class Registry {
  public:

@@ -59,6 +59,31 @@ std::vector<std::string> prefix_gate_notes(const std::vector<const Row*>& rows) 
   return notes;
 }
 
+std::vector<std::string> case_sample_notes(const std::vector<const Row*>& rows) {
+  std::vector<std::string> notes;
+  std::vector<std::string> cases;
+  for (const Row* r : rows) {
+    if (r->rows_coverage != RowCoverage::kCaseSample) continue;
+    if (std::find(cases.begin(), cases.end(), r->case_name) != cases.end()) continue;
+    cases.push_back(r->case_name);
+    notes.push_back(r->case_name + ": " + r->gate_scope);
+  }
+  return notes;
+}
+
+std::string format_extra_memory(const Pairing& p) {
+  const auto cell = [](const Row* r) {
+    return r && r->status != Status::kUnsupported ? format_bytes(static_cast<double>(r->extra_memory_bytes)) : "-";
+  };
+  return p.base ? cell(p.ours) + " / " + cell(p.base) : cell(p.ours);
+}
+
+bool any_extra_memory(const std::vector<Pairing>& pairings) {
+  return std::any_of(pairings.begin(), pairings.end(), [](const Pairing& p) {
+    return (p.ours && p.ours->extra_memory_bytes > 0) || (p.base && p.base->extra_memory_bytes > 0);
+  });
+}
+
 std::string format_fixed(double v, int decimals) {
   char buf[64];
   std::snprintf(buf, sizeof buf, "%.*f", decimals, v);

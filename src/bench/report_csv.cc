@@ -30,7 +30,8 @@ std::vector<std::string> csv_values(const Row& r) {
           number(r.ms.rel_noise), number(r.bytes), number(r.flops), bound_name(r.bound), number(r.gbps),
           number(r.tflops), r.pct_roofline ? number(*r.pct_roofline) : "", number(r.rel_l2), number(r.max_abs_err),
           number(r.tolerance), std::to_string(r.rows_checked), std::to_string(r.rows_total),
-          coverage_name(r.rows_coverage), std::to_string(r.peak_memory_bytes), r.timer, std::to_string(r.batch),
+          coverage_name(r.rows_coverage), r.gate_scope, std::to_string(r.peak_memory_bytes),
+          std::to_string(r.extra_memory_bytes), r.timer, std::to_string(r.batch),
           r.cold ? "true" : "false", number(r.sm_mhz_min), number(r.sm_mhz_max), std::to_string(r.throttle_retakes),
           r.throttled ? "true" : "false", r.message};
 }
@@ -41,7 +42,7 @@ std::vector<std::string> csv_columns() {
   return {"case", "op", "family", "shape", "dtype", "impl", "baseline", "device", "status", "median_ms", "mean_ms",
           "std_ms", "min_ms", "max_ms", "p5_ms", "p95_ms", "p99_ms", "samples", "rel_noise", "bytes", "flops", "bound",
           "gbps", "tflops", "pct_roofline", "rel_l2", "max_abs_err", "tolerance", "rows_checked", "rows_total",
-          "gate_rows", "peak_memory_bytes", "timer",
+          "gate_rows", "gate_scope", "peak_memory_bytes", "extra_memory_bytes", "timer",
           "batch", "cold", "sm_mhz_min", "sm_mhz_max", "throttle_retakes", "throttled", "message"};
 }
 

@@ -159,8 +159,10 @@ json to_json(const Row& r) {
                     {"tolerance", r.tolerance},
                     {"rows_checked", r.rows_checked},
                     {"rows_total", r.rows_total},
-                    {"rows", coverage_name(r.rows_coverage)}}},
+                    {"rows", coverage_name(r.rows_coverage)},
+                    {"scope", r.gate_scope}}},
           {"peak_memory_bytes", r.peak_memory_bytes},
+          {"extra_memory_bytes", r.extra_memory_bytes},
           {"clocks", {{"sm_mhz_min", r.sm_mhz_min},
                       {"sm_mhz_max", r.sm_mhz_max},
                       {"throttle_retakes", r.throttle_retakes},
@@ -201,7 +203,9 @@ Row row_from_json(const json& j) {
   r.rows_checked = gate.value("rows_checked", std::int64_t{0});
   r.rows_total = gate.value("rows_total", std::int64_t{0});
   r.rows_coverage = parse_coverage(gate.value("rows", "all")).value_or(RowCoverage::kAll);
+  r.gate_scope = gate.value("scope", "");
   r.peak_memory_bytes = j.value("peak_memory_bytes", std::int64_t{0});
+  r.extra_memory_bytes = j.value("extra_memory_bytes", std::int64_t{0});
   const json clocks = j.value("clocks", json::object());
   r.sm_mhz_min = number(clocks, "sm_mhz_min");
   r.sm_mhz_max = number(clocks, "sm_mhz_max");

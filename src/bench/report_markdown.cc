@@ -75,14 +75,20 @@ void write_op_tables(std::ostream& out, const std::vector<Pairing>& pairings, bo
     if (std::find(ops.begin(), ops.end(), any.op) == ops.end()) ops.push_back(any.op);
   }
   for (const std::string& op : ops) {
+    std::vector<Pairing> of_op;
+    for (const Pairing& p : pairings) {
+      if ((p.ours ? *p.ours : *p.base).op == op) of_op.push_back(p);
+    }
+    const bool extra_memory = any_extra_memory(of_op);
     out << "## " << op << "\n\n";
     out << (with_run_column ? "| Run " : "")
         << "| Shape | dtype | Ours | Ours (ms) | Base | Base (ms) | Speedup | Metric | Ours | Base | % roofline | "
-           "Noise (samples) |\n"
-        << (with_run_column ? "|---" : "") << "|---|---|---|---:|---|---:|---:|---|---:|---:|---:|---:|\n";
-    for (const Pairing& p : pairings) {
+           "Noise (samples) |"
+        << (extra_memory ? " Extra memory |" : "") << "\n"
+        << (with_run_column ? "|---" : "") << "|---|---|---|---:|---|---:|---:|---|---:|---:|---:|---:|"
+        << (extra_memory ? "---:|" : "") << "\n";
+    for (const Pairing& p : of_op) {
       const Row& any = p.ours ? *p.ours : *p.base;
-      if (any.op != op) continue;
       const double speedup = p.speedup();
       if (with_run_column) out << "| " << run_of_row.at(&any) << " ";
       out << "| " << any.shape << " | " << any.dtype << " | " << (p.ours ? p.ours->impl : "-") << " | "
@@ -90,9 +96,12 @@ void write_op_tables(std::ostream& out, const std::vector<Pairing>& pairings, bo
           << (speedup > 0 ? format_fixed(speedup, 2) + "x" : "-") << " | " << metric_unit(any) << " | "
           << format_metric(p.ours) << " | " << format_metric(p.base) << " | "
           << (p.ours && p.ours->pct_roofline ? format_fixed(*p.ours->pct_roofline, 1) + "%" : "-") << " | "
-          << noise_cell(p.ours) << " |\n";
+          << noise_cell(p.ours) << " |";
+      if (extra_memory) out << ' ' << format_extra_memory(p) << " |";
+      out << '\n';
     }
     out << '\n';
+    if (extra_memory) out << "Extra memory: beyond inputs and outputs (workspace), ours / baseline.\n\n";
   }
 }
 
@@ -112,6 +121,13 @@ void write_problems(std::ostream& out, const std::vector<const Row*>& rows, cons
     out << "## Gated on a prefix problem\n\nRows coupled and too large for a full fp64 reference: the gate ran the "
            "first rows only (docs/benchmarking.md).\n\n";
     for (const std::string& note : prefix_notes) out << "- " << note << '\n';
+    out << '\n';
+  }
+  const std::vector<std::string> sample_notes = case_sample_notes(rows);
+  if (!sample_notes.empty()) {
+    out << "## Gated on sampled rows\n\nRows coupled and too large for a full fp64 reference: the case's own fp64 "
+           "check of sampled rows of the full call (docs/benchmarking.md).\n\n";
+    for (const std::string& note : sample_notes) out << "- " << note << '\n';
     out << '\n';
   }
   if (skipped.empty()) return;

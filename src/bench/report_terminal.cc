@@ -94,8 +94,11 @@ std::vector<std::string> summary_lines(const RunResult& result) {
 }
 
 void write_terminal_table(std::ostream& out, const RunResult& result) {
+  const std::vector<Pairing> pairings = pair_rows(result.rows);
+  const bool extra_memory = any_extra_memory(pairings);
   std::vector<Cells> lines = {{"Kernel", "Ours (ms)", "Base (ms)", "Speedup", "Metric", "Ours", "Base", "% roofline"}};
-  for (const Pairing& p : pair_rows(result.rows)) {
+  if (extra_memory) lines[0].push_back("Extra memory");
+  for (const Pairing& p : pairings) {
     const Row& any = p.ours ? *p.ours : *p.base;
     std::string kernel = any.case_name;
     if (p.ours) kernel += " [" + p.ours->impl + "]";
@@ -106,14 +109,19 @@ void write_terminal_table(std::ostream& out, const RunResult& result) {
                      speedup > 0 ? format_fixed(speedup, 2) + "x" : "-", metric_unit(any), format_metric(p.ours),
                      format_metric(p.base),
                      ours_timed && ours_timed->pct_roofline ? format_fixed(*ours_timed->pct_roofline, 1) + "%" : "-"});
+    if (extra_memory) lines.back().push_back(format_extra_memory(p));
   }
   write_aligned(out, lines);
+  if (extra_memory) out << "Extra memory: beyond inputs and outputs (workspace), ours / baseline\n";
 
   std::vector<const Row*> rows;
   for (const Row& r : result.rows) rows.push_back(&r);
   const std::vector<std::string> prefix_notes = prefix_gate_notes(rows);
   if (!prefix_notes.empty()) out << "\nGated on a prefix problem (rows coupled, too large for a full fp64 reference):\n";
   for (const std::string& note : prefix_notes) out << "  " << note << '\n';
+  const std::vector<std::string> sample_notes = case_sample_notes(rows);
+  if (!sample_notes.empty()) out << "\nGated on sampled rows by the case's own fp64 check (rows coupled, too large for a full fp64 reference):\n";
+  for (const std::string& note : sample_notes) out << "  " << note << '\n';
 
   bool header = false;
   for (const Row& r : result.rows) {

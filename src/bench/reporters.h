@@ -32,6 +32,14 @@ std::string format_bytes(double bytes);  // "1.5 GiB"
 // One line per case whose gate solved a prefix problem (its rows are coupled, so no sample):
 // "<case>: gated on the first M' of M rows (timed on all)".
 std::vector<std::string> prefix_gate_notes(const std::vector<const Row*>& rows);
+// One line per case gated by its own check of sampled rows: "<case>: <Row::gate_scope>".
+std::vector<std::string> case_sample_notes(const std::vector<const Row*>& rows);
+
+// Memory beyond inputs and outputs (Row::extra_memory_bytes) of a pairing: "544.0 MiB", or
+// "544.0 MiB / 2.0 GiB" with a baseline, "-" for a row that was not run.
+std::string format_extra_memory(const Pairing& p);
+// Whether any row has memory beyond its inputs and outputs (reports then show the column).
+bool any_extra_memory(const std::vector<Pairing>& pairings);
 
 // A plain-text table: first line the header (underlined), first column left-aligned, the
 // others right-aligned, " | " between columns.

@@ -17,6 +17,7 @@ constexpr std::pair<RowCoverage, const char*> kCoverageNames[] = {
     {RowCoverage::kSample, "sample"},
     {RowCoverage::kPrefix, "prefix"},
     {RowCoverage::kGroups, "groups"},
+    {RowCoverage::kCaseSample, "case-sample"},
 };
 }  // namespace
 

@@ -26,8 +26,10 @@ enum class RowCoverage {
   kSample,  // a random sample of rows (rows independent), among all rows computed
   kPrefix,  // rows coupled: the gated call solved the problem made of the first rows only
   kGroups,  // compute-bound: a run of consecutive independent groups (attention: kv heads)
+  kCaseSample,  // compute-bound, rows coupled: the case's own fp64 check of sampled rows of the
+                // full call (SampledCheck); Row::gate_scope says which
 };
-const char* coverage_name(RowCoverage coverage);  // "all", "sample", "prefix", "groups"
+const char* coverage_name(RowCoverage coverage);  // "all", "sample", "prefix", "groups", "case-sample"
 std::optional<RowCoverage> parse_coverage(const std::string& name);
 
 struct Row {
@@ -57,9 +59,13 @@ struct Row {
   double rel_l2 = 0, max_abs_err = 0, tolerance = 0;
   std::int64_t rows_checked = 0, rows_total = 0;
   RowCoverage rows_coverage = RowCoverage::kAll;
+  std::string gate_scope;  // kCaseSample: which rows of which outputs were checked
 
   // Outputs + workspace + device memory the implementation kept after its first call.
   std::int64_t peak_memory_bytes = 0;
+  // The part of it beyond inputs and outputs: the case's scratch tensors, the workspace the
+  // implementation declares and the device memory it kept after its first call.
+  std::int64_t extra_memory_bytes = 0;
 
   // Clocks and throttling while sampling
   double sm_mhz_min = 0, sm_mhz_max = 0;

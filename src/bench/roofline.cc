@@ -40,14 +40,6 @@ constexpr std::int64_t kStreamBytes = 2ll << 30;  // per buffer
 constexpr std::int64_t kGemmN = 8192;
 constexpr int kGemmCheckedElements = 64;
 
-struct DeviceBuffer {
-  void* data = nullptr;
-  explicit DeviceBuffer(std::size_t bytes) { cuda_check(cudaMalloc(&data, bytes), "cudaMalloc (roofline)"); }
-  ~DeviceBuffer() { cudaFree(data); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-};
-
 double median_ms(GpuContext& gpu, const TimingOptions& timing, const std::function<void(cudaStream_t)>& launch) {
   TimingOptions plain = timing;
   plain.flush_l2 = false;  // the buffers dwarf the L2
@@ -95,7 +87,8 @@ Roofline measure(const Environment& env, const TimingOptions& timing) {
   // Two buffers of 2 GiB, or what fits when the device is smaller.
   const std::int64_t buffer = std::min(kStreamBytes, gpu.free_memory() / 3 / 16 * 16);
   {
-    DeviceBuffer src(buffer), dst(buffer), sink(16);
+    const char* what = "cudaMalloc (roofline)";
+    DeviceBuffer src(buffer, what), dst(buffer, what), sink(16, what);
     cuda_check(cudaMemset(src.data, 1, buffer), "cudaMemset (roofline)");
     // The faster of our 16-byte copy kernel and the driver's device-to-device copy: a ceiling
     // set by one copy kernel alone sat up to 1 % under the best memory-bound kernels.
@@ -121,8 +114,9 @@ Roofline measure(const Environment& env, const TimingOptions& timing) {
   }
 
   const std::int64_t n = kGemmN;
-  const std::size_t bytes = static_cast<std::size_t>(n * n * 2);
-  DeviceBuffer a(bytes), b(bytes), d(bytes);
+  const std::int64_t bytes = n * n * 2;
+  const char* what = "cudaMalloc (roofline GEMM)";
+  DeviceBuffer a(bytes, what), b(bytes, what), d(bytes, what);
   launch_fill_random(a.data, n * n, RandomFill(1, -1.0, 1.0, DType::kBFloat16), gpu.stream());
   launch_fill_random(b.data, n * n, RandomFill(2, -1.0, 1.0, DType::kBFloat16), gpu.stream());
   CublasLtGemm gemm(n, n, n);

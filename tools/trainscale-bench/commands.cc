@@ -89,14 +89,15 @@ Selection make_selection(const Registry& registry, const RunArgs& args) {
 }
 
 int list_cases(const Registry& registry, const Selection& selection) {
-  std::vector<Cells> lines = {{"Case", "Family", "Bound", "Bytes", "FLOPs"}};
+  std::vector<Cells> lines = {{"Case", "Family", "Bound", "Bytes", "FLOPs", "Scratch"}};
   for (const Config& config : select_configs(registry, selection)) {
     try {
       const Case c = registry.find_op(config.op)->make(config.shape, config.dtype);
-      lines.push_back({c.name(), c.family, bound_name(c.bound), format_bytes(c.bytes), format_fixed(c.flops / 1e9, 3) + " G"});
+      lines.push_back({c.name(), c.family, bound_name(c.bound), format_bytes(c.bytes), format_fixed(c.flops / 1e9, 3) + " G",
+                       format_bytes(static_cast<double>(c.scratch_bytes()))});
     } catch (const std::exception& e) {
       lines.push_back({config.op + " " + shape_str(config.shape) + " " + dtype_name(config.dtype), "-", "-", "-",
-                       std::string("not buildable: ") + e.what()});
+                       std::string("not buildable: ") + e.what(), "-"});
     }
   }
   write_aligned(std::cout, lines);

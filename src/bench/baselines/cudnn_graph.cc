@@ -176,19 +176,6 @@ std::shared_ptr<const BuiltGraph> cached_graph(const std::string& key, const Des
   return graphs.emplace(device_key, std::move(built)).first->second;
 }
 
-// Device memory owned by one implementation (its workspace).
-struct DeviceBuffer {
-  void* data = nullptr;
-  explicit DeviceBuffer(std::int64_t bytes) {
-    if (bytes > 0) cuda_check(cudaMalloc(&data, static_cast<std::size_t>(bytes)), "cudaMalloc (cuDNN workspace)");
-  }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer() {
-    if (data) cudaFree(data);
-  }
-};
-
 }  // namespace
 
 std::optional<fe::DataType_t> io_type(DType dtype) {
@@ -228,7 +215,7 @@ Implementation graph_baseline(const Case& c, std::vector<Binding> bindings, cons
   try {
     const cudnnHandle_t handle = handle_for_current_device();
     auto graph = cached_graph(c.name() + "/" + params, describe, handle);
-    auto workspace = std::make_shared<DeviceBuffer>(graph->workspace_bytes);
+    auto workspace = std::make_shared<DeviceBuffer>(graph->workspace_bytes, "cudaMalloc (cuDNN workspace)");
     Implementation impl;
     impl.workspace_bytes = graph->workspace_bytes;
     impl.run = [graph, workspace, handle, bound = std::move(bound)](CaseTensors t, cudaStream_t stream) {
