@@ -239,7 +239,7 @@ def test_cuda_matches_cpu(dtype):
             upstream = torch.rand(t if reduction == "none" else ()) + 0.5
             outs = {}
             for device in ("cuda", "cpu"):
-                leaves = [x.to(device).requires_grad_() for x in (hidden, weight, b)]
+                leaves = [x.detach().to(device).requires_grad_() for x in (hidden, weight, b)]
                 loss = ts.linear_cross_entropy(*leaves[:2], target.to(device), leaves[2], reduction=reduction,
                                                chunk_tokens=64, **options)
                 loss.backward(upstream.to(device))
