@@ -231,7 +231,10 @@ def test_cuda_matches_cpu(dtype):
     t, h, v = 200, 64, 1000
     hidden, weight, b = torch.randn(t, h) * 0.5, torch.randn(v, h) * 0.2, torch.randn(v)
     hidden, weight, b = (x.to(dtype) for x in (hidden, weight, b))
-    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
+    # The project's tolerances (docs/contract.md): relative L2 error per tensor. The logits are
+    # rounded to the inputs' dtype between the GEMM and the loss, so single elements of a
+    # bf16 gradient may differ by more than the rounding of their own value.
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
     for options in OPTIONS:
         target = torch.randint(0, v, (t,))
         target[::7] = options.get("ignore_index", -100)
@@ -245,7 +248,11 @@ def test_cuda_matches_cpu(dtype):
                 loss.backward(upstream.to(device))
                 outs[device] = [loss.detach()] + [x.grad for x in leaves]
             for got, want in zip(outs["cuda"], outs["cpu"]):
-                torch.testing.assert_close(got.cpu().double(), want.double(), **tol)
+                got, want = got.cpu().double(), want.double()
+                assert torch.equal(got.isnan(), want.isnan())
+                finite = ~want.isnan()
+                err = ((got[finite] - want[finite]).norm() / want[finite].norm().clamp_min(1e-30)).item()
+                assert err <= tol, (options, reduction, err)
 
 
 @cuda
