@@ -111,7 +111,11 @@ def _flce_backward(ctx, dloss, *_):
     # them again: an eager backward that frees its graph. Traced (torch.compile, a functional
     # graph: tensor subclasses here) or with retain_graph, a scaled copy.
     in_place = type(dloss) is torch.Tensor and not _keeps_graph()
-    grads = [(g.mul_(dloss) if in_place else g * dloss) if w and have else None
+    # An upstream gradient of exactly 1 (loss.backward() of a mean or a sum) leaves them as they
+    # are: one host sync saves a pass over every gradient (grad_weight: V x H, 0.7 ms at Llama-3
+    # 8B's head). Not while a CUDA graph is being captured, where a sync is not allowed.
+    unit = in_place and not (dloss.is_cuda and torch.cuda.is_current_stream_capturing()) and bool(dloss.eq(1).all())
+    grads = [(g if unit else g.mul_(dloss) if in_place else g * dloss) if w and have else None
              for g, w, have in zip(saved, wanted, ctx.with_grads)]
     missing = [w and g is None for w, g in zip(wanted, grads)]
     if any(missing):

@@ -35,9 +35,10 @@ inline constexpr std::size_t kGemmWorkspaceBytes = std::size_t{32} << 20;
 std::int64_t default_chunk_tokens(std::int64_t tokens, std::int64_t classes, std::size_t elem_bytes);
 
 // Expects validated arguments (shapes read from hidden, weight and the outputs given). With
-// chunk_tokens 0: default_chunk_tokens, or every token in one chunk when grad_weight is summed
-// in float32 and holding every token's logits takes no more memory than a chunk and the
-// float32 buffer (T <= 2H at bf16 plus a chunk, e.g. Llama-3 8B's head at T 8192).
+// chunk_tokens 0: default_chunk_tokens, except when grad_weight is summed in a float32 buffer:
+// then chunks of as many logits bytes as that buffer (4 H / e tokens: fewer passes over it),
+// or every token in one chunk when holding all logits takes no more memory than a chunk and
+// the buffer (e.g. Llama-3 8B's head at T 8192).
 FusedLinearPlan plan_fused_linear(const FusedLinearCrossEntropyArgs& args,
                                   const CrossEntropyOptions& options);
 
