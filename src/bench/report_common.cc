@@ -46,27 +46,17 @@ std::vector<Pairing> pair_rows(const std::vector<Row>& rows) {
   return pairings;
 }
 
-std::vector<std::string> prefix_gate_notes(const std::vector<const Row*>& rows) {
+std::vector<std::string> gate_notes(const std::vector<const Row*>& rows, RowCoverage coverage) {
   std::vector<std::string> notes;
   std::vector<std::string> cases;
   for (const Row* r : rows) {
-    if (r->rows_coverage != RowCoverage::kPrefix) continue;
+    if (r->rows_coverage != coverage) continue;
     if (std::find(cases.begin(), cases.end(), r->case_name) != cases.end()) continue;
     cases.push_back(r->case_name);
-    notes.push_back(r->case_name + ": gated on the first " + std::to_string(r->rows_checked) + " of " +
-                    std::to_string(r->rows_total) + " rows (timed on all)");
-  }
-  return notes;
-}
-
-std::vector<std::string> case_sample_notes(const std::vector<const Row*>& rows) {
-  std::vector<std::string> notes;
-  std::vector<std::string> cases;
-  for (const Row* r : rows) {
-    if (r->rows_coverage != RowCoverage::kCaseSample) continue;
-    if (std::find(cases.begin(), cases.end(), r->case_name) != cases.end()) continue;
-    cases.push_back(r->case_name);
-    notes.push_back(r->case_name + ": " + r->gate_scope);
+    notes.push_back(coverage == RowCoverage::kPrefix
+                        ? r->case_name + ": gated on the first " + std::to_string(r->rows_checked) + " of " +
+                              std::to_string(r->rows_total) + " rows (timed on all)"
+                        : r->case_name + ": " + r->gate_scope);
   }
   return notes;
 }

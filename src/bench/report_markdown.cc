@@ -116,20 +116,17 @@ void write_problems(std::ostream& out, const std::vector<const Row*>& rows, cons
     out << "| " << r->case_name << " | " << r->impl << " | " << format_ms(r) << " | " << message << " |\n";
   }
   if (header) out << '\n';
-  const std::vector<std::string> prefix_notes = prefix_gate_notes(rows);
-  if (!prefix_notes.empty()) {
-    out << "## Gated on a prefix problem\n\nRows coupled and too large for a full fp64 reference: the gate ran the "
-           "first rows only (docs/benchmarking.md).\n\n";
-    for (const std::string& note : prefix_notes) out << "- " << note << '\n';
+  const auto gate_section = [&](RowCoverage coverage, const char* title, const char* how) {
+    const std::vector<std::string> notes = gate_notes(rows, coverage);
+    if (notes.empty()) return;
+    out << "## " << title << "\n\nRows coupled and too large for a full fp64 reference: " << how
+        << " (docs/benchmarking.md).\n\n";
+    for (const std::string& note : notes) out << "- " << note << '\n';
     out << '\n';
-  }
-  const std::vector<std::string> sample_notes = case_sample_notes(rows);
-  if (!sample_notes.empty()) {
-    out << "## Gated on sampled rows\n\nRows coupled and too large for a full fp64 reference: the case's own fp64 "
-           "check of sampled rows of the full call (docs/benchmarking.md).\n\n";
-    for (const std::string& note : sample_notes) out << "- " << note << '\n';
-    out << '\n';
-  }
+  };
+  gate_section(RowCoverage::kPrefix, "Gated on a prefix problem", "the gate ran the first rows only");
+  gate_section(RowCoverage::kCaseSample, "Gated on sampled rows",
+               "the case's own fp64 check of sampled rows of the full call");
   if (skipped.empty()) return;
   out << "## Skipped cases\n\n| Case | Reason |\n|---|---|\n";
   for (const SkippedCase& s : skipped) out << "| " << s.case_name << " | " << s.reason << " |\n";

@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <map>
 #include <ostream>
+#include <utility>
 
 #include "bench/engine.h"
 #include "bench/reporters.h"
@@ -116,12 +117,12 @@ void write_terminal_table(std::ostream& out, const RunResult& result) {
 
   std::vector<const Row*> rows;
   for (const Row& r : result.rows) rows.push_back(&r);
-  const std::vector<std::string> prefix_notes = prefix_gate_notes(rows);
-  if (!prefix_notes.empty()) out << "\nGated on a prefix problem (rows coupled, too large for a full fp64 reference):\n";
-  for (const std::string& note : prefix_notes) out << "  " << note << '\n';
-  const std::vector<std::string> sample_notes = case_sample_notes(rows);
-  if (!sample_notes.empty()) out << "\nGated on sampled rows by the case's own fp64 check (rows coupled, too large for a full fp64 reference):\n";
-  for (const std::string& note : sample_notes) out << "  " << note << '\n';
+  for (const auto& [coverage, title] : {std::pair{RowCoverage::kPrefix, "Gated on a prefix problem"},
+                                        std::pair{RowCoverage::kCaseSample, "Gated on sampled rows by the case's own fp64 check"}}) {
+    const std::vector<std::string> notes = gate_notes(rows, coverage);
+    if (!notes.empty()) out << '\n' << title << " (rows coupled, too large for a full fp64 reference):\n";
+    for (const std::string& note : notes) out << "  " << note << '\n';
+  }
 
   bool header = false;
   for (const Row& r : result.rows) {

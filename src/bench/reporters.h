@@ -29,11 +29,10 @@ std::string metric_unit(const Row& row);     // "GB/s" or "TFLOP/s"
 std::string format_fixed(double v, int decimals);
 std::string format_bytes(double bytes);  // "1.5 GiB"
 
-// One line per case whose gate solved a prefix problem (its rows are coupled, so no sample):
-// "<case>: gated on the first M' of M rows (timed on all)".
-std::vector<std::string> prefix_gate_notes(const std::vector<const Row*>& rows);
-// One line per case gated by its own check of sampled rows: "<case>: <Row::gate_scope>".
-std::vector<std::string> case_sample_notes(const std::vector<const Row*>& rows);
+// One line per case whose gate had this coverage, in the order cases appear. kPrefix (rows
+// coupled, so no sample): "<case>: gated on the first M' of M rows (timed on all)"; kCaseSample
+// (the case's own check of sampled rows): "<case>: <Row::gate_scope>".
+std::vector<std::string> gate_notes(const std::vector<const Row*>& rows, RowCoverage coverage);
 
 // Memory beyond inputs and outputs (Row::extra_memory_bytes) of a pairing: "544.0 MiB", or
 // "544.0 MiB / 2.0 GiB" with a baseline, "-" for a row that was not run.
