@@ -67,8 +67,10 @@ void cross_entropy_backward(const TensorView& grad_loss, const TensorView& logit
 //     dtypes of their inputs, computed in the same call.
 //   workspace (CUDA only): at least fused_linear_cross_entropy_workspace_bytes(args, options)
 //     bytes, 256-byte aligned; the call owns it until the stream reaches its end.
-//   chunk_tokens: tokens per chunk, 0 = chosen from the shape (at most kFusedLinearChunkBytes
-//     of logits live). Results do not depend on it except through grad_weight's accumulation.
+//   chunk_tokens: tokens per chunk, 0 = chosen from the shape: at most kFusedLinearChunkBytes
+//     of logits live, or, with the float32 grad_weight buffer below, up to as many bytes as
+//     that buffer (or every token when that takes no more memory). Results do not depend on
+//     it except through the GEMMs' accumulation order and grad_weight's per-chunk rounding.
 //   grad_weight_accumulation: kFloat32 sums the chunks' contributions to grad_weight (and
 //     grad_bias) in float32 and rounds once at the end (a [V, H] float32 buffer in the workspace
 //     when there is more than one chunk and the weight is not float32); the weight's own dtype
