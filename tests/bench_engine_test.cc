@@ -67,7 +67,10 @@ Case doubling_case(std::span<const std::int64_t> shape, DType dtype, double scal
     apply(t, 2.0 * scale);
   };
   c.reference = [=](CaseTensors t) {
-    EXPECT_EQ(t[in].dtype, DType::kFloat64);  // float64 copies of the inputs
+    // float64 copies of the inputs. The reference runs on the gate's worker thread, which may
+    // outlive the test (an abandoned reference): a throw fails the gate, where a gtest assertion
+    // there would report into whichever test runs then.
+    if (t[in].dtype != DType::kFloat64) throw std::logic_error("the reference was given non-float64 inputs");
     apply(t, 2.0);
   };
   return c;
@@ -385,7 +388,8 @@ TEST(BenchGate, LargeRowWiseCasesAreSampled) {
 TEST(BenchGate, SampledGateCatchesAWrongImplementation) {
   const GateLimits limits{.full_check_elements = 64, .sampled_rows = 5};
   const std::int64_t shape[] = {40, 16};
-  const GateData gate(doubling_case(shape, DType::kFloat32, 1.0, false), 3, limits);
+  const Case c = doubling_case(shape, DType::kFloat32, 1.0, false);
+  const GateData gate(c, 3, limits);
   ASSERT_EQ(gate.coverage(), RowCoverage::kSample);
   const Case wrong = doubling_case(shape, DType::kFloat32, 1.03, false);
   const GateResult r = gate_on_cpu(wrong, gate, wrong.entry);

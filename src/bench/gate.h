@@ -86,6 +86,8 @@ bool abandoned_references_running();
 class GateData {
  public:
   GateData(const Case& c, std::uint64_t seed, const GateLimits& limits = {});
+  // It keeps a reference to the case: a temporary would dangle.
+  GateData(Case&& c, std::uint64_t seed, const GateLimits& limits = {}) = delete;
 
   RowCoverage coverage() const { return coverage_; }
   // kCaseSample: what the case's own check reads (nullopt otherwise).
