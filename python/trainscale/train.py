@@ -5,7 +5,7 @@ memory per step (terminal, JSONL, Weights & Biases when importable).
 
     python -m trainscale.train --preset tiny --steps 20                    # CPU, seconds
     torchrun --nproc-per-node 8 -m trainscale.train --preset llama3-8b-4layers \\
-        --impl trainscale --parallel fsdp2 --seq-len 8192 --log ts.jsonl
+        --impl trainscale --parallel fsdp2 --seq-len 8192 --jsonl ts.jsonl
     python -m trainscale.train --plot runs.png eager.jsonl trainscale.jsonl
 
 Model FLOPs per trained token (forward + backward, no recomputation counted, so MFU and not
@@ -58,7 +58,7 @@ class Dist:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m trainscale.train", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--impl", choices=IMPLS, default="eager",
                    help="eager: transformers as is; compile: torch.compile(model); liger: Liger-Kernel's "
@@ -92,7 +92,7 @@ def parse_args(argv=None):
                    help="the peak for MFU (default: H100 SXM bf16 dense, 989)")
     p.add_argument("--measured-peak-tflops", type=float,
                    help="a measured peak (e.g. a bf16 GEMM's TFLOP/s); adds mfu_measured")
-    p.add_argument("--log", help="JSONL file: one run record, one record per step, one summary")
+    p.add_argument("--jsonl", help="JSONL file: one run record, one record per step, one summary")
     p.add_argument("--no-wandb", action="store_true", help="no Weights & Biases logging even if importable")
     p.add_argument("--quiet", action="store_true", help="no per-step progress line")
     p.add_argument("--plot", metavar="PNG", help="plot the JSONL logs given as arguments into PNG and exit")
@@ -361,7 +361,7 @@ def _train(args, d: Dist) -> dict:
            "params": n_params, "model_flops_per_token": flops_per_token, "lr": args.lr, "seed": args.seed,
            "checkpointing": args.checkpointing, "peak_tflops": args.peak_tflops,
            "measured_peak_tflops": args.measured_peak_tflops, "torch": torch.__version__}
-    log = Log(args.log, not args.no_wandb, run) if d.main else None
+    log = Log(args.jsonl, not args.no_wandb, run) if d.main else None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
