@@ -343,7 +343,12 @@ def _train(args, d: Dist) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     model = apply_impl(model, args.impl, verbose=d.main and not args.quiet)
     if args.checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers 5 renamed gradient_checkpointing_enable (deprecated) to activation_checkpointing_enable.
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     model = wrap_parallel(model, args, d, device)
     params = [p for p in model.parameters() if p.requires_grad]
