@@ -1,0 +1,174 @@
+"""python -m trainscale.train on the CPU: the tiny preset learns the standard-library corpus, runs
+are reproducible, --impl trainscale follows eager, gradient accumulation and 2-process gloo
+runs (DDP, FSDP2) train on the same global batch as one process, and the JSONL log, --plot and
+train_bench write what they promise. Skipped when transformers is not installed."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+modeling_llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+
+from trainscale import train as ts_train  # noqa: E402
+
+STEP_KEYS = {"type", "step", "warmup", "loss", "grad_norm", "lr", "tokens", "step_time_s", "tokens_per_s", "tflops",
+             "mfu", "mfu_measured", "peak_mem_allocated_gib", "peak_mem_reserved_gib", "peak_rss_gib"}
+SUMMARY_KEYS = {"type", "timed_steps", "final_loss", "step_time_s", "tokens_per_s", "tflops", "mfu", "mfu_measured",
+                "peak_mem_allocated_gib", "peak_mem_reserved_gib", "peak_rss_gib"}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """One tokenizer for the module: 1 MB of the corpus keeps its training to a second or two."""
+    return ["--cache-dir", str(tmp_path_factory.mktemp("cache")), "--corpus-mb", "1", "--quiet", "--no-wandb"]
+
+
+@pytest.fixture
+def restore_rope(monkeypatch):
+    # trainscale.patch replaces the modeling module's apply_rotary_pos_emb for the process.
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", modeling_llama.apply_rotary_pos_emb)
+
+
+def run(*argv):
+    return ts_train.train(ts_train.parse_args([str(a) for a in argv]))
+
+
+def losses(result):
+    return [s["loss"] for s in result["steps"]]
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(cache, tmp_path_factory):
+    log = tmp_path_factory.mktemp("logs") / "eager.jsonl"
+    return run("--preset", "tiny", "--steps", 20, "--jsonl", log, *cache), log
+
+
+def test_tiny_loss_falls(tiny_run):
+    result, _ = tiny_run
+    loss = losses(result)
+    assert len(loss) == 20 and all(map(torch.isfinite, torch.tensor(loss)))
+    first, last = sum(loss[:3]) / 3, sum(loss[-3:]) / 3
+    assert last < first - 0.5, loss
+
+
+def test_jsonl_keys(tiny_run):
+    result, log = tiny_run
+    records = read_jsonl(log)
+    assert [r["type"] for r in records] == ["run"] + ["step"] * 20 + ["summary"]
+    run_record = records[0]
+    assert run_record["impl"] == "eager" and run_record["preset"] == "tiny" and run_record["device"] == "cpu"
+    assert run_record["model_flops_per_token"] > 6 * run_record["params"] * 0.5
+    for r in records[1:-1]:
+        assert set(r) == STEP_KEYS
+        assert r["warmup"] == (r["step"] <= 2)
+        assert r["tokens"] == 8 * 128 and r["peak_mem_allocated_gib"] is None
+    assert set(records[-1]) == SUMMARY_KEYS and records[-1]["timed_steps"] == 18
+    assert records[-1] == {"type": "summary", **result["summary"]}
+
+
+def test_same_seed_same_losses(tiny_run, cache):
+    again = run("--preset", "tiny", "--steps", 3, *cache)
+    assert losses(again) == losses(tiny_run[0])[:3]
+
+
+SMALL = ("--preset", "tiny", "--seq-len", 32, "--warmup-steps", 0)
+
+
+@pytest.fixture(scope="module")
+def small_run(cache):
+    """3 steps of 2 sequences of 32 tokens: the reference of the runs that split them differently."""
+    return run(*SMALL, "--batch-size", 2, "--steps", 3, *cache)
+
+
+def test_trainscale_follows_eager(small_run, cache, restore_rope):
+    # fp32 on the CPU: trainscale's ops run their fp64 references, eager PyTorch's fp32 kernels.
+    ours = losses(run(*SMALL, "--batch-size", 2, "--steps", 3, "--impl", "trainscale", *cache))
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(losses(small_run)), rtol=0.01, atol=0)
+
+
+def test_grad_accumulation_same_step(small_run, cache):
+    accumulated = run(*SMALL, "--batch-size", 1, "--grad-accum", 2, "--steps", 3, *cache)
+    torch.testing.assert_close(torch.tensor(losses(accumulated)), torch.tensor(losses(small_run)), rtol=1e-5, atol=0)
+
+
+def test_random_data_and_checkpointing(cache):
+    plain = run(*SMALL, "--data", "random", "--vocab-size", 512, "--batch-size", 2, "--steps", 2, *cache)
+    assert plain["run"]["vocab"] == 512 and plain["run"]["data"] == "random"
+    checkpointed = run(*SMALL, "--data", "random", "--vocab-size", 512, "--batch-size", 2, "--steps", 2,
+                       "--checkpointing", *cache)
+    torch.testing.assert_close(torch.tensor(losses(checkpointed)), torch.tensor(losses(plain)), rtol=1e-5, atol=0)
+
+
+def test_flag_errors(cache):
+    with pytest.raises(SystemExit):
+        ts_train.parse_args(["--steps", "0"])
+    with pytest.raises(SystemExit):
+        ts_train.parse_args(["extra.jsonl"])  # logs only with --plot
+    try:
+        import liger_kernel  # noqa: F401
+    except ImportError:
+        with pytest.raises(SystemExit, match="--impl liger: Liger-Kernel is not importable"):
+            run(*SMALL, "--impl", "liger", "--steps", 1, *cache)
+
+
+def test_plot(tiny_run, cache, tmp_path):
+    other = tmp_path / "seed1.jsonl"
+    seed1 = run("--preset", "tiny", "--steps", 3, "--seed", 1, "--jsonl", other, *cache)
+    assert losses(seed1) != losses(tiny_run[0])[:3]  # the seed sets the initialization and the data order
+    png = tmp_path / "runs.png"
+    assert ts_train.main(["--plot", str(png), str(tiny_run[1]), str(other)]) == 0
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    # The trainscale imported here (an installed package or a PYTHONPATH entry) for the children too.
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(ts_train.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
+def test_two_process_gloo_matches_one(small_run, cache, tmp_path, parallel):
+    # The same global batch (2 sequences) as 1 process x 2 or 2 processes x 1.
+    single = small_run
+    log = tmp_path / f"{parallel}.jsonl"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "trainscale.train", *map(str, SMALL), "--batch-size", "1", "--steps", "3",
+               "--parallel", parallel, "--jsonl", str(log), *cache]
+    done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    records = read_jsonl(log)
+    assert records[0]["world_size"] == 2 and records[0]["parallel"] == parallel and records[0]["global_batch"] == 2
+    steps = [r for r in records if r["type"] == "step"]
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in steps]), torch.tensor(losses(single)),
+                               rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor([r["grad_norm"] for r in steps]),
+                               torch.tensor([s["grad_norm"] for s in single["steps"]]), rtol=1e-4, atol=0)
+
+
+def test_train_bench_table(cache, tmp_path, monkeypatch):
+    from trainscale import train_bench
+    monkeypatch.setenv("PYTHONPATH", _env()["PYTHONPATH"])  # for its trainscale.train subprocess
+    out = tmp_path / "bench"
+    argv = ["--out-dir", str(out), "--impls", "eager", *map(str, SMALL), "--batch-size", "2", "--steps", "2", *cache]
+    assert train_bench.main(argv) == 0
+    with open(out / "train-bench.json") as f:
+        result = json.load(f)
+    assert [r["impl"] for r in result["rows"]] == ["eager"] and result["rows"][0]["status"] == "ok"
+    assert result["run"]["seq_len"] == 32 and "impl" not in result["run"]
+    with open(out / "train-bench.md") as f:
+        table = f.read()
+    assert "| impl | tokens/s |" in table and "| eager |" in table
+    assert (out / "train-bench.png").exists() and (out / "eager.jsonl").exists()

@@ -1,0 +1,436 @@
+"""python -m trainscale.train: trains a Hugging Face LlamaForCausalLM built from a config (no
+weight download) with AdamW, with PyTorch eager, torch.compile, Liger-Kernel or trainscale
+(`patch(model)`), and reports the loss, gradient norm, tokens/s, model TFLOP/s, MFU and peak
+memory per step (terminal, JSONL, Weights & Biases when importable).
+
+    python -m trainscale.train --preset tiny --steps 20                    # CPU, seconds
+    torchrun --nproc-per-node 8 -m trainscale.train --preset llama3-8b-4layers \\
+        --impl trainscale --parallel fsdp2 --seq-len 8192 --jsonl ts.jsonl
+    python -m trainscale.train --plot runs.png eager.jsonl trainscale.jsonl
+
+Model FLOPs per trained token (forward + backward, no recomputation counted, so MFU and not
+HFU under activation checkpointing):
+
+    6 * N  +  6 * L * H * d * S
+
+N: the parameters that multiply activations (every parameter except the input embedding;
+lm_head included), L: decoder layers, H * d: attention heads times head dim, S: sequence
+length. The second term is attention's QK^T and PV (12 * L * H * d * S for full attention,
+halved because the mask is causal). MFU = model TFLOP/s / --peak-tflops.
+"""
+import argparse
+import contextlib
+import json
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+# name -> decoder shape; vocab None: the tokenizer's (or --vocab-size with --data random).
+PRESETS = {
+    "tiny": dict(hidden=64, ffn=176, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=None, seq_len=128,
+                 batch_size=8, lr=3e-3, rope_theta=10000.0, tokenizer_vocab=2048, corpus_mb=4),
+    "llama3-8b-4layers": dict(hidden=4096, ffn=14336, layers=4, heads=32, kv_heads=8, head_dim=128,
+                              vocab=128256, seq_len=8192, batch_size=1, lr=3e-4, rope_theta=500000.0,
+                              tokenizer_vocab=32768, corpus_mb=64),
+}
+IMPLS = ("eager", "compile", "liger", "trainscale")
+H100_BF16_DENSE_TFLOPS = 989.0  # H100 SXM datasheet, bf16 dense (no sparsity)
+_GIB = 2.0 ** 30
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m trainscale.train", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    p.add_argument("--impl", choices=IMPLS, default="eager",
+                   help="eager: transformers as is; compile: torch.compile(model); liger: Liger-Kernel's "
+                        "Llama patch; trainscale: trainscale.patch(model) (every op it has)")
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps, warm-up included")
+    p.add_argument("--warmup-steps", type=int, default=2, help="first steps left out of the timing summary")
+    p.add_argument("--batch-size", type=int, help="sequences per micro-batch per process (default: the preset's)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's)")
+    p.add_argument("--lr", type=float, help="AdamW learning rate (default: the preset's)")
+    p.add_argument("--lr-warmup-steps", type=int, default=0, help="linear learning-rate warm-up")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="clip to this norm (0: no clipping)")
+    p.add_argument("--seed", type=int, default=0, help="model initialization and data order")
+    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing of each decoder layer")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--precision", choices=("auto", "fp32", "bf16", "bf16-autocast"), default="auto",
+                   help="bf16: parameters, gradients and optimizer state in bf16; bf16-autocast: fp32 "
+                        "parameters, bf16 autocast; auto: bf16 on CUDA, fp32 on the CPU")
+    p.add_argument("--parallel", choices=("ddp", "fsdp2"), default="ddp",
+                   help="under torchrun: DistributedDataParallel, or fully_shard per decoder layer and the root")
+    p.add_argument("--data", choices=("corpus", "random"), default="corpus",
+                   help="corpus: the Python standard library's source, BPE-tokenized (see docs/train.md); "
+                        "random: uniform token ids (throughput runs)")
+    p.add_argument("--vocab-size", type=int, help="the tokenizer's vocabulary (random data: the model's when the "
+                                                   "preset has none; default: the preset's)")
+    p.add_argument("--corpus-mb", type=float, help="megabytes of source text read (default: the preset's)")
+    p.add_argument("--cache-dir", help="tokenizer and token cache (default: $TRAINSCALE_CACHE_DIR, "
+                                       "else ~/.cache/trainscale)")
+    p.add_argument("--peak-tflops", type=float, default=H100_BF16_DENSE_TFLOPS,
+                   help="the peak for MFU (default: H100 SXM bf16 dense, 989)")
+    p.add_argument("--measured-peak-tflops", type=float,
+                   help="a measured peak (e.g. a bf16 GEMM's TFLOP/s); adds mfu_measured")
+    p.add_argument("--jsonl", help="JSONL file: one run record, one record per step, one summary")
+    p.add_argument("--no-wandb", action="store_true", help="no Weights & Biases logging even if importable")
+    p.add_argument("--quiet", action="store_true", help="no per-step progress line")
+    p.add_argument("--plot", metavar="PNG", help="plot the JSONL logs given as arguments into PNG and exit")
+    p.add_argument("logs", nargs="*", help="with --plot: JSONL logs of runs")
+    args = p.parse_args(argv)
+    if args.logs and not args.plot:
+        p.error(f"unexpected arguments {args.logs}: JSONL logs are read only with --plot PNG")
+    if args.plot and not args.logs:
+        p.error("--plot: expected one or more JSONL logs after it")
+    preset = PRESETS[args.preset]
+    for name in ("batch_size", "seq_len", "lr", "corpus_mb"):
+        if getattr(args, name) is None:
+            setattr(args, name, preset[name])
+    for name in ("steps", "batch_size", "grad_accum", "seq_len"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}: expected a positive integer, got {getattr(args, name)}")
+    if args.warmup_steps < 0:
+        p.error(f"--warmup-steps: expected 0 or more, got {args.warmup_steps}")
+    return args
+
+
+# --- model --------------------------------------------------------------------------------
+
+
+def build_model(preset: dict, vocab: int, seq_len: int, seed: int, device: torch.device, dtype: torch.dtype):
+    """LlamaForCausalLM with the preset's shape, initialized from `seed` on `device`."""
+    import transformers
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=preset["hidden"], intermediate_size=preset["ffn"],
+        num_hidden_layers=preset["layers"], num_attention_heads=preset["heads"],
+        num_key_value_heads=preset["kv_heads"], head_dim=preset["head_dim"], max_position_embeddings=seq_len,
+        rope_theta=preset["rope_theta"], tie_word_embeddings=False, use_cache=False, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(cfg)
+    return model.to(dtype)
+
+
+def apply_impl(model, impl: str, verbose: bool):
+    """Swaps in the implementation's kernels; returns the module to call (compiled or not)."""
+    if impl == "liger":
+        try:
+            from liger_kernel.transformers import apply_liger_kernel_to_llama
+        except ImportError as e:
+            raise SystemExit(f"--impl liger: Liger-Kernel is not importable ({e}); pip install liger-kernel") from e
+        apply_liger_kernel_to_llama(rope=True, swiglu=True, rms_norm=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=True, model=model)
+    elif impl == "trainscale":
+        from . import patch
+        patch(model, verbose=verbose)
+    return model
+
+
+def model_flops_per_token(model, preset: dict, seq_len: int) -> float:
+    """6 * N + 6 * L * H * d * S (module doc)."""
+    n = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    return 6.0 * n + 6.0 * preset["layers"] * preset["heads"] * preset["head_dim"] * seq_len
+
+
+# --- data ---------------------------------------------------------------------------------
+
+
+class Batches:
+    """The global batch of each step: `batch_size * grad_accum * world` sequences of seq_len
+    tokens, the same for every --impl and process count. Micro-batch m of rank r is its rows
+    [(m * world + r) * batch_size, ... + batch_size)."""
+
+    def __init__(self, tokens: Optional[torch.Tensor], vocab: int, seq_len: int, global_batch: int, seed: int):
+        self.tokens, self.vocab, self.seq_len, self.global_batch, self.seed = tokens, vocab, seq_len, global_batch, seed
+        if tokens is not None:
+            self.windows = tokens.numel() // seq_len
+            if self.windows < global_batch:
+                raise SystemExit(f"--corpus-mb: the corpus has {self.windows} sequences of {seq_len} tokens, "
+                                 f"fewer than the {global_batch} of one step; read more text or shorten --seq-len")
+            self.per_epoch = self.windows // global_batch
+            self._epoch, self._order = None, None
+
+    def step(self, step: int) -> torch.Tensor:
+        if self.tokens is None:  # random: a generator per step, so any process computes any step
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+            return torch.randint(0, self.vocab, (self.global_batch, self.seq_len), generator=g)
+        epoch, k = divmod(step, self.per_epoch)
+        if epoch != self._epoch:  # a new seeded permutation of the sequences each epoch
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._epoch, self._order = epoch, torch.randperm(self.windows, generator=g)
+        rows = self._order[k * self.global_batch:(k + 1) * self.global_batch]
+        starts = rows[:, None] * self.seq_len + torch.arange(self.seq_len)
+        return self.tokens[starts].long()
+
+
+def micro_batch(batch: torch.Tensor, micro: int, d: Dist, batch_size: int) -> torch.Tensor:
+    first = (micro * d.world + d.rank) * batch_size
+    return batch[first:first + batch_size]
+
+
+# --- distributed --------------------------------------------------------------------------
+
+
+def init_distributed(args) -> Dist:
+    """Under torchrun (RANK / WORLD_SIZE set): the process group, NCCL on CUDA, gloo on the CPU."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return Dist()
+    d = Dist(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if cuda:
+        torch.cuda.set_device(d.local_rank)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return d
+
+
+def wrap_parallel(model, args, d: Dist, device: torch.device):
+    if d.world == 1:
+        return model
+    if args.parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    from torch.distributed.fsdp import fully_shard
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def _grad_sync(model, enabled: bool):
+    """Gradient reduction only on the last micro-batch of a step."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return contextlib.nullcontext() if enabled else model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(enabled)
+    return contextlib.nullcontext()
+
+
+def _reduce(values, d: Dist, op):
+    if d.world == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64,
+                     device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+# --- reports ------------------------------------------------------------------------------
+
+
+class Log:
+    """Rank 0's records: a JSONL file, and Weights & Biases (offline unless WANDB_MODE says)."""
+
+    def __init__(self, path: Optional[str], use_wandb: bool, run: dict):
+        self.file = open(path, "w") if path else None
+        self.wandb = None
+        if use_wandb:
+            try:
+                import wandb
+            except ImportError:
+                wandb = None
+            if wandb is not None:
+                self.wandb = wandb.init(project="trainscale-train", config=run, name=f"{run['preset']}-{run['impl']}",
+                                        mode=os.environ.get("WANDB_MODE", "offline"))
+        self.write({"type": "run", **run})
+
+    def write(self, record: dict):
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        if self.wandb is not None and record["type"] == "step":
+            self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and v is not None},
+                           step=record["step"])
+
+    def close(self, summary: dict):
+        self.write({"type": "summary", **summary})
+        if self.file:
+            self.file.close()
+        if self.wandb is not None:
+            self.wandb.summary.update(summary)
+            self.wandb.finish()
+
+
+def _peak_memory(device: torch.device):
+    """(max allocated, max reserved) on the GPU, in GiB; (None, None) on the CPU."""
+    if device.type != "cuda":
+        return None, None
+    return torch.cuda.max_memory_allocated(device) / _GIB, torch.cuda.max_memory_reserved(device) / _GIB
+
+
+def _peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / _GIB  # Linux: KiB
+
+
+def summarize(steps: list, warmup: int) -> dict:
+    """Means over the steps after the warm-up; final_loss: the mean of the last five losses."""
+    timed = [s for s in steps if s["step"] > warmup]
+    out = {"timed_steps": len(timed), "final_loss": sum(s["loss"] for s in steps[-5:]) / len(steps[-5:])}
+    keys = ("step_time_s", "tokens_per_s", "tflops", "mfu", "mfu_measured")
+    for key in keys:
+        values = [s[key] for s in timed if s.get(key) is not None]
+        out[key] = sum(values) / len(values) if values else None
+    if timed:  # tokens/s of the whole timed span (not the mean of per-step rates)
+        out["tokens_per_s"] = sum(s["tokens"] for s in timed) / sum(s["step_time_s"] for s in timed)
+    last = steps[-1]
+    for key in ("peak_mem_allocated_gib", "peak_mem_reserved_gib", "peak_rss_gib"):
+        out[key] = last[key]
+    return out
+
+
+def _progress(r: dict, steps: int) -> str:
+    mem = (f" mem {r['peak_mem_allocated_gib']:.2f}/{r['peak_mem_reserved_gib']:.2f} GiB"
+           if r["peak_mem_allocated_gib"] is not None else f" rss {r['peak_rss_gib']:.2f} GiB")
+    return (f"step {r['step']:>{len(str(steps))}}/{steps} loss {r['loss']:.4f} gnorm {r['grad_norm']:.3f} "
+            f"lr {r['lr']:.2e} {r['step_time_s'] * 1e3:.1f} ms {r['tokens_per_s']:,.0f} tok/s "
+            f"{r['tflops']:.3g} TFLOP/s mfu {100 * r['mfu']:.3g}%{mem}" + (" (warm-up)" if r["warmup"] else ""))
+
+
+# --- training -----------------------------------------------------------------------------
+
+
+def train(args) -> dict:
+    d = init_distributed(args)
+    try:
+        return _train(args, d)
+    finally:
+        if d.world > 1:
+            dist.destroy_process_group()
+
+
+def _train(args, d: Dist) -> dict:
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device")
+    device = torch.device("cuda", d.local_rank) if args.device != "cpu" and torch.cuda.is_available() \
+        else torch.device("cpu")
+    precision = args.precision if args.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+    preset = PRESETS[args.preset]
+    global_batch = args.batch_size * args.grad_accum * d.world
+
+    if args.data == "corpus":
+        from .train_data import corpus_tokens
+        tokens, tokenizer_vocab = corpus_tokens(args.vocab_size or preset["tokenizer_vocab"], args.corpus_mb,
+                                                args.cache_dir, d, verbose=d.main and not args.quiet)
+        vocab = preset["vocab"] or tokenizer_vocab
+        if tokenizer_vocab > vocab:
+            raise SystemExit(f"--vocab-size: the tokenizer's {tokenizer_vocab} exceeds the model's {vocab}")
+    else:
+        tokens, vocab = None, preset["vocab"] or args.vocab_size or preset["tokenizer_vocab"]
+    batches = Batches(tokens, vocab, args.seq_len, global_batch, args.seed)
+
+    model = build_model(preset, vocab, args.seq_len, args.seed, device,
+                        torch.bfloat16 if precision == "bf16" else torch.float32)
+    flops_per_token = model_flops_per_token(model, preset, args.seq_len)
+    n_params = sum(p.numel() for p in model.parameters())
+    model = apply_impl(model, args.impl, verbose=d.main and not args.quiet)
+    if args.checkpointing:
+        # transformers 5 renamed gradient_checkpointing_enable (deprecated) to activation_checkpointing_enable.
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    model = wrap_parallel(model, args, d, device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95),
+                                  fused=device.type == "cuda")
+    forward = torch.compile(model) if args.impl == "compile" else model
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16-autocast"
+                else contextlib.nullcontext())
+
+    run = {"preset": args.preset, "impl": args.impl, "data": args.data, "precision": precision,
+           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "world_size": d.world, "parallel": args.parallel if d.world > 1 else None,
+           "steps": args.steps, "warmup_steps": args.warmup_steps, "batch_size": args.batch_size,
+           "grad_accum": args.grad_accum, "global_batch": global_batch, "seq_len": args.seq_len, "vocab": vocab,
+           "params": n_params, "model_flops_per_token": flops_per_token, "lr": args.lr, "seed": args.seed,
+           "checkpointing": args.checkpointing, "peak_tflops": args.peak_tflops,
+           "measured_peak_tflops": args.measured_peak_tflops, "torch": torch.__version__}
+    log = Log(args.jsonl, not args.no_wandb, run) if d.main else None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    records = []
+    tokens_per_step = global_batch * args.seq_len
+    for step in range(1, args.steps + 1):
+        lr = args.lr * min(1.0, step / args.lr_warmup_steps) if args.lr_warmup_steps else args.lr
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        batch = batches.step(step - 1)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        loss_sum = 0.0
+        for micro in range(args.grad_accum):
+            ids = micro_batch(batch, micro, d, args.batch_size).to(device, non_blocking=True)
+            with _grad_sync(model, micro == args.grad_accum - 1), autocast:
+                loss = forward(input_ids=ids, labels=ids).loss
+                (loss / args.grad_accum).backward()
+            loss_sum += loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
+            grad_norm = grad_norm.full_tensor()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_value, grad_norm = float(loss_sum) / args.grad_accum, float(grad_norm)  # both synchronize
+        step_time = time.perf_counter() - start
+        mem_alloc, mem_reserved = _peak_memory(device)
+        (loss_value,) = [v / d.world for v in _reduce([loss_value], d, dist.ReduceOp.SUM)]
+        step_time, mem_alloc_max, mem_reserved_max, rss = _reduce(
+            [step_time, mem_alloc or 0.0, mem_reserved or 0.0, _peak_rss_gib()], d, dist.ReduceOp.MAX)
+        tflops = flops_per_token * tokens_per_step / step_time / 1e12
+        r = {"type": "step", "step": step, "warmup": step <= args.warmup_steps, "loss": loss_value,
+             "grad_norm": grad_norm, "lr": lr, "tokens": tokens_per_step, "step_time_s": step_time,
+             "tokens_per_s": tokens_per_step / step_time, "tflops": tflops, "mfu": tflops / args.peak_tflops,
+             "mfu_measured": tflops / args.measured_peak_tflops if args.measured_peak_tflops else None,
+             "peak_mem_allocated_gib": mem_alloc_max if mem_alloc is not None else None,
+             "peak_mem_reserved_gib": mem_reserved_max if mem_reserved is not None else None,
+             "peak_rss_gib": rss}
+        records.append(r)
+        if d.main:
+            log.write(r)
+            if not args.quiet:
+                print(_progress(r, args.steps), flush=True)
+        if not math.isfinite(loss_value):
+            raise SystemExit(f"step {step}: the loss is {loss_value}; stopping")
+    summary = summarize(records, args.warmup_steps)
+    if d.main:
+        log.close(summary)
+        if not args.quiet:
+            print("summary: " + json.dumps(summary), flush=True)
+    return {"run": run, "steps": records, "summary": summary}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # quiet: no tokenizer threads before forks
+    if args.plot:
+        from .train_plot import plot
+        plot(args.plot, args.logs)
+        return 0
+    train(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""python -m trainscale.train_bench: runs python -m trainscale.train once per implementation,
+back to back, each in its own process with the same arguments (so the same model, data order,
+steps and warm-up), and writes one table of their summaries: tokens/s, step time, model
+TFLOP/s, MFU and peak memory over the steps after the warm-up, and the final loss (the mean of
+the last five steps).
+
+    python -m trainscale.train_bench --out-dir runs --impls eager,compile,liger,trainscale \\
+        --preset llama3-8b-4layers --data random --seq-len 8192 --steps 30 --warmup-steps 5
+
+Arguments other than --out-dir and --impls go to trainscale.train. Writes
+<out-dir>/<impl>.jsonl (each run's log), <out-dir>/<impl>.out (its terminal output),
+<out-dir>/train-bench.json and .md (the table) and <out-dir>/train-bench.png (--plot of the
+runs). An implementation that fails (e.g. liger without Liger-Kernel) gets a row with its
+error; the exit status is then 1.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+from .train import IMPLS
+from .train_plot import plot, read_log
+
+_COLUMNS = (("impl", "impl", "{}"), ("tokens_per_s", "tokens/s", "{:,.0f}"), ("step_time_s", "step ms", "{:.1f}"),
+            ("tflops", "TFLOP/s", "{:.3g}"), ("mfu", "MFU %", "{:.3g}"),
+            ("peak_mem_allocated_gib", "alloc GiB", "{:.2f}"), ("peak_mem_reserved_gib", "reserved GiB", "{:.2f}"),
+            ("final_loss", "final loss", "{:.4f}"), ("status", "status", "{}"))
+
+
+def _cell(key: str, fmt: str, row: dict) -> str:
+    value = row.get(key)
+    if value is None:
+        return "-"
+    if key == "step_time_s":
+        value *= 1e3
+    elif key == "mfu":
+        value *= 100
+    return fmt.format(value)
+
+
+def markdown(result: dict) -> str:
+    run = result["run"]
+    lines = [f"# trainscale.train: {run['preset']}, {run['data']} data, seq {run['seq_len']}, global batch "
+             f"{run['global_batch']}, {run['steps']} steps ({run['warmup_steps']} warm-up), {run['precision']}, "
+             f"{run['device']}", "",
+             f"`{result['command']}`", "",
+             "| " + " | ".join(title for _, title, _ in _COLUMNS) + " |",
+             "|" + "---|" * len(_COLUMNS)]
+    for row in result["rows"]:
+        lines.append("| " + " | ".join(_cell(key, fmt, row) for key, _, fmt in _COLUMNS) + " |")
+    lines += ["", f"MFU against {run['peak_tflops']} TFLOP/s; model FLOPs per token "
+                  f"{run['model_flops_per_token']:.4g} (6 N + 6 L H d S, docs/train.md)."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m trainscale.train_bench", description=__doc__.split("\n\n")[0],
+                                allow_abbrev=False)
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, of {', '.join(IMPLS)}")
+    args, train_args = p.parse_known_args(argv)
+    impls = [s for s in args.impls.split(",") if s]
+    unknown = [s for s in impls if s not in IMPLS]
+    if unknown or not impls:
+        p.error(f"--impls: expected some of {', '.join(IMPLS)}, got {args.impls!r}")
+    taken = [a for a in train_args if a.split("=")[0] in ("--impl", "--jsonl", "--plot")]
+    if taken:
+        p.error(f"{taken[0]}: set per run by train_bench; remove it")
+    os.makedirs(args.out_dir, exist_ok=True)
+
+    rows, run, logs = [], None, []
+    for impl in impls:
+        log = os.path.join(args.out_dir, f"{impl}.jsonl")
+        if os.path.exists(log):
+            os.remove(log)  # a stale log must not pass for this run's
+        command = [sys.executable, "-m", "trainscale.train", *train_args, "--impl", impl, "--jsonl", log]
+        print(f"[train_bench] {impl}: {' '.join(command[1:])}", flush=True)
+        with open(os.path.join(args.out_dir, f"{impl}.out"), "w") as out:
+            rc = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT).returncode
+        summary = read_log(log)[2] if os.path.exists(log) else None
+        if rc != 0 or summary is None:
+            with open(os.path.join(args.out_dir, f"{impl}.out")) as f:
+                tail = f.read().strip().splitlines()[-1:] or ["no output"]
+            rows.append({"impl": impl, "status": f"failed (exit {rc}): {tail[0]}"})
+            print(f"[train_bench] {impl}: {rows[-1]['status']}", flush=True)
+            continue
+        run = run or read_log(log)[0]
+        logs.append(log)
+        rows.append({"impl": impl, "status": "ok", **summary})
+        print(f"[train_bench] {impl}: {summary['tokens_per_s']:,.0f} tokens/s, final loss "
+              f"{summary['final_loss']:.4f}", flush=True)
+    if run is None:
+        raise SystemExit("[train_bench] every run failed; see the .out files in " + args.out_dir)
+
+    result = {"command": " ".join(["python -m trainscale.train_bench"] + (argv or sys.argv[1:])),
+              "run": {k: v for k, v in run.items() if k not in ("type", "impl")}, "rows": rows}
+    stem = os.path.join(args.out_dir, "train-bench")
+    with open(stem + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    text = markdown(result)
+    with open(stem + ".md", "w") as f:
+        f.write(text)
+    plot(stem + ".png", logs)
+    print(text, end="")
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
