@@ -150,6 +150,21 @@ __device__ __forceinline__ void store_slot(T* row, int c, int n, bool vector, co
   }
 }
 
+// The largest element a thread holds (fmaxf skips NaN; -inf when it holds none, padding
+// included as the caller loaded it).
+template <class T, int V, int kVecs>
+__device__ __forceinline__ float held_max(const Vec<T, V> (&held)[kVecs]) {
+  float m = -std::numeric_limits<float>::infinity();
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    float v[V];
+    to_floats(held[i], v);
+#pragma unroll
+    for (int j = 0; j < V; ++j) m = fmaxf(m, v[j]);
+  }
+  return m;
+}
+
 // Hides the held slots' values from the compiler at this point, so that what a pass over them
 // converted to float (and softcapped) is converted again by the next pass, rather than kept
 // live between the passes as floats: for 16-bit types that doubled the registers of the held

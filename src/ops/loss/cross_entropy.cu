@@ -151,15 +151,7 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
       }
     };
     // The softcap is increasing: the maximum of the raw logits, softcapped.
-    float m = -kInf;
-#pragma unroll
-    for (int i = 0; i < kVecs; ++i) {
-      float v[V];
-      detail::to_floats(held[i], v);
-#pragma unroll
-      for (int j = 0; j < V; ++j) m = fmaxf(m, v[j]);
-    }
-    m = softcapped<kSoftcap>(m, o);
+    const float m = softcapped<kSoftcap>(detail::held_max(held), o);
     // Summed against 0 when the thread has no finite maximum (see softmax_forward.cu).
     const float pivot = m == -kInf ? 0.f : m;
     detail::reconvert_after(held);

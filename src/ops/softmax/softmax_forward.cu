@@ -49,14 +49,7 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
     // The thread's maximum (NaN skipped), then its exponentials against it; a thread without
     // finite elements takes them against 0 so that its -inf give 0 (no -inf - -inf), and NaN
     // stays NaN.
-    float m = -kInf;
-#pragma unroll
-    for (int i = 0; i < kVecs; ++i) {
-      float v[V];
-      detail::to_floats(held[i], v);
-#pragma unroll
-      for (int j = 0; j < V; ++j) m = fmaxf(m, v[j]);
-    }
+    const float m = detail::held_max(held);
     const float pivot = m == -kInf ? 0.f : m;
     float s = 0.f;
 #pragma unroll
