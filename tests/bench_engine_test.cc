@@ -493,6 +493,22 @@ TEST(BenchGate, CoupledRowsOfALargeCaseAreGatedOnAPrefixProblem) {
   EXPECT_EQ(GateData(independent, 9, limits).coverage(), RowCoverage::kAll);
 }
 
+// A case whose cost grows faster than its rows (Newton-Schulz) names it: above the FLOP limit
+// the prefix problem is the most rows that stay within it.
+TEST(BenchGate, CoupledRowsWithACostPerRowCountAreGatedWithinTheFlopLimit) {
+  const std::int64_t shape[] = {64, 16};
+  Case c = column_sum_case(shape, 1.0);
+  c.flops_of_rows = [](std::int64_t rows) { return static_cast<double>(rows * rows); };
+  c.flops = c.flops_of_rows(64);
+  const GateData gate(c, 9, {.reference_flops = 100});
+  ASSERT_EQ(gate.coverage(), RowCoverage::kPrefix);
+  EXPECT_EQ(gate.gated_case().tensors[0].shape, (std::vector<std::int64_t>{10, 16}));
+  const GateResult ok = gate_on_cpu(c, gate, c.entry);
+  EXPECT_TRUE(ok.passed) << ok.message;
+  EXPECT_EQ(ok.rows_checked, 10);
+  EXPECT_EQ(GateData(c, 9, {.reference_flops = 4096}).coverage(), RowCoverage::kAll);
+}
+
 // Attention splits into kv-head groups: above the FLOP limit the gate checks a run of them, and
 // still catches an implementation that is wrong there.
 TEST(BenchGate, ComputeBoundCasesAreGatedOnARunOfIndependentGroups) {

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <array>
+#include <cstddef>
 #include <vector>
 
 #include "trainscale/tensor.h"
@@ -21,9 +22,15 @@ struct NewtonSchulzOptions {
 // stride >= C); out [R, C] in g's dtype, same layout rules, disjoint from g.
 // X = G / (||G||_F + eps), transposed when R > C so X X^T is the smaller Gram matrix; each
 // step: A = X X^T; B = b A + c A A; X = a X + B X; out = X (transposed back).
-// workspace: scratch for the CUDA path; ignored on the CPU and may be absent.
+// workspace: the CUDA path's scratch, at least newton_schulz_workspace_bytes(g) bytes,
+// contiguous and 256-byte aligned; ignored on the CPU and may be absent there. On CUDA, X and
+// the Gram products A and B are stored in g's dtype between the products (float32
+// accumulation), as Muon implementations keep them; the same bits every run.
 void newton_schulz(const TensorView& g, TensorView out, const NewtonSchulzOptions& options = {},
                    TensorView workspace = {}, cudaStream_t stream = nullptr);
+// Bytes of workspace newton_schulz's CUDA path needs for g's shape and dtype (0 in a build
+// without CUDA).
+std::size_t newton_schulz_workspace_bytes(const TensorView& g);
 
 struct MuonOptions {
   double lr = 0.02, momentum = 0.95, weight_decay = 0.0;  // each finite, >= 0

@@ -185,8 +185,18 @@ GateData::GateData(const Case& c, std::uint64_t seed, const GateLimits& limits) 
       while (static_cast<std::int64_t>(chosen.size()) < limits.sampled_rows) chosen.insert(pick(rng));
       sampled_rows_.assign(chosen.begin(), chosen.end());
       rows_checked_ = limits.sampled_rows;
-    } else if (!c.rows_independent && largest > limits.prefix_elements) {
-      const std::int64_t prefix = std::max<std::int64_t>(1, limits.prefix_elements / largest_row);
+    } else if (!c.rows_independent && (largest > limits.prefix_elements ||
+                                       (c.flops_of_rows && c.flops > limits.reference_flops))) {
+      std::int64_t prefix = std::max<std::int64_t>(1, limits.prefix_elements / largest_row);
+      if (c.flops_of_rows) {
+        // The most rows whose problem stays within the FLOP budget (the cost grows with rows).
+        std::int64_t lo = 1, hi = std::min(prefix, rows_total_);
+        while (lo < hi) {
+          const std::int64_t mid = lo + (hi - lo + 1) / 2;
+          if (c.flops_of_rows(mid) <= limits.reference_flops) lo = mid; else hi = mid - 1;
+        }
+        prefix = lo;
+      }
       if (prefix < rows_total_) {
         coverage_ = RowCoverage::kPrefix;
         rows_checked_ = prefix;

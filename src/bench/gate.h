@@ -61,8 +61,9 @@ struct GateLimits {
   std::int64_t prefix_elements = std::int64_t{1} << 26;
   // Compute-bound cases above this many FLOPs do not run their fp64 reference whole: those with
   // independent groups (Case::groups) check as many consecutive groups as stay within it (at
-  // least one), those with a Case::sampled_check spend about this many FLOPs on it. 2e10:
-  // seconds of fp64 on a few cores.
+  // least one), those with a Case::sampled_check spend about this many FLOPs on it, those with
+  // Case::flops_of_rows check the prefix problem that stays within it. 2e10: seconds of fp64 on
+  // a few cores.
   double reference_flops = 2e10;
 };
 

@@ -169,6 +169,10 @@ struct Case {
   std::int64_t groups = 0;
   // Replaces `reference` above GateLimits::reference_flops (see SampledCheck).
   std::optional<SampledCheck> sampled_check;
+  // Rows coupled and the cost superlinear in them (Newton-Schulz): the case's FLOPs with only
+  // its first `rows` rows. Above GateLimits::reference_flops the gate checks the prefix problem
+  // of as many rows as stay within them.
+  std::function<double(std::int64_t rows)> flops_of_rows;
 
   // The tensor this case declares as `name`; throws std::logic_error, naming the case's tensors,
   // for a name it does not declare.

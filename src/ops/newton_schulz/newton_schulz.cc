@@ -39,15 +39,29 @@ void check_newton_schulz_options(detail::OpChecker& c, const NewtonSchulzOptions
 }  // namespace
 
 void newton_schulz(const TensorView& g, TensorView out, const NewtonSchulzOptions& options,
-                   TensorView workspace, cudaStream_t /*stream*/) {
+                   TensorView workspace, cudaStream_t stream) {
   detail::OpChecker c("newton_schulz");
   c.matrix(g, "g");
   c.like(out, "out", g, "g");
   c.optional(workspace, "workspace");
   c.outputs_disjoint({{out, "out"}, {workspace, "workspace"}}, {{g, "g"}});
   check_newton_schulz_options(c, options, "options.");
-  if (c.on_cuda()) detail::throw_no_cuda_kernel(c.op());
+  if (detail::ran_on_cuda(c, [&] {
+        ops::newton_schulz::newton_schulz_cuda(g, out, options, workspace, stream);
+      })) {
+    return;
+  }
   ops::newton_schulz::newton_schulz_cpu(g, out, options);
+}
+
+std::size_t newton_schulz_workspace_bytes(const TensorView& g) {
+  detail::OpChecker c("newton_schulz_workspace_bytes");
+  c.matrix(g, "g");
+#if TRAINSCALE_HAVE_CUDA
+  return ops::newton_schulz::newton_schulz_workspace_bytes_cuda(g.size(0), g.size(1), g.dtype);
+#else
+  return 0;
+#endif
 }
 
 void muon_step(TensorView param, const TensorView& grad, TensorView momentum_buffer,

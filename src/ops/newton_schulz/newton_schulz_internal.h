@@ -11,4 +11,9 @@ void newton_schulz_cpu(const TensorView& g, TensorView out, const NewtonSchulzOp
 void muon_step_cpu(TensorView param, const TensorView& grad, TensorView momentum_buffer,
                    const MuonOptions& options);
 
+// newton_schulz.cu: workspace of at least newton_schulz_workspace_bytes_cuda bytes (checked).
+std::size_t newton_schulz_workspace_bytes_cuda(std::int64_t rows, std::int64_t cols, DType dtype);
+void newton_schulz_cuda(const TensorView& g, TensorView out, const NewtonSchulzOptions& options,
+                        const TensorView& workspace, cudaStream_t stream);
+
 }  // namespace trainscale::ops::newton_schulz

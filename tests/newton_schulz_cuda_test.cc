@@ -1,0 +1,119 @@
+// Newton-Schulz on the GPU against the fp64 CPU reference on float64 copies of the same rounded
+// input: every dtype, wide and tall (transposed) matrices, odd and tiny shapes, padded rows,
+// 0, 1 and 5 steps and per-step coefficients, NaN input, bit-identical results run to run and
+// the workspace's errors. The CUDA path stores X and the Gram products in the input's dtype
+// between its products, so its error is that of several roundings per step (kTolerance).
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "trainscale/newton_schulz.h"
+#include "util/strided_device_buffer.h"
+
+namespace trainscale {
+namespace {
+
+using test::DeviceTensor;
+using test::HostTensor;
+using test::Layout;
+using test::StridedDeviceBuffer;
+using Values = std::vector<double>;
+
+// Relative L2 error against the fp64 result: five steps, each rounding X, A = X X^T and
+// B = b A + c A A to the dtype.
+double tolerance(DType dt) {
+  switch (dt) {
+    case DType::kBFloat16: return 5e-2;
+    case DType::kFloat16: return 1e-2;
+    default: return 1e-4;
+  }
+}
+
+Values run_device(DType dt, const Layout& l, const Values& x, const NewtonSchulzOptions& o) {
+  StridedDeviceBuffer d_g(dt, l, &x), d_out(dt, l);
+  const std::size_t bytes = newton_schulz_workspace_bytes(d_g.view());
+  DeviceTensor ws(HostTensor(DType::kInt64, {static_cast<std::int64_t>(bytes / 8 + 1)}), false);
+  ws.poison();
+  newton_schulz(d_g.view(), d_out.view(), o, ws.view());
+  EXPECT_TRUE(d_out.padding_untouched());
+  return d_out.values();
+}
+
+Values run_reference(DType dt, const Layout& l, const Values& x, const NewtonSchulzOptions& o) {
+  HostTensor g = test::as_f64(x, l.rows, l.cols), out(DType::kFloat64, {l.rows, l.cols});
+  newton_schulz(g.view(), out.view(), o);
+  return test::rounded(dt, out);
+}
+
+void check(DType dt, const Layout& l, const NewtonSchulzOptions& o = {}) {
+  const std::string what = test::describe(dt, l) + " steps " + std::to_string(o.steps);
+  SCOPED_TRACE(what);
+  const Values x = test::random_inputs(dt, l.rows * l.cols, 0, -1, 1, false);
+  const Values got = run_device(dt, l, x, o), ref = run_reference(dt, l, x, o);
+  std::cout << "[newton_schulz] " << what << ": relative L2 error " << test::rel_l2(got, ref) << '\n';
+  EXPECT_TRUE(test::matches_reference(got, ref, tolerance(dt)));
+}
+
+TEST(NewtonSchulzCuda, MatchesReference) {
+  TS_REQUIRE_GPU();
+  for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+    for (const Layout& l : {Layout{64, 128, 0, false}, Layout{128, 64, 0, false}, Layout{256, 1024, 0, false},
+                            Layout{1024, 256, 0, false}, Layout{512, 512, 0, false}}) {
+      check(dt, l);
+    }
+  }
+}
+
+TEST(NewtonSchulzCuda, OddTinyAndPaddedShapes) {
+  TS_REQUIRE_GPU();
+  for (DType dt : {DType::kBFloat16, DType::kFloat32}) {
+    for (const Layout& l : {Layout{1, 1, 0, false}, Layout{1, 9, 0, false}, Layout{9, 1, 0, false},
+                            Layout{3, 7, 0, false}, Layout{33, 65, 0, false}, Layout{65, 33, 3, false},
+                            Layout{100, 300, 5, true}}) {
+      check(dt, l);
+    }
+  }
+}
+
+TEST(NewtonSchulzCuda, StepsAndCoefficients) {
+  TS_REQUIRE_GPU();
+  for (int steps : {0, 1, 3}) {
+    NewtonSchulzOptions o;
+    o.steps = steps;
+    check(DType::kFloat32, {96, 160, 0, false}, o);
+  }
+  NewtonSchulzOptions o;
+  o.steps = 2;
+  o.per_step = {{{3.0, -3.2, 1.2}}, {{2.0, -1.5, 0.5}}};
+  check(DType::kBFloat16, {96, 160, 0, false}, o);
+}
+
+TEST(NewtonSchulzCuda, NanPropagatesAndResultsAreBitIdentical) {
+  TS_REQUIRE_GPU();
+  const Layout l{48, 80, 0, false};
+  Values x = test::random_inputs(DType::kBFloat16, l.rows * l.cols, 0, -1, 1, false);
+  const Values a = run_device(DType::kBFloat16, l, x, {}), b = run_device(DType::kBFloat16, l, x, {});
+  EXPECT_EQ(a, b);
+  x[5] = std::nan("");
+  for (double v : run_device(DType::kBFloat16, l, x, {})) EXPECT_TRUE(std::isnan(v));
+}
+
+TEST(NewtonSchulzCuda, WorkspaceErrors) {
+  TS_REQUIRE_GPU();
+  const Layout l{32, 64, 0, false};
+  StridedDeviceBuffer d_g(DType::kBFloat16, l), d_out(DType::kBFloat16, l);
+  TS_EXPECT_ERROR(newton_schulz(d_g.view(), d_out.view()), "newton_schulz", "workspace",
+                  "newton_schulz_workspace_bytes");
+  const std::size_t bytes = newton_schulz_workspace_bytes(d_g.view());
+  DeviceTensor ws(HostTensor(DType::kInt64, {static_cast<std::int64_t>(bytes / 8)}), false);
+  TensorView short_ws = ws.view();
+  short_ws.shape[0] -= 1;
+  const std::string need = std::to_string(bytes);
+  TS_EXPECT_ERROR(newton_schulz(d_g.view(), d_out.view(), {}, short_ws), "newton_schulz", "workspace", need.c_str());
+}
+
+}  // namespace
+}  // namespace trainscale
