@@ -24,6 +24,7 @@ import json
 import math
 import os
 import resource
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -54,6 +55,42 @@ class Dist:
     @property
     def main(self) -> bool:
         return self.rank == 0
+
+
+def _peak_arg(text: str):
+    return text if text == "auto" else float(text)
+
+
+def gemm_peak_tflops(m: int, k: int, n: int, device: torch.device) -> float:
+    """TFLOP/s of a bf16 [m, k] @ [k, n] product: the median of 20 timed after 5 warm-up, on
+    fresh operands that are freed (and the allocator's peak statistics reset) afterwards."""
+    a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    b = torch.randn(k, n, device=device, dtype=torch.bfloat16)
+    for _ in range(5):
+        a @ b
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del a, b
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    return 2.0 * m * k * n / sorted(times)[len(times) // 2] / 1e12
+
+
+def git_commit() -> Optional[str]:
+    """The commit of the source tree: $TRAINSCALE_GIT_COMMIT (a copy without .git is told it), else git's."""
+    if os.environ.get("TRAINSCALE_GIT_COMMIT"):
+        return os.environ["TRAINSCALE_GIT_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
+                              capture_output=True, text=True, check=True).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def parse_args(argv=None):
@@ -90,8 +127,9 @@ def parse_args(argv=None):
                                        "else ~/.cache/trainscale)")
     p.add_argument("--peak-tflops", type=float, default=H100_BF16_DENSE_TFLOPS,
                    help="the peak for MFU (default: H100 SXM bf16 dense, 989)")
-    p.add_argument("--measured-peak-tflops", type=float,
-                   help="a measured peak (e.g. a bf16 GEMM's TFLOP/s); adds mfu_measured")
+    p.add_argument("--measured-peak-tflops", type=_peak_arg,
+                   help="a measured peak in TFLOP/s, or 'auto': time the model's largest GEMM (tokens x hidden "
+                        "by hidden x FFN, bf16) before training; adds mfu_measured")
     p.add_argument("--jsonl", help="JSONL file: one run record, one record per step, one summary")
     p.add_argument("--no-wandb", action="store_true", help="no Weights & Biases logging even if importable")
     p.add_argument("--quiet", action="store_true", help="no per-step progress line")
@@ -336,6 +374,11 @@ def _train(args, d: Dist) -> dict:
     else:
         tokens, vocab = None, preset["vocab"] or args.vocab_size or preset["tokenizer_vocab"]
     batches = Batches(tokens, vocab, args.seq_len, global_batch, args.seed)
+    if args.measured_peak_tflops == "auto":
+        if device.type != "cuda":
+            raise SystemExit("--measured-peak-tflops auto: times a GEMM on the GPU; this run is on the CPU")
+        args.measured_peak_tflops = gemm_peak_tflops(args.batch_size * args.seq_len, preset["hidden"], preset["ffn"],
+                                                     device)
 
     model = build_model(preset, vocab, args.seq_len, args.seed, device,
                         torch.bfloat16 if precision == "bf16" else torch.float32)
@@ -365,7 +408,8 @@ def _train(args, d: Dist) -> dict:
            "grad_accum": args.grad_accum, "global_batch": global_batch, "seq_len": args.seq_len, "vocab": vocab,
            "params": n_params, "model_flops_per_token": flops_per_token, "lr": args.lr, "seed": args.seed,
            "checkpointing": args.checkpointing, "peak_tflops": args.peak_tflops,
-           "measured_peak_tflops": args.measured_peak_tflops, "torch": torch.__version__}
+           "measured_peak_tflops": args.measured_peak_tflops, "torch": torch.__version__,
+           "commit": git_commit()}
     log = Log(args.jsonl, not args.no_wandb, run) if d.main else None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

@@ -24,6 +24,7 @@ from .train_plot import plot, read_log
 
 _COLUMNS = (("impl", "impl", "{}"), ("tokens_per_s", "tokens/s", "{:,.0f}"), ("step_time_s", "step ms", "{:.1f}"),
             ("tflops", "TFLOP/s", "{:.3g}"), ("mfu", "MFU %", "{:.3g}"),
+            ("mfu_measured", "% of GEMM peak", "{:.3g}"),
             ("peak_mem_allocated_gib", "alloc GiB", "{:.2f}"), ("peak_mem_reserved_gib", "reserved GiB", "{:.2f}"),
             ("final_loss", "final loss", "{:.4f}"), ("status", "status", "{}"))
 
@@ -34,7 +35,7 @@ def _cell(key: str, fmt: str, row: dict) -> str:
         return "-"
     if key == "step_time_s":
         value *= 1e3
-    elif key == "mfu":
+    elif key in ("mfu", "mfu_measured"):
         value *= 100
     return fmt.format(value)
 
@@ -43,14 +44,17 @@ def markdown(result: dict) -> str:
     run = result["run"]
     lines = [f"# trainscale.train: {run['preset']}, {run['data']} data, seq {run['seq_len']}, global batch "
              f"{run['global_batch']}, {run['steps']} steps ({run['warmup_steps']} warm-up), {run['precision']}, "
-             f"{run['device']}", "",
+             f"{run['device']}", "", f"Commit `{run.get('commit') or 'unknown'}`.", "",
              f"`{result['command']}`", "",
              "| " + " | ".join(title for _, title, _ in _COLUMNS) + " |",
              "|" + "---|" * len(_COLUMNS)]
     for row in result["rows"]:
         lines.append("| " + " | ".join(_cell(key, fmt, row) for key, _, fmt in _COLUMNS) + " |")
-    lines += ["", f"MFU against {run['peak_tflops']} TFLOP/s; model FLOPs per token "
-                  f"{run['model_flops_per_token']:.4g} (6 N + 6 L H d S, docs/train.md)."]
+    measured = run.get("measured_peak_tflops")
+    lines += ["", f"MFU against {run['peak_tflops']} TFLOP/s"
+                  + (f", % of GEMM peak against {measured:.0f} TFLOP/s measured by each run "
+                     "(--measured-peak-tflops)" if measured else "")
+                  + f"; model FLOPs per token {run['model_flops_per_token']:.4g} (6 N + 6 L H d S, docs/train.md)."]
     return "\n".join(lines) + "\n"
 
 

@@ -21,6 +21,10 @@ Case newton_schulz_case(std::span<const std::int64_t> shape, DType dtype) {
   // Rows coupled: a large case is gated on the problem of its first rows (Case::flops_of_rows).
   c.tensors = {input("g", dtype, {rows, cols}), output("out", dtype, {rows, cols}),
                scratch("workspace", workspace_bytes(rows, cols, dtype))};
+  // X is stored in the input's dtype between the five steps, so its rounding compounds: the
+  // fp64 reference is 1.1-1.5 % away in bf16 and 0.14-0.17 % in fp16 (tests/newton_schulz_cuda_test.cc).
+  if (dtype == DType::kBFloat16) c.tensors[1].tolerance = 3e-2;
+  if (dtype == DType::kFloat16) c.tensors[1].tolerance = 5e-3;
   c.bytes = traffic(c.tensors);
   // Per step, with r = min(R, C), n = max(R, C): X X^T (2 r^2 n), A A (2 r^3), B X (2 r^2 n).
   c.flops_of_rows = [cols](std::int64_t rows_) {
