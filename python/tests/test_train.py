@@ -171,4 +171,14 @@ def test_train_bench_table(cache, tmp_path, monkeypatch):
     with open(out / "train-bench.md") as f:
         table = f.read()
     assert "| impl | tokens/s |" in table and "| eager |" in table
+    assert result["rows"][0]["loss_gap_pct"] == 0.0 and result["run"]["reference_impl"] == "eager"
     assert (out / "train-bench.png").exists() and (out / "eager.jsonl").exists()
+
+
+def test_loss_gap_compares_window_means():
+    from trainscale.train_bench import loss_gap
+    reference = [{"loss": 2.0}] * 20
+    steps = [{"loss": 2.0}] * 10 + [{"loss": 1.0}, {"loss": 3.0}] * 4 + [{"loss": 2.2}, {"loss": 2.2}]
+    # Windows: [0, 10) equal; [10, 20) mean 2.04 against 2.0 -> 2 %. A lone 50 % step averages out.
+    assert abs(loss_gap(steps, reference) - 2.0) < 1e-9
+    assert loss_gap(steps[:11], reference) == 50.0  # a short last window: step 10 alone

@@ -26,7 +26,21 @@ _COLUMNS = (("impl", "impl", "{}"), ("tokens_per_s", "tokens/s", "{:,.0f}"), ("s
             ("tflops", "TFLOP/s", "{:.3g}"), ("mfu", "MFU %", "{:.3g}"),
             ("mfu_measured", "% of GEMM peak", "{:.3g}"),
             ("peak_mem_allocated_gib", "alloc GiB", "{:.2f}"), ("peak_mem_reserved_gib", "reserved GiB", "{:.2f}"),
-            ("final_loss", "final loss", "{:.4f}"), ("status", "status", "{}"))
+            ("final_loss", "final loss", "{:.4f}"), ("loss_gap_pct", "max loss gap %", "{:.2f}"),
+            ("status", "status", "{}"))
+LOSS_WINDOW = 10  # steps averaged before two runs' losses are compared
+
+
+def loss_gap(steps: list, reference: list) -> float:
+    """The largest relative difference, in %, between the mean losses of two runs over the same
+    windows of LOSS_WINDOW steps (of the steps both runs logged; the last window may be shorter)."""
+    n = min(len(steps), len(reference))
+
+    def window_sum(records, i):  # both windows hold the same steps, so sums compare as means
+        return sum(r["loss"] for r in records[i:min(i + LOSS_WINDOW, n)])
+
+    gaps = [abs(window_sum(steps, i) / window_sum(reference, i) - 1.0) for i in range(0, n, LOSS_WINDOW)]
+    return 100.0 * max(gaps) if gaps else float("nan")
 
 
 def _cell(key: str, fmt: str, row: dict) -> str:
@@ -51,11 +65,25 @@ def markdown(result: dict) -> str:
     for row in result["rows"]:
         lines.append("| " + " | ".join(_cell(key, fmt, row) for key, _, fmt in _COLUMNS) + " |")
     measured = run.get("measured_peak_tflops")
-    lines += ["", f"MFU against {run['peak_tflops']} TFLOP/s"
+    lines += ["", f"max loss gap: the largest difference between the row's loss and {run['reference_impl']}'s, "
+                  f"both averaged over the same windows of {LOSS_WINDOW} steps.",
+              "", f"MFU against {run['peak_tflops']} TFLOP/s"
                   + (f", % of GEMM peak against {measured:.0f} TFLOP/s measured by each run "
                      "(--measured-peak-tflops)" if measured else "")
                   + f"; model FLOPs per token {run['model_flops_per_token']:.4g} (6 N + 6 L H d S, docs/train.md)."]
     return "\n".join(lines) + "\n"
+
+
+def assemble(command: str, rows: list, logs: list) -> dict:
+    """The table's record: the first log's run settings, and each row with its loss gap to the first
+    successful run (logs: the successful runs' JSONL logs, in row order)."""
+    runs = [read_log(log) for log in logs]
+    run, reference = runs[0][0], runs[0][1]
+    ok = [row for row in rows if row["status"] == "ok"]
+    for row, (_, steps, _) in zip(ok, runs):
+        row["loss_gap_pct"] = loss_gap(steps, reference)
+    return {"command": command, "run": {**{k: v for k, v in run.items() if k not in ("type", "impl")},
+                                        "reference_impl": run["impl"]}, "rows": rows}
 
 
 def main(argv=None):
@@ -97,8 +125,7 @@ def main(argv=None):
     if run is None:
         raise SystemExit("[train_bench] every run failed; see the .out files in " + args.out_dir)
 
-    result = {"command": " ".join(["python -m trainscale.train_bench"] + (argv or sys.argv[1:])),
-              "run": {k: v for k, v in run.items() if k not in ("type", "impl")}, "rows": rows}
+    result = assemble(" ".join(["python -m trainscale.train_bench"] + (argv or sys.argv[1:])), rows, logs)
     stem = os.path.join(args.out_dir, "train-bench")
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=1)
