@@ -216,3 +216,19 @@ def test_cuda_batch_and_muon():
         if p.ndim == 2 and p is not m[0].weight:
             update, expected = p.detach().double().cpu() - b, q.detach() - b
             assert (update - expected).norm() / expected.norm() < 5e-2
+
+
+def test_bench_muon_suite(tmp_path, capsys):
+    from trainscale import bench
+    assert bench.main(["--suite", "muon", "--device", "cpu", "--list"]) == 0
+    listed = capsys.readouterr().out.split("\n")
+    assert "newton_schulz 96x48 bfloat16" in listed and any(line.startswith("muon_step 4-layers") for line in listed)
+    out = tmp_path / "muon.json"
+    assert bench.main(["--suite", "muon", "--device", "cpu", "--ops", "newton_schulz", "--configs", "96x48",
+                       "--min-time-ms", "1", "--min-samples", "2", "--timeout-ms", "50", "--warmup-ms", "1",
+                       "--quiet", "--json", str(out)]) == 0
+    import json
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["impl"] for r in rows} == {"cpu-ref", "torch", "torch-compile"}
+    assert all(r["status"] == "ok" and r["gate"]["rel_l2"] <= bench.MUON_TOLERANCE for r in rows)
+    assert rows[0]["flops"] == bench.ns_flops(96, 48) == 5 * (4 * 48 * 48 * 96 + 2 * 48 ** 3)
