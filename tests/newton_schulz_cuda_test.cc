@@ -1,10 +1,11 @@
 // Newton-Schulz on the GPU against the fp64 CPU reference on float64 copies of the same rounded
 // input: every dtype, wide and tall (transposed) matrices, odd and tiny shapes, padded rows,
-// 0, 1 and 5 steps and per-step coefficients, NaN input, bit-identical results run to run and
-// the workspace's errors. The CUDA path stores X and the Gram products in the input's dtype
+// 0, 1 and 5 steps and per-step coefficients, NaN input, bit-identical results run to run,
+// batches bit-identical to one call per matrix, and the workspace's errors. The CUDA path stores X and the Gram products in the input's dtype
 // between its products, so its error is that of several roundings per step (kTolerance).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <iostream>
 #include <string>
@@ -99,6 +100,46 @@ TEST(NewtonSchulzCuda, NanPropagatesAndResultsAreBitIdentical) {
   EXPECT_EQ(a, b);
   x[5] = std::nan("");
   for (double v : run_device(DType::kBFloat16, l, x, {})) EXPECT_TRUE(std::isnan(v));
+}
+
+// A batch [N, R, C] (rows of one padded stride) through one call: each matrix the bits of a
+// call on it alone, and the fp64 reference's values.
+TEST(NewtonSchulzCuda, BatchEqualsOneCallPerMatrix) {
+  TS_REQUIRE_GPU();
+  struct Case {
+    std::int64_t count;
+    Layout l;
+  };
+  for (DType dt : {DType::kBFloat16, DType::kFloat32}) {
+    for (const Case& k : {Case{4, {48, 80, 0, false}}, Case{3, {80, 48, 0, false}}, Case{5, {33, 65, 3, false}},
+                          Case{2, {1, 9, 0, false}}, Case{3, {9, 1, 1, false}}, Case{33, {16, 24, 0, false}}}) {
+      const Layout& l = k.l;
+      SCOPED_TRACE(test::describe(dt, l) + " x " + std::to_string(k.count));
+      const Layout all{k.count * l.rows, l.cols, l.pad, false};
+      const Values x = test::random_inputs(dt, all.rows * l.cols, 0, -1, 1, false);
+      StridedDeviceBuffer d_g(dt, all, &x), d_out(dt, all);
+      const auto batch = [&](const StridedDeviceBuffer& b) {
+        TensorView v = b.view();
+        v.ndim = 3;
+        v.shape = {k.count, l.rows, l.cols};
+        v.strides = {l.rows * (l.cols + l.pad), l.cols + l.pad, 1};
+        return v;
+      };
+      const std::size_t bytes = newton_schulz_workspace_bytes(batch(d_g));
+      DeviceTensor ws(HostTensor(DType::kInt64, {static_cast<std::int64_t>(bytes / 8 + 1)}), false);
+      ws.poison();
+      newton_schulz(batch(d_g), batch(d_out), {}, ws.view());
+      EXPECT_TRUE(d_out.padding_untouched());
+      const Values got = d_out.values();
+      const std::int64_t n_elems = l.rows * l.cols;
+      for (std::int64_t n = 0; n < k.count; ++n) {
+        const Values one(x.begin() + n * n_elems, x.begin() + (n + 1) * n_elems);
+        const Values want = run_device(dt, l, one, {}), ref = run_reference(dt, l, one, {});
+        EXPECT_TRUE(std::equal(want.begin(), want.end(), got.begin() + n * n_elems)) << "matrix " << n;
+        EXPECT_TRUE(test::matches_reference(want, ref, tolerance(dt))) << "matrix " << n;
+      }
+    }
+  }
 }
 
 TEST(NewtonSchulzCuda, WorkspaceErrors) {

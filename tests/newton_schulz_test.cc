@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <span>
+#include <vector>
 
 #include "util/gpu_util.h"
 
@@ -217,6 +219,22 @@ TEST(NewtonSchulz, EveryDtypeMatchesFloat64OnItsInputs) {
   }
 }
 
+// A batch [N, R, C] gives each matrix the bits a call on it alone gives.
+TEST(NewtonSchulz, BatchEqualsOneCallPerMatrix) {
+  for (auto [rows, cols] : {std::pair{5, 7}, std::pair{7, 5}}) {
+    auto g = HostTensor::random(DType::kBFloat16, {3, rows, cols}, -1, 1, /*row_pad=*/2);
+    HostTensor out(DType::kBFloat16, {3, rows, cols}, /*row_pad=*/1);
+    newton_schulz(g.view(), out.view());
+    const auto got = out.values(), all = g.values();
+    for (std::int64_t n = 0; n < 3; ++n) {
+      const auto first = all.begin() + n * rows * cols;
+      const auto one = HostTensor::from_values(DType::kBFloat16, {rows, cols}, {first, first + rows * cols});
+      const auto want = run_newton_schulz(one).values();
+      EXPECT_TRUE(std::equal(want.begin(), want.end(), got.begin() + n * rows * cols)) << n;
+    }
+  }
+}
+
 TEST(NewtonSchulz, EmptyZeroAndNaN) {
   for (auto shape : {std::vector<std::int64_t>{0, 4}, std::vector<std::int64_t>{3, 0}}) {
     HostTensor g(DType::kFloat32, shape), out(DType::kFloat32, shape);
@@ -237,9 +255,13 @@ TEST(NewtonSchulz, ArgumentErrors) {
   auto ns = [&](TensorView g_, TensorView out_, const NewtonSchulzOptions& options = {},
                 TensorView workspace = {}) { newton_schulz(g_, out_, options, workspace); };
   TS_EXPECT_ERROR(ns({}, out.view()), op, "'g'", "a tensor", "none");
-  HostTensor ints(DType::kInt64, {4, 6}), g3(DType::kFloat32, {2, 2, 6});
+  HostTensor ints(DType::kInt64, {4, 6}), g4(DType::kFloat32, {2, 1, 2, 6}), g1(DType::kFloat32, {6});
   TS_EXPECT_ERROR(ns(ints.view(), out.view()), op, "'g'", "int64");
-  TS_EXPECT_ERROR(ns(g3.view(), out.view()), op, "'g'", "2 dimensions", "3");
+  TS_EXPECT_ERROR(ns(g4.view(), out.view()), op, "'g'", "a matrix [R, C] or a batch of matrices [N, R, C]",
+                  "[2, 1, 2, 6]");
+  TS_EXPECT_ERROR(ns(g1.view(), out.view()), op, "'g'", "[N, R, C]", "[6]");
+  HostTensor g3(DType::kFloat32, {2, 4, 6});
+  TS_EXPECT_ERROR(ns(g3.view(), out.view()), op, "'out'", "[2, 4, 6]", "[4, 6]");
   TensorView g_columns = g.view();
   g_columns.strides = {1, 4};
   TS_EXPECT_ERROR(ns(g_columns, out.view()), op, "'g'", "stride 1 in the last");
@@ -300,7 +322,10 @@ MuonResult muon_by_hand(const HostTensor& param, const HostTensor& grad, const H
     u.set(i, options.nesterov ? g[i] + options.momentum * r.buffer[i] : r.buffer[i]);
   }
   const auto o = run_newton_schulz(u, options.newton_schulz).values();
-  const double scale = std::sqrt(std::max(1.0, static_cast<double>(R) / static_cast<double>(C)));
+  const auto r_over_c = static_cast<double>(R) / static_cast<double>(C);
+  const double scale = options.lr_adjust == MuonLrAdjust::kOriginal        ? std::sqrt(std::max(1.0, r_over_c))
+                       : options.lr_adjust == MuonLrAdjust::kMatchRmsAdamW ? 0.2 * std::sqrt(std::max(R, C))
+                                                                           : std::sqrt(r_over_c);
   for (std::int64_t i = 0; i < R * C; ++i) {
     r.param[i] = r.param[i] * (1 - options.lr * options.weight_decay) - options.lr * scale * o[i];
   }
@@ -328,6 +353,59 @@ TEST(Muon, StepMatchesTheFormula) {
       }
     }
   }
+}
+
+TEST(Muon, LrAdjustRules) {
+  for (MuonLrAdjust adjust :
+       {MuonLrAdjust::kOriginal, MuonLrAdjust::kMatchRmsAdamW, MuonLrAdjust::kSpectralUnclamped}) {
+    for (auto [rows, cols] : {std::pair{4, 9}, std::pair{9, 4}}) {
+      const MuonOptions options{.lr = 0.05, .weight_decay = 0.1, .lr_adjust = adjust};
+      auto param = HostTensor::random(DType::kFloat64, {rows, cols});
+      auto grad = HostTensor::random(DType::kFloat64, {rows, cols});
+      auto buffer = HostTensor::random(DType::kFloat64, {rows, cols});
+      const auto want = muon_by_hand(param, grad, buffer, options);
+      muon_step(param.view(), grad.view(), buffer.view(), options);
+      SCOPED_TRACE(testing::Message() << rows << "x" << cols << " rule " << static_cast<int>(adjust));
+      EXPECT_TRUE(test::matches_reference(param.values(), want.param, 1e-14));
+    }
+  }
+}
+
+// A list of parameters gives each the bits a call on it alone gives.
+TEST(Muon, ListEqualsOneCallPerParameter) {
+  const MuonOptions options{.lr = 0.03, .weight_decay = 0.05, .newton_schulz = {.steps = 3}};
+  std::vector<HostTensor> params, grads, buffers, want_params, want_buffers;
+  for (int i = 0; i < 3; ++i) {
+    params.push_back(HostTensor::random(DType::kBFloat16, {5, 8}, -1, 1, /*row_pad=*/i));
+    grads.push_back(HostTensor::random(DType::kBFloat16, {5, 8}));
+    buffers.push_back(HostTensor::random(DType::kFloat32, {5, 8}, -1, 1, /*row_pad=*/2 - i));
+    want_params.push_back(params.back());
+    want_buffers.push_back(buffers.back());
+    muon_step(want_params.back().view(), grads.back().view(), want_buffers.back().view(), options);
+  }
+  std::vector<TensorView> p, g, b;
+  for (int i = 0; i < 3; ++i) {
+    p.push_back(params[i].view());
+    g.push_back(grads[i].view());
+    b.push_back(buffers[i].view());
+  }
+  muon_step(p, g, b, options);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(params[i].values(), want_params[i].values());
+    EXPECT_EQ(buffers[i].values(), want_buffers[i].values());
+  }
+  muon_step(std::span<const TensorView>{}, {}, {}, options);  // nothing to do
+  const char* op = "muon_step";
+  TS_EXPECT_ERROR(muon_step(p, std::span(g).first(2), b), op, "'grads'", "one per parameter: 3", "2");
+  TS_EXPECT_ERROR(muon_step(p, g, std::span(b).first(1)), op, "'momentum_buffers'", "3", "1");
+  HostTensor wide(DType::kBFloat16, {5, 9}), buffer16(DType::kBFloat16, {5, 8});
+  std::vector<TensorView> p_shapes = {p[0], wide.view(), p[2]}, b_types = {b[0], b[1], buffer16.view()};
+  TS_EXPECT_ERROR(muon_step(p_shapes, g, b), op, "'params[1]'", "[5, 8]", "[5, 9]");
+  TS_EXPECT_ERROR(muon_step(p, g, b_types), op, "'momentum_buffers[2]'", "float32", "bfloat16");
+  std::vector<TensorView> p_twice = {p[0], p[1], p[0]};
+  TS_EXPECT_ERROR(muon_step(p_twice, g, b), op, "'params[2]'", "disjoint from 'params[0]'");
+  std::vector<TensorView> g_over_p = {g[0], p[0], g[2]};
+  TS_EXPECT_ERROR(muon_step(p, g_over_p, b), op, "'params[0]'", "disjoint from 'grads[1]'");
 }
 
 TEST(Muon, TallParameterStepIsScaledBySqrtRowsOverCols) {
@@ -432,7 +510,9 @@ TEST(Muon, ArgumentErrors) {
     return t;
   };
   TS_EXPECT_ERROR(step(P, G, on_cuda(B)), op, "'momentum_buffer'", "cuda:0");
-  TS_EXPECT_ERROR(step(on_cuda(P), on_cuda(G), on_cuda(B)), op, "CUDA", "CPU reference");
+  // CUDA views take the CUDA path (tests/muon_cuda_test.cc), which here throws: no workspace
+  // was given, or (a machine without a GPU) no device.
+  TS_EXPECT_ERROR(step(on_cuda(P), on_cuda(G), on_cuda(B)), op);
 }
 
 }  // namespace

@@ -10,7 +10,9 @@ pair (no CUDA graphs), so tiny shapes include their launch overhead.
 
 The flce suite (fused linear cross-entropy, forward and backward through autograd) is measured
 here in Python rather than by the engine's cases: it also reports each implementation's peak
-memory, and its gate is a float32 reference on sampled rows (section "flce" below).
+memory, and its gate is a float32 reference on sampled rows (section "flce" below). So is the
+muon suite (Newton-Schulz against eager and torch.compile, a Muon step over the 2-D parameters
+of 4 Llama-3-8B decoder layers against torch.optim.Muon; section "muon").
 """
 import argparse
 import gc
@@ -354,17 +356,22 @@ def _nbytes(tensors):
     return sum(x.numel() * x.element_size() for x in tensors)
 
 
-def _flce_row(shape, impl, ours, device, cold):
-    t, h, v = shape
-    dims = f"{t}x{h}x{v}"
-    dtype = str(FLCE_DTYPE).replace("torch.", "")
-    elem = torch.tensor([], dtype=FLCE_DTYPE).element_size()
-    return {"case": f"{FLCE_OP} {dims} {dtype}", "op": FLCE_OP, "family": "loss", "shape": dims, "dtype": dtype,
+def _row(op, family, dims, dtype, impl, ours, device, cold, nbytes, flops, gate):
+    """A result row of a suite measured in Python (docs/bench-json.md), before measurement."""
+    dtype = str(dtype).replace("torch.", "")
+    return {"case": f"{op} {dims} {dtype}", "op": op, "family": family, "shape": dims, "dtype": dtype,
             "impl": impl, "baseline": not ours, "device": device.type, "status": "ok", "message": "",
             "timer": "", "batch": 1, "cold": cold, "rotate": 1, "stop_reason": "",
-            "bytes": 2 * (t + v) * h * elem + t * 8 + 4, "flops": 6 * t * h * v, "bound": "compute",
-            "gate": {"tolerance": FLCE_TOLERANCE, "rows_checked": min(t, _FLCE_SAMPLE), "rows_total": t,
-                     "rows": "all" if t <= _FLCE_SAMPLE else "sample"}}
+            "bytes": nbytes, "flops": flops, "bound": "compute", "gate": gate}
+
+
+def _flce_row(shape, impl, ours, device, cold):
+    t, h, v = shape
+    elem = torch.tensor([], dtype=FLCE_DTYPE).element_size()
+    return _row(FLCE_OP, "loss", f"{t}x{h}x{v}", FLCE_DTYPE, impl, ours, device, cold,
+                2 * (t + v) * h * elem + t * 8 + 4, 6 * t * h * v,
+                {"tolerance": FLCE_TOLERANCE, "rows_checked": min(t, _FLCE_SAMPLE), "rows_total": t,
+                 "rows": "all" if t <= _FLCE_SAMPLE else "sample"})
 
 
 def _free_memory(device):
@@ -394,6 +401,11 @@ def _flce_measure(row, make, inputs, ref, device, timing, gemm_tflops):
     if not rel <= FLCE_TOLERANCE:
         row.update(status="failed", message=f"relative L2 error {rel:.3g} > tolerance {FLCE_TOLERANCE:g} ({worst})")
         return
+    _time_row(row, run, device, timing, gemm_tflops)
+
+
+def _time_row(row, run, device, timing, gemm_tflops):
+    """Times run() with the engine's stopping rule and fills row's time, rates and clocks."""
     stats = _C.time_callable(run, device.index if device.type == "cuda" else -1, timing)
     ms = stats["median"]
     row.update(timer=stats["timer"], stop_reason=stats["stop_reason"],
@@ -450,6 +462,164 @@ def run_flce(result, shapes, impls, device, timing, seed, progress):
                     result["rows"].append(row)
                     _free_memory(device)
             del hidden, weight, target, ref
+    except KeyboardInterrupt:
+        result["meta"]["interrupted"] = True
+    result["meta"]["wall_seconds"] = result["meta"].get("wall_seconds", 0.0) + time.monotonic() - started
+
+
+# ---- muon: Newton-Schulz and the Muon step against eager PyTorch, torch.compile and
+# torch.optim.Muon, measured here in Python (each implementation's own call, gated on its
+# relative L2 error against a float32 computation on the same inputs).
+
+MUON_SUITE = "muon"
+MUON_DTYPE = torch.bfloat16
+MUON_TOLERANCE = 5e-2  # bfloat16 Newton-Schulz (tests/newton_schulz_cuda_test.cc)
+MUON_NS_SHAPES = [(4096, 4096), (8192, 8192), (4096, 14336)]
+MUON_NS_CPU_SHAPES = [(64, 128), (96, 48)]
+# The 2-D parameters of one decoder layer: q, k, v, o, gate, up, down (Llama-3-8B; on the CPU a
+# tiny one of the same proportions).
+MUON_LAYER = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (14336, 4096), (14336, 4096), (4096, 14336)]
+MUON_CPU_LAYER = [(64, 64), (16, 64), (16, 64), (64, 64), (224, 64), (224, 64), (64, 224)]
+MUON_LAYERS = 4
+
+
+def ns_flops(rows, cols):
+    """Dense FLOPs of 5 Newton-Schulz steps on a rows x cols matrix: 5 (4 p^2 q + 2 p^3)."""
+    p, q = min(rows, cols), max(rows, cols)
+    return 5 * (4 * p * p * q + 2 * p ** 3)
+
+
+def ns_eager(g, steps=5, eps=1e-7):
+    """Newton-Schulz in eager PyTorch as Muon implementations write it (torch.optim.Muon's
+    _zeropower_via_newtonschulz): bfloat16 products, addmm for B and X'."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = g.bfloat16()
+    if g.size(0) > g.size(1):
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if g.size(0) > g.size(1) else x
+
+
+def _ns_float32(g, steps=5):
+    """The gate's reference: the same iteration in float32 without TF32."""
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        x = g.float()
+        x = x.T if g.size(0) > g.size(1) else x
+        x = x / (x.norm() + 1e-7)
+        for _ in range(steps):
+            gram = x @ x.T
+            x = 3.4445 * x + (-4.7750 * gram + 2.0315 * gram @ gram) @ x
+        return x.T if g.size(0) > g.size(1) else x
+    finally:
+        torch.set_float32_matmul_precision(precision)
+
+
+def _rel_l2(got, want):
+    rel = ((got.double() - want.double()).norm() / want.double().norm()).item()
+    return math.inf if math.isnan(rel) else rel
+
+
+def _muon_implementations(use_gpu):
+    """(op, name, is ours, make) per implementation; newton_schulz: make() -> fn(g); muon_step:
+    make(params) -> optimizer."""
+    from .optim import Muon, newton_schulz
+
+    def compiled():
+        torch._dynamo.reset()
+        return torch.compile(ns_eager, dynamic=False)
+    ours = "trainscale" if use_gpu else "cpu-ref"
+    out = [("newton_schulz", ours, True, lambda: newton_schulz), ("newton_schulz", "torch", False, lambda: ns_eager),
+           ("newton_schulz", "torch-compile", False, compiled),
+           ("muon_step", ours, True, lambda params: Muon(params, lr=0.02, weight_decay=0.1))]
+    if hasattr(torch.optim, "Muon"):
+        out.append(("muon_step", "torch-muon", False, lambda params: torch.optim.Muon(params, lr=0.02, weight_decay=0.1)))
+    return out
+
+
+def muon_configs(use_gpu):
+    """(op, dims, shapes) of the suite here: newton_schulz per shape, muon_step over the 2-D
+    parameters of MUON_LAYERS decoder layers."""
+    layer = MUON_LAYER if use_gpu else MUON_CPU_LAYER
+    out = [("newton_schulz", f"{r}x{c}", [(r, c)]) for r, c in (MUON_NS_SHAPES if use_gpu else MUON_NS_CPU_SHAPES)]
+    out.append(("muon_step", f"{MUON_LAYERS}-layers-{layer[0][0]}-{layer[4][0]}", layer * MUON_LAYERS))
+    return out
+
+
+def _muon_case(op, shapes, device, generator):
+    """Inputs, the gate's reference output and a run factory for one config: newton_schulz gets
+    a matrix; muon_step fresh parameters (and gradients) per implementation, and its output is
+    the first step's update of every parameter, concatenated."""
+    if op == "newton_schulz":
+        (r, c), = shapes
+        g = torch.randn(r, c, generator=generator, device=device, dtype=MUON_DTYPE)
+        return _ns_float32(g).reshape(-1), lambda make: (lambda fn: (lambda: fn(g), lambda: fn(g).reshape(-1)))(make())
+    start = [torch.randn(s, generator=generator, device=device, dtype=MUON_DTYPE).mul_(0.02) for s in shapes]
+    grads = [torch.randn(s, generator=generator, device=device, dtype=MUON_DTYPE) for s in shapes]
+    # The first step from a zero buffer: u = (1 + momentum) g (Nesterov), update -lr (s NS(u) + wd p).
+    ref = torch.cat([(p.float() * (1 - 0.02 * 0.1) - 0.02 * max(1, p.size(0) / p.size(1)) ** 0.5
+                      * _ns_float32(1.95 * g) - p.float()).reshape(-1) for p, g in zip(start, grads)])
+
+    def make_run(make):
+        params = [torch.nn.Parameter(p.clone()) for p in start]
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt = make(params)
+
+        def first_update():
+            before = [p.detach().clone() for p in params]
+            opt.step()
+            return torch.cat([(p.detach().float() - b.float()).reshape(-1) for p, b in zip(params, before)])
+        return opt.step, first_update
+    return ref, make_run
+
+
+def run_muon(result, configs, impls, device, timing, seed, progress):
+    """Appends the muon suite's rows (result: the JSON document of docs/bench-json.md): each
+    implementation gated on its first call against the float32 reference, then timed."""
+    gemm_tflops = (result.get("roofline") or {}).get("gemm_bf16_tflops")
+    available = [i for i in _muon_implementations(device.type == "cuda") if not impls or i[1] in impls]
+    generator = torch.Generator(device=device).manual_seed(seed)
+    started = time.monotonic()
+    elem = torch.tensor([], dtype=MUON_DTYPE).element_size()
+    try:
+        for n, (op, dims, shapes) in enumerate(configs):
+            ref, make_run = _muon_case(op, shapes, device, generator)
+            numel = sum(r * c for r, c in shapes)
+            # newton_schulz: g read, out written; muon_step: param read and written, grad read,
+            # a float32 buffer read and written.
+            nbytes = 2 * numel * elem if op == "newton_schulz" else numel * (3 * elem + 8)
+            flops = sum(ns_flops(r, c) for r, c in shapes)
+            for _, name, ours, make in (i for i in available if i[0] == op):
+                row = _row(op, "newton_schulz", dims, MUON_DTYPE, name, ours, device,
+                           device.type == "cuda" and timing["flush_l2"], nbytes, flops,
+                           {"tolerance": MUON_TOLERANCE, "rows_checked": len(shapes), "rows_total": len(shapes),
+                            "rows": "all"})
+                if progress:
+                    print(f"[muon {n + 1}/{len(configs)}] {row['case']} [{name}]", file=sys.stderr, flush=True)
+                try:
+                    run, first = make_run(make)
+                    rel = _rel_l2(first(), ref)
+                    row["gate"].update(rel_l2=rel)
+                    if not rel <= MUON_TOLERANCE:
+                        row.update(status="failed", message=f"relative L2 error {rel:.3g} > tolerance {MUON_TOLERANCE:g}")
+                    else:
+                        _time_row(row, run, device, timing, gemm_tflops)
+                except torch.cuda.OutOfMemoryError as e:
+                    row.update(status="failed" if ours else "unsupported",
+                               message=f"skipped (OOM): {str(e).splitlines()[0]}")
+                except KeyboardInterrupt:
+                    row.update(status="interrupted", message="interrupted")
+                    raise
+                except Exception as e:  # noqa: BLE001 (reported in the row, like the engine does)
+                    row.update(status="failed", message=f"{type(e).__name__}: {e}"[:500])
+                finally:
+                    result["rows"].append(row)
+                    _free_memory(device)
     except KeyboardInterrupt:
         result["meta"]["interrupted"] = True
     result["meta"]["wall_seconds"] = result["meta"].get("wall_seconds", 0.0) + time.monotonic() - started
@@ -526,7 +696,7 @@ def main(argv=None):
                "130 when interrupted (Ctrl-C writes the results so far). On a GPU, ops that have only their CPU "
                "reference are listed as such and not run.")
     p.add_argument("--suite", default=None, help="suites, comma-separated (default: llama on a GPU, smoke on the CPU); "
-                                                 f"{FLCE_SUITE} runs alone")
+                                                 f"{FLCE_SUITE} and {MUON_SUITE} run alone")
     p.add_argument("--ops", default="", help="only these ops (--list shows them)")
     p.add_argument("--dtype", default="", help="only these dtypes (fp32, fp16, bf16, ...)")
     p.add_argument("--configs", default="", help="only these shapes (dims joined by x)")
@@ -556,10 +726,11 @@ def main(argv=None):
               "min_time_ms": args.min_time_ms, "timeout_ms": args.timeout_ms, "warmup_ms": args.warmup_ms,
               "flush_l2": not args.warm}
     command_line = " ".join(["python -m trainscale.bench"] + sys.argv[1:])
-    if FLCE_SUITE in suites:
-        if len(suites) > 1:
-            p.error(f"--suite {FLCE_SUITE} runs alone (measured in Python, not by the engine)")
-        return _main_flce(p, args, use_gpu, timing, command_line)
+    for python_suite, run in ((FLCE_SUITE, _main_flce), (MUON_SUITE, _main_muon)):
+        if python_suite in suites:
+            if len(suites) > 1:
+                p.error(f"--suite {python_suite} runs alone (measured in Python, not by the engine)")
+            return run(p, args, use_gpu, timing, command_line)
     if args.list:
         ops = set(_csv_list(args.ops))
         try:
@@ -597,6 +768,28 @@ def _main_flce(p, args, use_gpu, timing, command_line):
                                      use_gpu and not args.no_roofline, command_line))
     device = torch.device("cuda", args.gpu) if use_gpu else torch.device("cpu")
     run_flce(result, shapes, impls, device, timing, args.seed, not args.quiet)
+    return _report(args, json.dumps(_finite(result), indent=2))
+
+
+def _main_muon(p, args, use_gpu, timing, command_line):
+    ops, impls = _csv_list(args.ops), _csv_list(args.impl)
+    known_ops = {"newton_schulz", "muon_step"}
+    if any(op not in known_ops for op in ops):
+        p.error(f"--ops: the {MUON_SUITE} suite has {', '.join(sorted(known_ops))}")
+    known = {name for _, name, _, _ in _muon_implementations(use_gpu)}
+    if any(impl not in known for impl in impls):
+        p.error(f"--impl: the {MUON_SUITE} suite has {', '.join(sorted(known))} here")
+    dtypes, configs = _csv_list(args.dtype), _csv_list(args.configs)
+    wanted = not dtypes or any(d in ("bf16", "bfloat16") for d in dtypes)
+    selected = [c for c in muon_configs(use_gpu) if wanted and (not ops or c[0] in ops) and (not configs or c[1] in configs)]
+    if args.list:
+        for op, dims, _ in selected:
+            print(f"{op} {dims} bfloat16")
+        return 0
+    result = json.loads(_C.empty_run(MUON_SUITE, use_gpu, args.gpu, timing, args.seed,
+                                     use_gpu and not args.no_roofline, command_line))
+    device = torch.device("cuda", args.gpu) if use_gpu else torch.device("cpu")
+    run_muon(result, selected, impls, device, timing, args.seed, not args.quiet)
     return _report(args, json.dumps(_finite(result), indent=2))
 
 

@@ -210,7 +210,7 @@ struct Config {
 
 // The suites of docs/contract.md; configs may only be added to these.
 inline constexpr const char* kSuiteNames[] = {"smoke", "quack",     "quack-m", "dsv3",
-                                              "llama", "attention", "flce",    "sweep"};
+                                              "llama", "attention", "flce",    "muon",   "sweep"};
 
 class Registry {
  public:

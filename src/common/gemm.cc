@@ -2,6 +2,8 @@
 
 #include <cublasLt.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <map>
 #include <mutex>
 #include <string>
@@ -80,18 +82,48 @@ int alignment_of(const void* p) {
   return 1;
 }
 
-// What the algorithm choice depends on.
+// What the algorithm choice depends on (with the batch, unless batch_invariant).
 using AlgoKey = std::tuple<int, int, int, int, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
-                           std::int64_t, std::int64_t, bool, bool, int, int, int, std::size_t>;
+                           std::int64_t, std::int64_t, bool, bool, int, int, int, std::size_t, bool,
+                           std::int64_t, std::int64_t, std::int64_t, std::int64_t>;
+
+void set_batch(cublasLtMatrixLayout_t layout, std::int64_t count, std::int64_t stride, const char* op) {
+  const auto n = static_cast<std::int32_t>(count);
+  check_cublas(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &n, sizeof(n)), op,
+               "cublasLtMatrixLayoutSetAttribute (BATCH_COUNT)");
+  check_cublas(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride,
+                                                sizeof(stride)),
+               op, "cublasLtMatrixLayoutSetAttribute (STRIDED_BATCH_OFFSET)");
+}
+
+// The three layouts of a call (cuBLASLt's A is our b: out^T = b^T a^T) batched `count` times.
+void set_batches(const Descriptors& d, const GemmBatch& batch, std::int64_t count, const char* op) {
+  set_batch(d.a, count, batch.stride_b, op);
+  set_batch(d.b, count, batch.stride_a, op);
+  set_batch(d.d, count, batch.stride_out, op);
+}
+
+// One entry per device: algorithms by key, and, for batch-invariant calls, whether the
+// algorithm chosen for one product runs a whole batch (count, strides) in one call.
+struct Cache {
+  std::mutex mutex;
+  std::map<std::pair<int, AlgoKey>, cublasLtMatmulAlgo_t> algos;
+  std::map<std::tuple<int, AlgoKey, std::int64_t, std::int64_t, std::int64_t, std::int64_t>, bool> batched;
+};
+Cache& cache() {
+  static Cache c;
+  return c;
+}
 
 }  // namespace
 
 void gemm(const char* op, const GemmOperand& a, const GemmOperand& b, const GemmResult& out,
           const GemmScalars& scalars, void* workspace, std::size_t workspace_bytes,
-          cudaStream_t stream) {
-  if (!(a.cols == b.rows && out.rows == a.rows && out.cols == b.cols && a.dtype == b.dtype))
+          cudaStream_t stream, const GemmBatch& batch) {
+  if (!(a.cols == b.rows && out.rows == a.rows && out.cols == b.cols && a.dtype == b.dtype && batch.count >= 0 &&
+        batch.count <= INT32_MAX))
     throw_op_error(op, "internal GEMM shape mismatch");
-  if (out.rows == 0 || out.cols == 0) return;
+  if (out.rows == 0 || out.cols == 0 || batch.count == 0) return;
   cublasLtHandle_t handle = handle_for_current_device(op);
   const ColumnMajor ca = column_major(b), cb = column_major(a);  // out^T = b^T a^T
   const cudaDataType_t in_type = cuda_type(a.dtype, op), out_type = cuda_type(out.dtype, op);
@@ -119,24 +151,36 @@ void gemm(const char* op, const GemmOperand& a, const GemmOperand& b, const Gemm
   check_cublas(cublasLtMatrixLayoutCreate(&d.d, out_type, static_cast<std::uint64_t>(out.cols),
                                           static_cast<std::uint64_t>(out.rows), out.ld),
                op, "cublasLtMatrixLayoutCreate");
+  // Without batch invariance the algorithm is chosen for the batched call itself.
+  const bool batched_choice = !batch.batch_invariant && batch.count > 1;
+  if (batched_choice) set_batches(d, batch, batch.count, op);
 
+  const void* addend = out.addend != nullptr ? out.addend : out.data;
   const AlgoKey key{static_cast<int>(a.dtype), static_cast<int>(out.dtype), static_cast<int>(ca.op),
                     static_cast<int>(cb.op), a.rows, a.cols, b.cols, a.ld, b.ld, out.ld,
                     scalars.on_device, out.row_bias != nullptr, alignment_of(a.data), alignment_of(b.data),
-                    alignment_of(out.data), workspace_bytes};
-  static std::mutex mutex;
-  static std::map<std::pair<int, AlgoKey>, cublasLtMatmulAlgo_t> algos;
+                    std::min(alignment_of(out.data), alignment_of(addend)), workspace_bytes, batch.batch_invariant,
+                    batched_choice ? batch.count : 1, batched_choice ? batch.stride_a : 0,
+                    batched_choice ? batch.stride_b : 0, batched_choice ? batch.stride_out : 0};
+  Cache& c = cache();
   int device = 0;
   check_cuda(cudaGetDevice(&device), op, "cudaGetDevice");
   cublasLtMatmulAlgo_t algo{};
+  bool one_call = true;
   {
-    const std::lock_guard<std::mutex> lock(mutex);
-    auto it = algos.find({device, key});
-    if (it == algos.end()) {
+    const std::lock_guard<std::mutex> lock(c.mutex);
+    auto it = c.algos.find({device, key});
+    if (it == c.algos.end()) {
       check_cublas(cublasLtMatmulPreferenceCreate(&d.preference), op, "cublasLtMatmulPreferenceCreate");
       check_cublas(cublasLtMatmulPreferenceSetAttribute(d.preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                         &workspace_bytes, sizeof(workspace_bytes)),
                    op, "cublasLtMatmulPreferenceSetAttribute");
+      if (batch.batch_invariant) {
+        const std::uint32_t none = CUBLASLT_REDUCTION_SCHEME_NONE;
+        check_cublas(cublasLtMatmulPreferenceSetAttribute(d.preference, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                                                          &none, sizeof(none)),
+                     op, "cublasLtMatmulPreferenceSetAttribute (REDUCTION_SCHEME_MASK)");
+      }
       cublasLtMatmulHeuristicResult_t result{};
       int found = 0;
       check_cublas(cublasLtMatmulAlgoGetHeuristic(handle, d.matmul, d.a, d.b, d.d, d.d, d.preference, 1,
@@ -147,13 +191,36 @@ void gemm(const char* op, const GemmOperand& a, const GemmOperand& b, const Gemm
                                std::to_string(a.cols) + " @ " + std::to_string(b.rows) + "x" +
                                std::to_string(b.cols) + " product of " + dtype_name(a.dtype));
       }
-      it = algos.emplace(std::pair{device, key}, result.algo).first;
+      it = c.algos.emplace(std::pair{device, key}, result.algo).first;
     }
     algo = it->second;
+    if (batch.batch_invariant && batch.count > 1) {
+      const auto batched_key = std::tuple{device, key, batch.count, batch.stride_a, batch.stride_b, batch.stride_out};
+      auto checked = c.batched.find(batched_key);
+      if (checked == c.batched.end()) {
+        set_batches(d, batch, batch.count, op);
+        cublasLtMatmulHeuristicResult_t result{};
+        const bool ok = cublasLtMatmulAlgoCheck(handle, d.matmul, d.a, d.b, d.d, d.d, &algo, &result) ==
+                            CUBLAS_STATUS_SUCCESS &&
+                        result.workspaceSize <= workspace_bytes;
+        checked = c.batched.emplace(batched_key, ok).first;
+      }
+      one_call = checked->second;
+      set_batches(d, batch, one_call ? batch.count : 1, op);
+    }
   }
-  check_cublas(cublasLtMatmul(handle, d.matmul, scalars.alpha, b.data, d.a, a.data, d.b, scalars.beta,
-                              out.data, d.d, out.data, d.d, &algo, workspace, workspace_bytes, stream),
-               op, "cublasLtMatmul");
+  const std::int64_t calls = one_call ? 1 : batch.count;
+  const auto in_bytes = static_cast<std::int64_t>(dtype_size(a.dtype)),
+             out_bytes = static_cast<std::int64_t>(dtype_size(out.dtype));
+  for (std::int64_t i = 0; i < calls; ++i) {
+    const auto* pa = static_cast<const char*>(a.data) + i * batch.stride_a * in_bytes;
+    const auto* pb = static_cast<const char*>(b.data) + i * batch.stride_b * in_bytes;
+    const auto* pc = static_cast<const char*>(addend) + i * batch.stride_out * out_bytes;
+    auto* pd = static_cast<char*>(out.data) + i * batch.stride_out * out_bytes;
+    check_cublas(cublasLtMatmul(handle, d.matmul, scalars.alpha, pb, d.a, pa, d.b, scalars.beta, pc, d.d, pd, d.d,
+                                &algo, workspace, workspace_bytes, stream),
+                 op, "cublasLtMatmul");
+  }
 }
 
 }  // namespace trainscale::detail

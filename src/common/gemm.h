@@ -24,7 +24,8 @@ struct GemmOperand {
 };
 
 // A row-major result [rows, cols], element (r, c) at data[r * ld + c]. row_bias: optional
-// [cols] of out's dtype, added to every row (in the product's epilogue).
+// [cols] of out's dtype, added to every row (in the product's epilogue). addend: the matrix
+// beta scales (out's dtype and layout, disjoint from out); nullptr: out itself.
 struct GemmResult {
   void* data = nullptr;
   DType dtype = DType::kBFloat16;
@@ -32,6 +33,7 @@ struct GemmResult {
   std::int64_t cols = 0;
   std::int64_t ld = 0;
   const void* row_bias = nullptr;
+  const void* addend = nullptr;
 };
 
 // alpha and beta: host floats, or device floats (read when the product runs) with on_device.
@@ -41,12 +43,23 @@ struct GemmScalars {
   bool on_device = false;
 };
 
-// out = alpha * a @ b + beta * out (+ row_bias), on `stream`. a: [M, K], b: [K, N], out: [M, N]; a and b of
+// `count` products of one shape; product i reads a, b and the addend at data + i * stride_a,
+// stride_b, stride_out elements and writes out at data + i * stride_out. batch_invariant: each
+// product's bits do not depend on count: the algorithm is chosen for one product with no
+// split-K reduction and used for every count (one strided-batched call when cuBLASLt accepts
+// it for the batch, else one call per product).
+struct GemmBatch {
+  std::int64_t count = 1;
+  std::int64_t stride_a = 0, stride_b = 0, stride_out = 0;
+  bool batch_invariant = false;
+};
+
+// out = alpha * a @ b + beta * addend (+ row_bias), on `stream`, for each product of `batch`. a: [M, K], b: [K, N], out: [M, N]; a and b of
 // one dtype (float32, float16, bfloat16), out of theirs or float32. workspace: cuBLASLt's
 // scratch (16-byte aligned; 32 MiB lets it choose any algorithm). The algorithm for a shape is
 // chosen once per process (cuBLASLt's heuristic) and reused: the same bits every run.
 void gemm(const char* op, const GemmOperand& a, const GemmOperand& b, const GemmResult& out,
           const GemmScalars& scalars, void* workspace, std::size_t workspace_bytes,
-          cudaStream_t stream);
+          cudaStream_t stream, const GemmBatch& batch = {});
 
 }  // namespace trainscale::detail

@@ -1,6 +1,11 @@
-// Newton-Schulz orthogonalization (5 quintic steps, Muon's coefficients). Config R x C.
+// Newton-Schulz orthogonalization (5 quintic steps, Muon's coefficients) of one matrix (config
+// R x C) or of a batch of matrices of one shape (newton_schulz_batched, N x R x C, with the
+// baseline "per-matrix": one call per matrix), and the Muon step over N parameters of one shape
+// (muon_step, N x R x C, one list call).
 #include <algorithm>
 #include <cstddef>
+#include <optional>
+#include <vector>
 
 #include "bench/cases/case_util.h"
 #include "trainscale/newton_schulz.h"
@@ -8,11 +13,37 @@
 namespace trainscale::bench::cases {
 namespace {
 
-// The CUDA path's workspace (a build without CUDA needs none). The query reads the shape and
-// dtype, never the data, but its argument check wants a non-null pointer.
-std::int64_t workspace_bytes(std::int64_t rows, std::int64_t cols, DType dtype) {
+// The CUDA paths' workspaces (a build without CUDA needs none). The queries read the shape and
+// dtype, never the data, but their argument checks want a non-null pointer.
+std::int64_t workspace_bytes(std::int64_t count, std::int64_t rows, std::int64_t cols, DType dtype) {
   static std::byte placeholder;
-  return static_cast<std::int64_t>(newton_schulz_workspace_bytes(TensorView(&placeholder, dtype, {rows, cols})));
+  return static_cast<std::int64_t>(
+      newton_schulz_workspace_bytes(TensorView(&placeholder, dtype, {count, rows, cols})));
+}
+std::int64_t muon_workspace_bytes(std::int64_t count, std::int64_t rows, std::int64_t cols, DType dtype) {
+  static std::byte placeholder;
+  return static_cast<std::int64_t>(muon_step_workspace_bytes(TensorView(&placeholder, dtype, {rows, cols}), count));
+}
+
+// FLOPs of `steps` dense steps on an R x C matrix: with r = min(R, C), n = max(R, C), per step
+// X X^T (2 r^2 n), A A (2 r^3), B X (2 r^2 n).
+double ns_flops(std::int64_t rows, std::int64_t cols) {
+  const auto r = static_cast<double>(std::min(rows, cols)), n = static_cast<double>(std::max(rows, cols));
+  return NewtonSchulzOptions{}.steps * (4.0 * r * r * n + 2.0 * r * r * r);
+}
+
+// X is stored in the input's dtype between the five steps, so its rounding compounds: the fp64
+// reference is 1.1-1.5 % away in bf16 and 0.14-0.17 % in fp16 (tests/newton_schulz_cuda_test.cc).
+std::optional<double> ns_tolerance(DType dtype) {
+  if (dtype == DType::kBFloat16) return 3e-2;
+  if (dtype == DType::kFloat16) return 5e-3;
+  return std::nullopt;
+}
+
+// Matrix n of a batch [N, R, C] as a [R, C] view.
+TensorView matrix(const TensorView& t, std::int64_t n) {
+  return TensorView(static_cast<char*>(t.data) + n * t.stride(0) * static_cast<std::int64_t>(t.element_size()),
+                    t.dtype, {t.size(1), t.size(2)}, {t.stride(1), 1}, t.device);
 }
 
 Case newton_schulz_case(std::span<const std::int64_t> shape, DType dtype) {
@@ -20,17 +51,10 @@ Case newton_schulz_case(std::span<const std::int64_t> shape, DType dtype) {
   const std::int64_t rows = c.shape[0], cols = c.shape[1];
   // Rows coupled: a large case is gated on the problem of its first rows (Case::flops_of_rows).
   c.tensors = {input("g", dtype, {rows, cols}), output("out", dtype, {rows, cols}),
-               scratch("workspace", workspace_bytes(rows, cols, dtype))};
-  // X is stored in the input's dtype between the five steps, so its rounding compounds: the
-  // fp64 reference is 1.1-1.5 % away in bf16 and 0.14-0.17 % in fp16 (tests/newton_schulz_cuda_test.cc).
-  if (dtype == DType::kBFloat16) c.tensors[1].tolerance = 3e-2;
-  if (dtype == DType::kFloat16) c.tensors[1].tolerance = 5e-3;
+               scratch("workspace", workspace_bytes(1, rows, cols, dtype))};
+  c.spec("out").tolerance = ns_tolerance(dtype);
   c.bytes = traffic(c.tensors);
-  // Per step, with r = min(R, C), n = max(R, C): X X^T (2 r^2 n), A A (2 r^3), B X (2 r^2 n).
-  c.flops_of_rows = [cols](std::int64_t rows_) {
-    const auto r = static_cast<double>(std::min(rows_, cols)), n = static_cast<double>(std::max(rows_, cols));
-    return NewtonSchulzOptions{}.steps * (4.0 * r * r * n + 2.0 * r * r * r);
-  };
+  c.flops_of_rows = [cols](std::int64_t rows_) { return ns_flops(rows_, cols); };
   c.flops = c.flops_of_rows(rows);
   c.bound = Bound::kCompute;
   const auto [g, out, workspace] = c.ids("g", "out", "workspace");
@@ -39,11 +63,81 @@ Case newton_schulz_case(std::span<const std::int64_t> shape, DType dtype) {
   return c;
 }
 
+// The matrices are independent: the gate checks a run of whole ones (groups along dim 0).
+Case newton_schulz_batched_case(std::span<const std::int64_t> shape, DType dtype) {
+  Case c = begin_case("newton_schulz_batched", "newton_schulz", shape, dtype, 3, "NxRxC");
+  const std::int64_t count = c.shape[0], rows = c.shape[1], cols = c.shape[2];
+  c.tensors = {input("g", dtype, {count, rows, cols}, false), output("out", dtype, {count, rows, cols}, false),
+               scratch("workspace", workspace_bytes(count, rows, cols, dtype))};
+  c.spec("g").group_dim = 0;
+  c.spec("out").group_dim = 0;
+  c.spec("out").tolerance = ns_tolerance(dtype);
+  c.groups = count;
+  c.bytes = traffic(c.tensors);
+  c.flops = static_cast<double>(count) * ns_flops(rows, cols);
+  c.bound = Bound::kCompute;
+  const auto [g, out, workspace] = c.ids("g", "out", "workspace");
+  c.entry = [=](CaseTensors t, cudaStream_t s) { newton_schulz(t[g], t[out], {}, t[workspace], s); };
+  c.reference = on_cpu(c.entry);
+  return c;
+}
+
+// One call per matrix, on the batch's workspace (one matrix needs a prefix of it).
+std::optional<Implementation> per_matrix_baseline(const Case& c) {
+  const auto [g, out, workspace] = c.ids("g", "out", "workspace");
+  Implementation impl;
+  impl.run = [=](CaseTensors t, cudaStream_t s) {
+    for (std::int64_t n = 0; n < t[g].size(0); ++n) newton_schulz(matrix(t[g], n), matrix(t[out], n), {}, t[workspace], s);
+  };
+  return impl;
+}
+
+// N parameters [R, C] stacked in [N, R, C] tensors, passed as a list (the optimizer's call).
+Case muon_step_case(std::span<const std::int64_t> shape, DType dtype) {
+  Case c = begin_case("muon_step", "newton_schulz", shape, dtype, 3, "NxRxC");
+  const std::int64_t count = c.shape[0], rows = c.shape[1], cols = c.shape[2];
+  c.tensors = {in_out("param", dtype, {count, rows, cols}, false), input("grad", dtype, {count, rows, cols}, false),
+               in_out("momentum_buffer", DType::kFloat32, {count, rows, cols}, false),
+               scratch("workspace", muon_workspace_bytes(count, rows, cols, dtype))};
+  for (const char* name : {"param", "grad", "momentum_buffer"}) c.spec(name).group_dim = 0;
+  c.spec("momentum_buffer").reference_dtype = DType::kFloat32;
+  c.groups = count;
+  c.bytes = traffic(c.tensors);
+  c.flops = static_cast<double>(count) * ns_flops(rows, cols);
+  c.bound = Bound::kCompute;
+  const auto [param, grad, buffer, workspace] = c.ids("param", "grad", "momentum_buffer", "workspace");
+  c.entry = [=](CaseTensors t, cudaStream_t s) {
+    std::vector<TensorView> p, g, b;
+    for (std::int64_t n = 0; n < t[param].size(0); ++n) {
+      p.push_back(matrix(t[param], n));
+      g.push_back(matrix(t[grad], n));
+      b.push_back(matrix(t[buffer], n));
+    }
+    muon_step(p, g, b, {.weight_decay = 0.1}, t[workspace], s);
+  };
+  c.reference = on_cpu(c.entry);
+  return c;
+}
+
 const Registrar kRegister([](Registry& r) {
   r.add_op({"newton_schulz", "newton_schulz", "R x C", newton_schulz_case});
   r.add_configs("smoke", "newton_schulz", {{64, 128}}, {DType::kFloat32, DType::kBFloat16});
-  // Llama-3-8B weights: attention projections and the MLP.
-  r.add_configs("llama", "newton_schulz", {{kLlamaHidden, kLlamaHidden}, {kLlamaHidden, kLlamaFfn}},
+  // Llama-3-8B weights: attention projections and the MLP; the largest square the issue targets.
+  r.add_configs("llama", "newton_schulz", {{kLlamaHidden, kLlamaHidden}, {kLlamaHidden, kLlamaFfn}, {8192, 8192}},
+                {DType::kBFloat16});
+  r.add_op({"newton_schulz_batched", "newton_schulz", "N x R x C", newton_schulz_batched_case});
+  r.add_baseline("newton_schulz_batched", "per-matrix", per_matrix_baseline);
+  r.add_configs("smoke", "newton_schulz_batched", {{4, 64, 128}}, {DType::kBFloat16});
+  // A model's layers of one shape: 32 matrices of 4096 x 4096. The "muon" suite's cases gate on
+  // whole matrices (teraflops of fp64 on the host), so they stay out of the quick llama suite.
+  r.add_configs("muon", "newton_schulz_batched", {{32, kLlamaHidden, kLlamaHidden}}, {DType::kBFloat16});
+  r.add_op({"muon_step", "newton_schulz", "N x R x C", muon_step_case});
+  r.add_configs("smoke", "muon_step", {{3, 96, 64}}, {DType::kBFloat16});
+  // 4 Llama-3-8B decoder layers, per shape: q/o 4096 x 4096 (8), k/v 1024 x 4096 (8),
+  // gate/up 14336 x 4096 (8), down 4096 x 14336 (4).
+  r.add_configs("muon", "muon_step",
+                {{8, kLlamaHidden, kLlamaHidden}, {8, kLlamaKvHeads * kLlamaHeadDim, kLlamaHidden},
+                 {8, kLlamaFfn, kLlamaHidden}, {4, kLlamaHidden, kLlamaFfn}},
                 {DType::kBFloat16});
 });
 

@@ -30,13 +30,20 @@ std::int64_t grain_for(std::int64_t work_per_row) {
   return std::max<std::int64_t>(1, kWorkPerChunk / std::max<std::int64_t>(1, work_per_row));
 }
 
-Matrix load_matrix(const TensorView& t, const detail::Rows& layout) {
-  Matrix m(layout.rows, layout.cols);
+// `rows` rows of t's row layout from row `first`, and the way back.
+Matrix load_matrix(const TensorView& t, const detail::Rows& layout, std::int64_t first, std::int64_t rows) {
+  Matrix m(rows, layout.cols);
   for (std::int64_t i = 0; i < m.rows; ++i) {
     for (std::int64_t j = 0; j < m.cols; ++j)
-      m(i, j) = load_as_double(t.dtype, t.data, i * layout.row_stride + j);
+      m(i, j) = load_as_double(t.dtype, t.data, (first + i) * layout.row_stride + j);
   }
   return m;
+}
+void store_matrix(const Matrix& m, TensorView t, const detail::Rows& layout, std::int64_t first) {
+  for (std::int64_t i = 0; i < m.rows; ++i) {
+    for (std::int64_t j = 0; j < m.cols; ++j)
+      store_from_double(t.dtype, t.data, (first + i) * layout.row_stride + j, m(i, j));
+  }
 }
 
 Matrix transposed(const Matrix& m) {
@@ -97,11 +104,11 @@ Matrix newton_schulz_matrix(const Matrix& g, const NewtonSchulzOptions& options)
 }  // namespace
 
 void newton_schulz_cpu(const TensorView& g, TensorView out, const NewtonSchulzOptions& options) {
-  const auto out_layout = detail::row_layout(out);
-  const Matrix x = newton_schulz_matrix(load_matrix(g, detail::row_layout(g)), options);
-  for (std::int64_t i = 0; i < x.rows; ++i) {
-    for (std::int64_t j = 0; j < x.cols; ++j)
-      store_from_double(out.dtype, out.data, i * out_layout.row_stride + j, x(i, j));
+  const auto g_layout = detail::row_layout(g), out_layout = detail::row_layout(out);
+  const std::int64_t rows = g.size(-2), count = g_layout.rows / std::max<std::int64_t>(rows, 1);
+  for (std::int64_t n = 0; n < count; ++n) {  // matrix n: `rows` rows from row n * rows
+    store_matrix(newton_schulz_matrix(load_matrix(g, g_layout, n * rows, rows), options), out, out_layout,
+                 n * rows);
   }
 }
 
@@ -109,7 +116,8 @@ void muon_step_cpu(TensorView param, const TensorView& grad, TensorView momentum
                    const MuonOptions& options) {
   const auto param_layout = detail::row_layout(param),
              buffer_layout = detail::row_layout(momentum_buffer);
-  const Matrix gradient = load_matrix(grad, detail::row_layout(grad));
+  const auto grad_layout = detail::row_layout(grad);
+  const Matrix gradient = load_matrix(grad, grad_layout, 0, grad_layout.rows);
   const std::int64_t R = gradient.rows, C = gradient.cols;
   Matrix update(R, C);  // u
   detail::parallel_for(R, grain_for(C), [&](std::int64_t lo, std::int64_t hi) {
@@ -126,8 +134,7 @@ void muon_step_cpu(TensorView param, const TensorView& grad, TensorView momentum
   });
   const Matrix orthogonal = newton_schulz_matrix(update, options.newton_schulz);
   const double decay = 1.0 - options.lr * options.weight_decay;
-  const double step =
-      options.lr * std::sqrt(std::max(1.0, static_cast<double>(R) / static_cast<double>(C)));
+  const double step = options.lr * lr_factor(options.lr_adjust, R, C);
   detail::parallel_for(R, grain_for(C), [&](std::int64_t lo, std::int64_t hi) {
     for (std::int64_t i = lo; i < hi; ++i) {
       for (std::int64_t j = 0; j < C; ++j) {

@@ -1,0 +1,229 @@
+"""The Newton-Schulz family (include/trainscale/newton_schulz.h) in PyTorch: newton_schulz and the
+Muon optimizer, on one process or distributed over torch.distributed.
+
+Muon (``ts.optim.Muon``) updates 2-D parameters with the orthogonalized momentum
+(torch.ops.trainscale.muon_step_: the CUDA kernels on the GPU, the fp64 reference on the CPU) and
+every other parameter, and those of groups with ``use_muon=False`` (embeddings, the LM head), with
+AdamW, the usual recipe (Keller Jordan's Muon, Moonlight).
+"""
+import math
+from collections import defaultdict
+from typing import Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.library import register_fake
+
+from ._common import like as _like
+from ._common import ops
+
+__all__ = ["Muon", "newton_schulz", "DEFAULT_NS_COEFFICIENTS"]
+
+DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+_LR_RULES = ("original", "match_rms_adamw", "spectral_unclamped")
+
+
+@register_fake("trainscale::newton_schulz")
+def _(g, steps, a, b, c, eps):
+    return _like(g)
+
+
+def newton_schulz(g: torch.Tensor, steps: int = 5,
+                  coefficients: Tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
+                  eps: float = 1e-7) -> torch.Tensor:
+    """Newton-Schulz orthogonalization of a matrix [R, C] or of each matrix of a batch [N, R, C]:
+    X = G / (||G||_F + eps), transposed when R > C, then ``steps`` times
+    X <- a X + (b A + c A A) X with A = X X^T. On CUDA, X and the Gram products are stored in g's
+    dtype between the products (float32 accumulation) and each matrix of a batch gets the bits a
+    call on it alone gives; on the CPU the fp64 reference."""
+    a, b, c = coefficients
+    return ops.newton_schulz(g, steps, a, b, c, eps)
+
+
+def _local(t):
+    """The tensor a rank holds: a DTensor's local shard, any other tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _is_dtensor(t):
+    return hasattr(t, "full_tensor")
+
+
+def _owners(sizes: Sequence[int], world: int):
+    """Rank owning each matrix: largest first to the least-loaded rank (ties: lowest rank, then
+    the earlier matrix), the same on every rank."""
+    load = [0] * world
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += sizes[i]
+    return owner
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for 2-D parameters, AdamW for the rest, in one torch.optim.Optimizer.
+
+    Muon, per 2-D parameter (torch.ops.trainscale.muon_step_, one batched call per shape and
+    dtype)::
+
+        buf <- momentum * buf + grad;  u = nesterov ? grad + momentum * buf : buf
+        param <- param * (1 - lr * weight_decay) - lr * s * NS(u)
+
+    with s from ``adjust_lr_fn`` ("original": max(1, R/C)^0.5; "match_rms_adamw":
+    0.2 max(R, C)^0.5; "spectral_unclamped": (R/C)^0.5, torch.optim.Muon's rules) and NS the
+    Newton-Schulz iteration (``ns_steps``, ``ns_coefficients``, ``eps``). The momentum buffer is
+    kept in float32.
+
+    AdamW (decoupled weight decay, bias-corrected moments) for the parameters that are not 2-D
+    and for every parameter of a group with ``use_muon=False``, with the group's ``adamw_lr``,
+    ``adamw_betas``, ``adamw_eps`` and ``adamw_weight_decay``. ``use_muon=True`` asserts that every
+    parameter of the group is 2-D. Every option may be set per parameter group.
+
+    distributed=True (torch.distributed initialized; ``process_group`` or the default group):
+    each rank runs Muon on its share of the 2-D parameters (largest first to the least-loaded
+    rank, the same assignment on every rank) and keeps only their momentum buffers; the updated
+    parameters are all-gathered. Parameters may be replicated (DDP) or DTensors (FSDP2): the
+    full gradient and parameter of each matrix are gathered (DTensor.full_tensor) on every rank,
+    its owner updates it, and each rank copies back its own shard. An update has the bits the
+    single-process optimizer gives on the same gradients. AdamW runs on each rank's local
+    tensors (replicated or shards) without communication.
+    """
+
+    def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
+                 weight_decay: float = 0.0, ns_steps: int = 5,
+                 ns_coefficients: Tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS, eps: float = 1e-7,
+                 adjust_lr_fn: str = "original", use_muon: Optional[bool] = None, adamw_lr: float = 3e-4,
+                 adamw_betas: Tuple[float, float] = (0.9, 0.95), adamw_eps: float = 1e-10,
+                 adamw_weight_decay: float = 0.0, distributed: bool = False, process_group=None):
+        for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay),
+                            ("eps", eps), ("adamw_lr", adamw_lr), ("adamw_eps", adamw_eps),
+                            ("adamw_weight_decay", adamw_weight_decay)):
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"Muon: {name} must be finite and >= 0, got {value}")
+        if not (isinstance(ns_steps, int) and ns_steps >= 0):
+            raise ValueError(f"Muon: ns_steps must be an int >= 0, got {ns_steps}")
+        if adjust_lr_fn not in _LR_RULES:
+            raise ValueError(f"Muon: adjust_lr_fn must be one of {', '.join(_LR_RULES)}, got {adjust_lr_fn!r}")
+        if not all(0 <= beta < 1 for beta in adamw_betas):
+            raise ValueError(f"Muon: adamw_betas must lie in [0, 1), got {adamw_betas}")
+        if distributed and not dist.is_initialized():
+            raise ValueError("Muon: distributed=True needs torch.distributed to be initialized")
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_steps=ns_steps,
+                        ns_coefficients=tuple(ns_coefficients), eps=eps, adjust_lr_fn=adjust_lr_fn,
+                        use_muon=use_muon, adamw_lr=adamw_lr, adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps,
+                        adamw_weight_decay=adamw_weight_decay)
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            if group["use_muon"] and any(p.ndim != 2 for p in group["params"]):
+                raise ValueError("Muon: a group with use_muon=True holds a parameter that is not 2-D")
+        self.distributed = distributed
+        self.process_group = process_group
+
+    @staticmethod
+    def _uses_muon(group, p):
+        return p.ndim == 2 if group["use_muon"] is None else group["use_muon"]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        matrices = []  # (group, param) in group and parameter order: the same on every rank
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("Muon: sparse gradients are not supported")
+                if self._uses_muon(group, p):
+                    if _is_dtensor(p) and not self.distributed:
+                        raise ValueError("Muon: a DTensor (FSDP2) parameter needs Muon(..., distributed=True)")
+                    matrices.append((group, p))
+                else:
+                    self._adamw(group, p)
+        if self.distributed:
+            self._distributed_muon(matrices)
+        else:
+            self._muon([(group, p, p, p.grad) for group, p in matrices])
+        return loss
+
+    def _adamw(self, group, p):
+        param, grad = _local(p), _local(p.grad)
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        beta1, beta2 = group["adamw_betas"]
+        lr = group["adamw_lr"]
+        state["step"] += 1
+        step = state["step"].item()
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        bias_correction2 = 1 - beta2 ** step
+        denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(group["adamw_eps"])
+        param.mul_(1 - lr * group["adamw_weight_decay"])
+        param.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1 ** step))
+
+    def _muon(self, work):
+        """work: (group, state key, parameter, gradient) with plain tensors; one muon_step_ per
+        group, shape, dtype and device (the op batches same-shape matrices)."""
+        batches = defaultdict(list)
+        for group, key, param, grad in work:
+            state = self.state[key]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+            batches[(id(group), param.shape, param.dtype, param.device)].append(
+                (group, param, grad, state["momentum_buffer"]))
+        for entries in batches.values():
+            group = entries[0][0]
+            a, b, c = group["ns_coefficients"]
+            ops.muon_step_([e[1] for e in entries], [e[2] for e in entries], [e[3] for e in entries], group["lr"],
+                           group["momentum"], group["weight_decay"], group["nesterov"], group["adjust_lr_fn"],
+                           group["ns_steps"], a, b, c, group["eps"])
+
+    def _distributed_muon(self, matrices):
+        pg = self.process_group
+        world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+        owner = _owners([p.numel() for _, p in matrices], world)
+        full = []  # per matrix: (full parameter, full gradient), kept by its owner only
+        for (group, p), r in zip(matrices, owner):
+            param = p.full_tensor() if _is_dtensor(p) else p
+            grad = p.grad.full_tensor() if _is_dtensor(p.grad) else p.grad
+            full.append((param.contiguous(), grad.contiguous()) if r == rank else None)
+        mine = [i for i, r in enumerate(owner) if r == rank]
+        self._muon([(matrices[i][0], matrices[i][1], full[i][0], full[i][1]) for i in mine])
+        # All-gather the updated matrices, one flat buffer per dtype and rank (padded to the
+        # largest rank's share), then each rank copies back its parameters or shards.
+        by_dtype = defaultdict(list)
+        for i, (_, p) in enumerate(matrices):
+            by_dtype[p.dtype].append(i)
+        for dtype, indices in by_dtype.items():
+            sizes = [0] * world
+            for i in indices:
+                sizes[owner[i]] += matrices[i][1].numel()
+            device = _local(matrices[indices[0]][1]).device
+            send = torch.zeros(max(sizes), dtype=dtype, device=device)
+            at = 0
+            for i in indices:
+                if owner[i] == rank:
+                    n = matrices[i][1].numel()
+                    send[at:at + n].copy_(full[i][0].reshape(-1))
+                    at += n
+            received = [torch.empty_like(send) for _ in range(world)]
+            dist.all_gather(received, send, group=pg)
+            offsets = [0] * world
+            for i in indices:
+                p, r = matrices[i][1], owner[i]
+                n = p.numel()
+                value = received[r][offsets[r]:offsets[r] + n].view(p.shape)
+                offsets[r] += n
+                if _is_dtensor(p):
+                    from torch.distributed.tensor import distribute_tensor
+                    shard = distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
+                    _local(p).copy_(shard.to_local())
+                else:
+                    p.copy_(value)
