@@ -135,8 +135,11 @@ def test_update_matches_torch_muon(rule, nesterov):
     ours = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
     options = dict(lr=0.02, momentum=0.9, weight_decay=0.1, nesterov=nesterov, adjust_lr_fn=rule)
+    try:
+        ref = torch.optim.Muon(theirs, **options)
+    except ValueError as e:  # the rules torch knows vary by version
+        pytest.skip(f"torch {torch.__version__}: {e}")
     opt = ts.optim.Muon(ours, **options)
-    ref = torch.optim.Muon(theirs, **options)
     for _ in range(3):
         before = [p.detach().clone() for p in ours]
         for p, q in zip(ours, theirs):
