@@ -557,6 +557,55 @@ TEST(NormCuda, LayerNormBackwardWritesOnlyTheGradientsAskedFor) {
   }
 }
 
+// The backward's cooperative launch (dw/db reduced in the same launch) captured in a CUDA
+// graph, as the bench captures short calls: two replays into a poisoned dw/db give the bits of
+// the direct call on the stream.
+TEST(NormCuda, BackwardWithInKernelReductionRunsInACudaGraph) {
+  TS_REQUIRE_GPU();
+  const std::int64_t rows = 2048, cols = 2048;
+  auto x = HostTensor::random(DType::kBFloat16, {rows, cols}, -2, 2);
+  auto dy = HostTensor::random(DType::kBFloat16, {rows, cols}, -1, 1);
+  auto w = HostTensor::random(DType::kBFloat16, {cols}, 0.5, 1.5);
+  auto mean = HostTensor::random(DType::kFloat32, {rows}, -0.1, 0.1);
+  auto rstd = HostTensor::random(DType::kFloat32, {rows}, 0.5, 2.0);
+  DeviceTensor d_x(x), d_dy(dy), d_w(w), d_mean(mean), d_rstd(rstd);
+  DeviceTensor d_ws(byte_buffer(workspace_bytes(rows, cols, DType::kBFloat16)), false);
+  DeviceTensor d_dx(HostTensor(DType::kBFloat16, {rows, cols}), false);
+  DeviceTensor d_dw(HostTensor(DType::kBFloat16, {cols}), false), d_db(HostTensor(DType::kBFloat16, {cols}), false);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  const auto call = [&] {
+    layernorm_backward({.dy = d_dy.view(), .x = d_x.view(), .weight = d_w.view(), .mean = d_mean.view(),
+                        .rstd = d_rstd.view(), .dx = d_dx.view(), .dw = d_dw.view(), .db = d_db.view(),
+                        .workspace = d_ws.view()},
+                       {}, stream);
+  };
+  call();
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  const HostTensor dx = d_dx.to_host(), dw = d_dw.to_host(), db = d_db.to_host();
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+  call();
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (int replay = 0; replay < 2; ++replay) {
+    d_dx.poison();
+    d_dw.poison();
+    d_db.poison();
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the poison (default stream) before the replay
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    EXPECT_TRUE(identical(d_dx.to_host(), dx)) << replay;
+    EXPECT_TRUE(identical(d_dw.to_host(), dw)) << replay;
+    EXPECT_TRUE(identical(d_db.to_host(), db)) << replay;
+  }
+  for (double v : dw.values()) ASSERT_TRUE(std::isfinite(v));
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
 // Forward only, on long rows: the register kernels at 512 and 1024 threads per row (kRegisters'
 // staged weight and bias tables need more than the default 48 KB of shared memory) and kRows
 // split over a cluster of 2, 4 or 8 blocks beyond 4096 vectors, against two passes and auto.
