@@ -688,6 +688,30 @@ TEST(BenchRegistry, NormOpsAreInEveryRowSuite) {
   }
 }
 
+// The training suite (issue 25): M in {2048, 4096, 8192, 16384} x N in {2048, 4096, 5120, 8192},
+// bf16 and fp16, every norm op with its weight in the activation dtype and, as
+// <op>_fp32_weight, in fp32 (dw and db too).
+TEST(BenchRegistry, TrainingSuiteHasEveryNormOpWithBothWeightDtypes) {
+  const Registry& r = Registry::global();
+  const auto& configs = r.suite("training");
+  EXPECT_EQ(configs.size(), 16u * 6 * 2 * 2);
+  for (const char* op : {"rmsnorm_forward", "rmsnorm_backward", "fused_add_rmsnorm_forward", "fused_add_rmsnorm_backward",
+                         "layernorm_forward", "layernorm_backward"}) {
+    for (const std::string& name : {std::string(op), std::string(op) + "_fp32_weight"}) {
+      const auto count = std::count_if(configs.begin(), configs.end(), [&](const Config& c) { return c.op == name; });
+      EXPECT_EQ(count, 32) << name;
+      const Case c = r.find_op(name)->make(std::vector<std::int64_t>{2048, 5120}, DType::kFloat16);
+      EXPECT_EQ(c.op, name);
+      const DType param = name.ends_with("_fp32_weight") ? DType::kFloat32 : DType::kFloat16;
+      EXPECT_EQ(c.tensors[c.id("weight").index].dtype, param) << name;
+      if (name.starts_with("layernorm_backward")) {
+        EXPECT_EQ(c.tensors[c.id("db").index].dtype, param) << name;
+      }
+      EXPECT_EQ(c.dtype, DType::kFloat16) << name;
+    }
+  }
+}
+
 // Each norm op has one opt-in implementation per kernel variant it has (the rows and pipelined
 // variants are forward-only); none is a default baseline.
 TEST(BenchRegistry, NormVariantsAreOptIn) {

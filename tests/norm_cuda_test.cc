@@ -102,8 +102,9 @@ std::vector<NormVariant> variants_for(const Shape& s, DType dt) {
 }
 
 // Whether the forward's kPipelined has the shared memory for aligned rows of `cols`: fp32
-// weight (and bias) tables, and two stages of a block's row group (x, and the residual of the
-// fused add); a block takes 256 threads or one row, at 4 vectors per thread for long rows.
+// weight (and bias) tables, and the ring's stages of a block's row group (x, and the residual of
+// the fused add): two for LayerNorm's persistent walk, one for RMSNorm and the fused add; a
+// block takes 256 threads or one row, at 4 vectors per thread for long rows.
 bool pipelined_fits(std::int64_t cols, DType dt, bool layernorm,
                     std::optional<DType> residual = std::nullopt) {
   const std::int64_t vecs = cols / (16 / static_cast<std::int64_t>(dtype_size(dt)));
@@ -112,7 +113,8 @@ bool pipelined_fits(std::int64_t cols, DType dt, bool layernorm,
   const std::int64_t rows_per_block = std::max<std::int64_t>(1, 256 / threads);
   const std::int64_t row_bytes =
       cols * static_cast<std::int64_t>(dtype_size(dt) + (residual ? dtype_size(*residual) : 0));
-  const std::int64_t bytes = cols * (layernorm ? 8 : 4) + 2 * rows_per_block * row_bytes;
+  const std::int64_t stages = layernorm ? 2 : 1;
+  const std::int64_t bytes = cols * (layernorm ? 8 : 4) + stages * rows_per_block * row_bytes;
   const std::int64_t reduction_scratch = 1024 / 32 * 3 * 4;
   return bytes + reduction_scratch <=
          static_cast<std::int64_t>(detail::current_device_info().shared_memory_per_block_optin);
@@ -405,6 +407,204 @@ void check_long_row_backward(int which) {  // 0 RMSNorm, 1 LayerNorm, 2 fused ad
 TEST(NormCuda, RMSNormLongRowsBackward) { check_long_row_backward(0); }
 TEST(NormCuda, LayerNormLongRowsBackward) { check_long_row_backward(1); }
 TEST(NormCuda, FusedAddRMSNormLongRowsBackward) { check_long_row_backward(2); }
+
+// The training shapes' paths (issue 25), every op, 16-bit activations with weights in their
+// dtype and in fp32: the forward's kAuto at every boundary of its choice there (LayerNorm's
+// pipelined persistent walk up to N < 6144, RMSNorm's and the fused add's single-stage ring and
+// register kernel, kRows from 6144), an odd row length (two passes), M = 1, M not a multiple of
+// the rows per block; the backward reducing its dw/db partial rows in the same (cooperative)
+// launch for one block per row group (N <= 8192 at 16 bits), against the fp64 reference, twice
+// into NaN-poisoned dw/db and a poisoned workspace: bitwise the same.
+TEST(NormCuda, TrainingShapesMatchReferenceAndReproduce) {
+  TS_REQUIRE_GPU();
+  const std::vector<Shape> shapes = {{1, 4096, 0},   {3, 2048, 0},   {129, 2048, 0}, {2049, 4096, 0},
+                                     {257, 4104, 0}, {1000, 5120, 0}, {65, 6144, 0},  {1031, 8192, 0},
+                                     {300, 5123, 0}, {4096, 4096, 0}, {5, 8200, 0}};
+  for (DType dt : test_dtypes()) {
+    if (dt == DType::kFloat32) continue;  // the 16-bit training dtypes
+    for (DType wdt : {dt, DType::kFloat32}) {
+      for (const Shape& s : shapes) {
+        for (int which = 0; which < 3; ++which) {  // RMSNorm, LayerNorm, fused add + RMSNorm
+          SCOPED_TRACE(shape_name(dt, s, wdt, NormVariant::kAuto) + " op " + std::to_string(which));
+          const bool layer = which == 1;
+          const double tol = test::tolerance(dt);
+          auto x = HostTensor::random(dt, {s.rows, s.cols}, -2, 2);
+          x.set(0, x.at(0) + 3.0);  // a row with a non-zero mean
+          auto r = HostTensor::random(dt, {s.rows, s.cols}, -2, 2);
+          auto w = HostTensor::random(wdt, {s.cols}, 0.5, 1.5);
+          auto b = HostTensor::random(wdt, {s.cols}, -0.5, 0.5);
+          auto dy = HostTensor::random(dt, {s.rows, s.cols}, -1, 1);
+          auto dres = HostTensor::random(dt, {s.rows, s.cols}, -1, 1);
+          // The norm's input: x, or the fused add's sum rounded to its dtype.
+          HostTensor in = x;
+          if (which == 2) {
+            in = HostTensor(dt, {s.rows, s.cols});
+            for (std::int64_t i = 0; i < in.numel(); ++i) in.set(i, x.at(i) + r.at(i));
+          }
+          auto in64 = as_f64(in), w64 = as_f64(w), b64 = as_f64(b), dy64 = as_f64(dy),
+               dres64 = as_f64(dres);
+          HostTensor y64(DType::kFloat64, {s.rows, s.cols}), mean64(DType::kFloat64, {s.rows}),
+              rstd64(DType::kFloat64, {s.rows}), dx64(DType::kFloat64, {s.rows, s.cols}),
+              dw64(DType::kFloat64, {s.cols}), db64(DType::kFloat64, {s.cols});
+          if (layer) {
+            layernorm_forward(in64.view(), w64.view(), b64.view(), y64.view(), mean64.view(),
+                              rstd64.view());
+            layernorm_backward({.dy = dy64.view(), .x = in64.view(), .weight = w64.view(),
+                                .mean = mean64.view(), .rstd = rstd64.view(), .dx = dx64.view(),
+                                .dw = dw64.view(), .db = db64.view()});
+          } else {
+            rmsnorm_forward(in64.view(), w64.view(), y64.view(), rstd64.view());
+            if (which == 0) {
+              rmsnorm_backward(dy64.view(), in64.view(), w64.view(), rstd64.view(), dx64.view(),
+                               dw64.view(), {});
+            } else {
+              fused_add_rmsnorm_backward(dy64.view(), dres64.view(), in64.view(), w64.view(),
+                                         rstd64.view(), dx64.view(), dw64.view(), {});
+            }
+          }
+          // Forward.
+          DeviceTensor d_x(x), d_r(r), d_w(w), d_b(b), d_dy(dy), d_dres(dres);
+          DeviceTensor d_y(HostTensor(dt, {s.rows, s.cols}), false);
+          DeviceTensor d_mean(HostTensor(DType::kFloat32, {s.rows}), false);
+          DeviceTensor d_rstd(HostTensor(DType::kFloat32, {s.rows}), false);
+          if (which == 0) {
+            rmsnorm_forward(d_x.view(), d_w.view(), d_y.view(), d_rstd.view());
+          } else if (which == 1) {
+            layernorm_forward(d_x.view(), d_w.view(), d_b.view(), d_y.view(), d_mean.view(),
+                              d_rstd.view());
+          } else {
+            fused_add_rmsnorm_forward(d_x.view(), d_r.view(), d_w.view(), d_rstd.view());
+            EXPECT_TRUE(identical(d_r.to_host(), in)) << "residual";
+          }
+          EXPECT_TRUE(test::matches_reference((which == 2 ? d_x : d_y).to_host().values(),
+                                              y64.values(), tol))
+              << "y";
+          EXPECT_TRUE(test::matches_reference(d_rstd.to_host().values(), rstd64.values(), 1e-5))
+              << "rstd";
+          if (layer) {
+            EXPECT_LE(test::max_abs_err(d_mean.to_host().values(), mean64.values()), 1e-5) << "mean";
+          }
+          // Backward on the saved statistics of the reference (as fp32), twice.
+          DeviceTensor d_in(in);
+          DeviceTensor d_smean(HostTensor::from_values(DType::kFloat32, {s.rows}, mean64.values()));
+          DeviceTensor d_srstd(HostTensor::from_values(DType::kFloat32, {s.rows}, rstd64.values()));
+          HostTensor dx[2], dw[2], db[2];
+          for (int run = 0; run < 2; ++run) {
+            DeviceTensor d_dx(HostTensor(dt, {s.rows, s.cols}), false);
+            DeviceTensor d_dw(HostTensor(wdt, {s.cols}), false), d_db(HostTensor(wdt, {s.cols}), false);
+            DeviceTensor d_ws(byte_buffer(workspace_bytes(s.rows, s.cols, dt)), false);
+            if (which == 0) {
+              rmsnorm_backward(d_dy.view(), d_in.view(), d_w.view(), d_srstd.view(), d_dx.view(),
+                               d_dw.view(), d_ws.view());
+            } else if (which == 1) {
+              layernorm_backward({.dy = d_dy.view(), .x = d_in.view(), .weight = d_w.view(),
+                                  .mean = d_smean.view(), .rstd = d_srstd.view(), .dx = d_dx.view(),
+                                  .dw = d_dw.view(), .db = d_db.view(), .workspace = d_ws.view()});
+            } else {
+              fused_add_rmsnorm_backward(d_dy.view(), d_dres.view(), d_in.view(), d_w.view(),
+                                         d_srstd.view(), d_dx.view(), d_dw.view(), d_ws.view());
+            }
+            dx[run] = d_dx.to_host();
+            dw[run] = d_dw.to_host();
+            db[run] = d_db.to_host();
+          }
+          EXPECT_TRUE(gradient_matches(dx[0].values(), dx64.values(), dy64, rstd64, tol)) << "dx";
+          const double wtol = test::tolerance(wdt) * (wdt == DType::kFloat32 ? 10 : 1);
+          EXPECT_TRUE(test::matches_reference(dw[0].values(), dw64.values(), wtol)) << "dw";
+          const auto weight_bytes = static_cast<std::size_t>(s.cols) * dtype_size(wdt);
+          EXPECT_EQ(std::memcmp(dw[0].data(), dw[1].data(), weight_bytes), 0) << "dw again";
+          if (layer) {
+            EXPECT_TRUE(test::matches_reference(db[0].values(), db64.values(), wtol)) << "db";
+            EXPECT_EQ(std::memcmp(db[0].data(), db[1].data(), weight_bytes), 0) << "db again";
+          }
+          EXPECT_TRUE(identical(dx[0], dx[1])) << "dx again";
+        }
+      }
+    }
+  }
+}
+
+// A backward with only db or only dw asked for (LayerNorm), and without either: the in-kernel
+// reduction writes what is asked and nothing else (the other output stays poisoned).
+TEST(NormCuda, LayerNormBackwardWritesOnlyTheGradientsAskedFor) {
+  TS_REQUIRE_GPU();
+  const std::int64_t rows = 1000, cols = 4096;
+  auto x = HostTensor::random(DType::kBFloat16, {rows, cols}, -2, 2);
+  auto dy = HostTensor::random(DType::kBFloat16, {rows, cols}, -1, 1);
+  auto w = HostTensor::random(DType::kFloat32, {cols}, 0.5, 1.5);
+  auto mean = HostTensor::random(DType::kFloat32, {rows}, -0.1, 0.1);
+  auto rstd = HostTensor::random(DType::kFloat32, {rows}, 0.5, 2.0);
+  DeviceTensor d_x(x), d_dy(dy), d_w(w), d_mean(mean), d_rstd(rstd);
+  DeviceTensor d_ws(byte_buffer(workspace_bytes(rows, cols, DType::kBFloat16)), false);
+  HostTensor both[2];
+  {
+    DeviceTensor d_dx(HostTensor(DType::kBFloat16, {rows, cols}), false);
+    DeviceTensor d_dw(HostTensor(DType::kFloat32, {cols}), false), d_db(HostTensor(DType::kFloat32, {cols}), false);
+    layernorm_backward({.dy = d_dy.view(), .x = d_x.view(), .weight = d_w.view(), .mean = d_mean.view(),
+                        .rstd = d_rstd.view(), .dx = d_dx.view(), .dw = d_dw.view(), .db = d_db.view(),
+                        .workspace = d_ws.view()});
+    both[0] = d_dw.to_host();
+    both[1] = d_db.to_host();
+  }
+  for (int only = 0; only < 2; ++only) {  // 0: dw only, 1: db only
+    SCOPED_TRACE(only == 0 ? "dw only" : "db only");
+    DeviceTensor d_dx(HostTensor(DType::kBFloat16, {rows, cols}), false);
+    DeviceTensor d_g(HostTensor(DType::kFloat32, {cols}), false);
+    layernorm_backward({.dy = d_dy.view(), .x = d_x.view(), .weight = d_w.view(), .mean = d_mean.view(),
+                        .rstd = d_rstd.view(), .dx = d_dx.view(), .dw = only == 0 ? d_g.view() : TensorView{},
+                        .db = only == 1 ? d_g.view() : TensorView{}, .workspace = d_ws.view()});
+    EXPECT_TRUE(identical(d_g.to_host(), both[only]));
+  }
+}
+
+// The backward's cooperative launch (dw/db reduced in the same launch) captured in a CUDA
+// graph, as the bench captures short calls: two replays into a poisoned dw/db give the bits of
+// the direct call on the stream.
+TEST(NormCuda, BackwardWithInKernelReductionRunsInACudaGraph) {
+  TS_REQUIRE_GPU();
+  const std::int64_t rows = 2048, cols = 2048;
+  auto x = HostTensor::random(DType::kBFloat16, {rows, cols}, -2, 2);
+  auto dy = HostTensor::random(DType::kBFloat16, {rows, cols}, -1, 1);
+  auto w = HostTensor::random(DType::kBFloat16, {cols}, 0.5, 1.5);
+  auto mean = HostTensor::random(DType::kFloat32, {rows}, -0.1, 0.1);
+  auto rstd = HostTensor::random(DType::kFloat32, {rows}, 0.5, 2.0);
+  DeviceTensor d_x(x), d_dy(dy), d_w(w), d_mean(mean), d_rstd(rstd);
+  DeviceTensor d_ws(byte_buffer(workspace_bytes(rows, cols, DType::kBFloat16)), false);
+  DeviceTensor d_dx(HostTensor(DType::kBFloat16, {rows, cols}), false);
+  DeviceTensor d_dw(HostTensor(DType::kBFloat16, {cols}), false), d_db(HostTensor(DType::kBFloat16, {cols}), false);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  const auto call = [&] {
+    layernorm_backward({.dy = d_dy.view(), .x = d_x.view(), .weight = d_w.view(), .mean = d_mean.view(),
+                        .rstd = d_rstd.view(), .dx = d_dx.view(), .dw = d_dw.view(), .db = d_db.view(),
+                        .workspace = d_ws.view()},
+                       {}, stream);
+  };
+  call();
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  const HostTensor dx = d_dx.to_host(), dw = d_dw.to_host(), db = d_db.to_host();
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+  call();
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (int replay = 0; replay < 2; ++replay) {
+    d_dx.poison();
+    d_dw.poison();
+    d_db.poison();
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the poison (default stream) before the replay
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    EXPECT_TRUE(identical(d_dx.to_host(), dx)) << replay;
+    EXPECT_TRUE(identical(d_dw.to_host(), dw)) << replay;
+    EXPECT_TRUE(identical(d_db.to_host(), db)) << replay;
+  }
+  for (double v : dw.values()) ASSERT_TRUE(std::isfinite(v));
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
 
 // Forward only, on long rows: the register kernels at 512 and 1024 threads per row (kRegisters'
 // staged weight and bias tables need more than the default 48 KB of shared memory) and kRows

@@ -43,14 +43,22 @@ TEST(NormPlan, RowSplitTakesTheFewestThreadsThatCoverTheRow) {
 }
 
 TEST(NormPlan, AutoChoosesByRowLength) {
-  // Up to 256 vectors (bf16 N = 2048) kPipelined, the fused add up to 512; kRegisters up to
-  // N = 4096; kRows from N = 6144, over a cluster beyond 4096 vectors.
+  // RMSNorm: up to 256 vectors (bf16 N = 2048) kPipelined, the fused add up to 512; kRegisters
+  // up to N = 4096; LayerNorm kPipelined below N = 6144; kRows from N = 6144, over a cluster
+  // beyond 4096 vectors.
   EXPECT_EQ(auto_variant(bf16(Kind::kRms, 32768, 512)), NormVariant::kPipelined);
   EXPECT_EQ(auto_variant(bf16(Kind::kRms, 32768, 2048)), NormVariant::kPipelined);
   EXPECT_EQ(auto_variant(bf16(Kind::kRms, 32768, 4096)), NormVariant::kRegisters);
   EXPECT_EQ(auto_variant(bf16(Kind::kRms, 32768, 4096, 2)), NormVariant::kPipelined);
-  EXPECT_EQ(auto_variant(bf16(Kind::kLayer, 4096, 4096)), NormVariant::kRegisters);
+  EXPECT_EQ(auto_variant(bf16(Kind::kRms, 8192, 5120)), NormVariant::kRegisters);
+  EXPECT_EQ(auto_variant(bf16(Kind::kRms, 8192, 5120, 2)), NormVariant::kRegisters);
+  EXPECT_EQ(auto_variant(bf16(Kind::kLayer, 4096, 2048)), NormVariant::kPipelined);
+  EXPECT_EQ(auto_variant(bf16(Kind::kLayer, 4096, 4096)), NormVariant::kPipelined);
+  EXPECT_EQ(auto_variant(bf16(Kind::kLayer, 8192, 5120)), NormVariant::kPipelined);
+  EXPECT_EQ(auto_variant(bf16(Kind::kLayer, 8192, 6136)), NormVariant::kPipelined);
   EXPECT_EQ(auto_variant(bf16(Kind::kLayer, 4096, 6144)), NormVariant::kRows);
+  EXPECT_EQ(auto_variant(bf16(Kind::kLayer, 8192, 8192)), NormVariant::kRows);
+  EXPECT_EQ(auto_variant(bf16(Kind::kRms, 8192, 8192)), NormVariant::kRows);
   EXPECT_EQ(auto_variant(bf16(Kind::kRms, 65536, 8192)), NormVariant::kRows);
   EXPECT_EQ(auto_variant(bf16(Kind::kRms, 8192, 262144)), NormVariant::kRows);
   EXPECT_EQ(auto_variant(bf16(Kind::kRms, 8192, 262152)), NormVariant::kTwoPass);
@@ -110,20 +118,46 @@ TEST(NormPlan, StagedVariantsNeedTheirSharedMemory) {
             NormVariant::kRegisters);
   EXPECT_THROW(plan_forward(bf16(Kind::kLayer, 64, 29016), NormVariant::kRegisters, kH100Shared),
                UnsupportedVariantError);
-  // kPipelined's ring: two row groups. bf16 RMSNorm N = 4096: 512 vectors over 128 threads,
-  // 2 rows per block: 2 x 2 x 512 x 16 B = 32 KB, plus 16 KB of tables.
+  // kPipelined's ring: one row group where each block takes one (RMSNorm, the fused add), two
+  // in LayerNorm's persistent walk. bf16 RMSNorm N = 4096: 512 vectors over 128 threads, 2 rows
+  // per block: 2 x 512 x 16 B = 16 KB, plus 16 KB of tables.
+  EXPECT_EQ(ring_stages(Kind::kRms), 1);
+  EXPECT_EQ(ring_stages(Kind::kLayer), 2);
+  EXPECT_FALSE(persistent_grid(Kind::kRms, NormVariant::kPipelined));
+  EXPECT_TRUE(persistent_grid(Kind::kLayer, NormVariant::kPipelined));
+  EXPECT_TRUE(persistent_grid(Kind::kLayer, NormVariant::kRegisters));
+  EXPECT_FALSE(persistent_grid(Kind::kLayer, NormVariant::kRows));
   EXPECT_EQ(forward_shared_bytes(bf16(Kind::kRms, 64, 4096), NormVariant::kPipelined, 4),
-            48u * 1024);
+            32u * 1024);
   EXPECT_EQ(forward_shared_bytes(bf16(Kind::kRms, 64, 4096), NormVariant::kRegisters, 4),
             16u * 1024);
-  // The fused add's residual doubles the ring, an fp32 residual beside bf16 triples it.
+  // LayerNorm: 8 B of tables per column and two stages: 32 + 2 x 2 x 8 KB at N = 4096 (3 blocks
+  // per SM), 40 + 2 x 10 KB at N = 5120 (one row per block of 256 threads).
+  EXPECT_EQ(forward_shared_bytes(bf16(Kind::kLayer, 64, 4096), NormVariant::kPipelined, 4),
+            64u * 1024);
+  EXPECT_EQ(forward_shared_bytes(bf16(Kind::kLayer, 64, 5120), NormVariant::kPipelined, 4),
+            60u * 1024);
+  const ForwardPlan layer = plan_forward(bf16(Kind::kLayer, 8192, 4096), NormVariant::kAuto, kH100Shared);
+  EXPECT_TRUE(layer.persistent);
+  EXPECT_EQ(layer.ring_stages, 2);
+  const ForwardPlan fused = plan_forward(bf16(Kind::kRms, 8192, 4096, 2), NormVariant::kAuto, kH100Shared);
+  EXPECT_FALSE(fused.persistent);
+  EXPECT_EQ(fused.ring_stages, 1);
+  // The fused add's residual doubles the ring (48 KB at N = 4096: 4 blocks per SM, where two
+  // stages took 80 KB and 2), an fp32 residual beside bf16 triples it.
   EXPECT_EQ(forward_shared_bytes(bf16(Kind::kRms, 64, 4096, 2), NormVariant::kPipelined, 4),
-            16u * 1024 + 64u * 1024);
+            16u * 1024 + 32u * 1024);
   EXPECT_EQ(forward_shared_bytes(bf16(Kind::kRms, 64, 4096, 4), NormVariant::kPipelined, 4),
-            16u * 1024 + 96u * 1024);
-  // No room for bf16 N = 32768 in a pipelined ring; kAuto never asks for it there.
-  EXPECT_THROW(plan_forward(bf16(Kind::kRms, 64, 32768), NormVariant::kPipelined, kH100Shared),
+            16u * 1024 + 48u * 1024);
+  // bf16 RMSNorm N = 32768 fits one stage (128 + 64 KB); LayerNorm's tables alone take 256 KB.
+  EXPECT_EQ(plan_forward(bf16(Kind::kRms, 64, 32768), NormVariant::kPipelined, kH100Shared).variant,
+            NormVariant::kPipelined);
+  EXPECT_THROW(plan_forward(bf16(Kind::kLayer, 64, 32768), NormVariant::kPipelined, kH100Shared),
                UnsupportedVariantError);
+  // kAuto's LayerNorm kPipelined without room for its ring takes kRegisters: at 64 KB per
+  // block, N = 4096 (64 KB + scratch) does not fit and its tables (32 KB) do.
+  EXPECT_EQ(plan_forward(bf16(Kind::kLayer, 64, 4096), NormVariant::kAuto, 64 * 1024).variant,
+            NormVariant::kRegisters);
   // A smaller device falls back to two passes under kAuto.
   EXPECT_EQ(plan_forward(bf16(Kind::kRms, 64, 4096), NormVariant::kAuto, 16 * 1024).variant,
             NormVariant::kTwoPass);

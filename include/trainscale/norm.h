@@ -30,11 +30,12 @@ enum class NormVariant {
                // rows of at most 4096 16-byte vectors, and up to 8 x 4096 (bf16/fp16 N <=
                // 262144, fp32 N <= 131072) split over a thread-block cluster of 2, 4 or 8
                // blocks (kAuto's choice for those rows)
-  kPipelined,  // forward only (the backward chooses as for kAuto): kRegisters with the next row
-               // group's loads in flight (cp.async into a two-stage shared-memory ring) during
-               // this group's reduction and stores; needs shared memory for the staged
-               // parameters and two row groups (kAuto's choice up to 256 vectors per row,
-               // 512 for the fused add)
+  kPipelined,  // forward only (the backward chooses as for kAuto): kRegisters with the rows
+               // arriving through a cp.async shared-memory ring, the next row group's loads in
+               // flight during this group's reduction and stores (LayerNorm's persistent grid:
+               // two row groups; one group per block otherwise: one, overlapping the staging);
+               // needs shared memory for the staged parameters and the ring (kAuto's choice up
+               // to 256 vectors per row, 512 for the fused add, LayerNorm below N = 6144)
 };
 
 struct RMSNormOptions {

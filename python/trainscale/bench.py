@@ -111,6 +111,16 @@ _TORCH = {
 }
 
 
+_FP32_WEIGHT = "_fp32_weight"
+
+
+def _base_op(op):
+    """The op a case computes: "<op>_fp32_weight" (the training suite's norms with fp32 weight and
+    bias, as mixed-precision training keeps them) is <op> on such tensors; the baselines take them
+    as given (dw / db come back in the weight's dtype)."""
+    return op[:-len(_FP32_WEIGHT)] if op.endswith(_FP32_WEIGHT) else op
+
+
 def _prep(op, t):
     """Untimed state of an op: RoPE's cos / sin tables (ours computes angles in the kernel; a
     PyTorch model keeps tables); a bias for LayerNorm's backward (whose db PyTorch computes only
@@ -125,6 +135,7 @@ def _prep(op, t):
 
 def _torch_baseline(compiled):
     def make(op, shape, dtype):
+        op = _base_op(op)
         fn = _TORCH.get(op)
         if fn is None:
             return None
@@ -226,7 +237,7 @@ def _liger_baseline():
             return lambda: _softmax_backward(t["dy"], t["y"], *settings)
         setups["softmax_forward"] = lambda t: (lambda: _softmax_forward(t["x"])[0])
         setups["softmax_backward"] = softmax_backward
-    return lambda op, shape, dtype: setups.get(op)
+    return lambda op, shape, dtype: setups.get(_base_op(op))
 
 
 def _quack_baseline():
@@ -241,7 +252,7 @@ def _quack_baseline():
             out = rmsnorm_fwd(t["x"], t["weight"], eps=1e-6, store_rstd=True)
             return out[0], out[-1]
         return run
-    return lambda op, shape, dtype: setup if op == "rmsnorm_forward" else None
+    return lambda op, shape, dtype: setup if _base_op(op) == "rmsnorm_forward" else None
 
 
 def baselines(use_gpu):

@@ -209,8 +209,8 @@ struct Config {
 };
 
 // The suites of docs/contract.md; configs may only be added to these.
-inline constexpr const char* kSuiteNames[] = {"smoke", "quack",     "quack-m", "dsv3",
-                                              "llama", "attention", "flce",    "muon",   "sweep"};
+inline constexpr const char* kSuiteNames[] = {"smoke", "quack", "quack-m", "dsv3", "llama",
+                                              "attention", "flce", "muon", "sweep", "training"};
 
 class Registry {
  public:

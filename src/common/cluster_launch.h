@@ -85,4 +85,47 @@ void launch_in_clusters(void (*kernel)(Params...), std::int64_t grid, int block,
              "cudaLaunchKernelEx");
 }
 
+// Whether the current device runs cooperative launches (grid-wide barriers); asked once per
+// device.
+inline bool cooperative_launch_supported(std::string_view op) {
+  static std::mutex mutex;
+  static std::map<int, bool> cache;
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), op, "cudaGetDevice");
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (const auto it = cache.find(device); it != cache.end()) return it->second;
+  int supported = 0;
+  check_cuda(cudaDeviceGetAttribute(&supported, cudaDevAttrCooperativeLaunch, device), op,
+             "cudaDeviceGetAttribute");
+  cache.emplace(device, supported != 0);
+  return supported != 0;
+}
+
+// Launches `kernel` on `grid` blocks that must all be resident at once (a cooperative launch:
+// its blocks may wait on each other, grid_barrier() in grid_reduce.cuh). Returns false,
+// launching nothing and leaving no error behind, where the device cannot hold the grid at once
+// (cudaErrorCooperativeLaunchTooLarge: fewer SMs than the occupancy query assumed, as under
+// MPS); other errors throw.
+template <class... Params, class... Args>
+bool launch_cooperative(void (*kernel)(Params...), std::int64_t grid, int block, std::size_t smem,
+                        cudaStream_t stream, std::string_view op, Args&&... args) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeCooperative;
+  attribute.val.cooperative = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(grid));
+  config.blockDim = dim3(static_cast<unsigned>(block));
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  const cudaError_t status = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+  if (status == cudaErrorCooperativeLaunchTooLarge) {
+    (void)cudaGetLastError();  // not sticky
+    return false;
+  }
+  check_cuda(status, op, "cudaLaunchKernelEx (cooperative)");
+  return true;
+}
+
 }  // namespace trainscale::detail

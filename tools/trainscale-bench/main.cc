@@ -46,7 +46,7 @@ int main(int argc, char** argv) {
 
   RunArgs run;
   run.command_line = joined_command_line(argc, argv);
-  app.add_option("--suite", run.suite, "Suites, comma-separated: smoke, quack, quack-m, dsv3, llama, attention, flce, muon, sweep")
+  app.add_option("--suite", run.suite, "Suites, comma-separated: smoke, quack, quack-m, dsv3, llama, attention, flce, muon, sweep, training")
       ->capture_default_str();
   app.add_option("--ops", run.ops, "Only these ops (comma-separated)")->delimiter(',');
   app.add_option("--dtype", run.dtypes, "Only these dtypes: fp32, fp16, bf16, ... (comma-separated)")->delimiter(',');

@@ -42,14 +42,14 @@ std::vector<Binding> bindings_of(CudnnNormOp op) {
 // M rows of N as cuDNN's 4-d [M, N, 1, 1] (the normalized axis is dim 1), per-feature tensors as
 // [1, N, 1, 1] and per-row statistics as [M, 1, 1, 1]; statistics are float32 like ours.
 void describe_graph(fe::graph::Graph& g, CudnnNormOp op, std::int64_t m, std::int64_t n, fe::DataType_t io,
-                    float eps) {
+                    fe::DataType_t param, float eps) {
   g.set_io_data_type(io).set_intermediate_data_type(fe::DataType_t::FLOAT).set_compute_data_type(fe::DataType_t::FLOAT);
   const auto rows = [&](const char* name, std::int64_t uid, fe::DataType_t dtype) {
     return g.tensor(fe::graph::Tensor_attributes().set_name(name).set_uid(uid).set_data_type(dtype)
                         .set_dim({m, n, 1, 1}).set_stride({n, 1, n, n}));
   };
   const auto feature = [&](const char* name, std::int64_t uid) {
-    return g.tensor(fe::graph::Tensor_attributes().set_name(name).set_uid(uid).set_data_type(io)
+    return g.tensor(fe::graph::Tensor_attributes().set_name(name).set_uid(uid).set_data_type(param)
                         .set_dim({1, n, 1, 1}).set_stride({n, 1, n, n}));
   };
   const auto stat = [&](const char* name, std::int64_t uid) {
@@ -89,7 +89,7 @@ void describe_graph(fe::graph::Graph& g, CudnnNormOp op, std::int64_t m, std::in
       auto [dx, dw, db] = g.rmsnorm_backward(dy, x, w, rstd, attrs);
       if (db) throw Unsupported("cudnn: rmsnorm_backward returned a bias gradient that was not asked for");
       output(dx, kDx, io, rows_dim, rows_stride);
-      output(dw, kDw, io, feature_dim, feature_stride);
+      output(dw, kDw, param, feature_dim, feature_stride);
       break;
     }
     case CudnnNormOp::kLayerNormForward: {
@@ -119,8 +119,8 @@ void describe_graph(fe::graph::Graph& g, CudnnNormOp op, std::int64_t m, std::in
                        .set_compute_data_type(fe::DataType_t::FLOAT);
       auto [dx, dw, db] = g.layernorm_backward(dy, x, w, attrs);
       output(dx, kDx, io, rows_dim, rows_stride);
-      output(dw, kDw, io, feature_dim, feature_stride);
-      output(db, kDb, io, feature_dim, feature_stride);
+      output(dw, kDw, param, feature_dim, feature_stride);
+      output(db, kDb, param, feature_dim, feature_stride);
       break;
     }
   }
@@ -134,11 +134,19 @@ std::optional<Implementation> cudnn_norm_baseline(CudnnNormOp op, const Case& c,
   if (weight_offset != 0.0) return cudnn::unsupported("cudnn: RMSNorm weight offset " + std::to_string(weight_offset));
   if (c.shape.size() != 2) return cudnn::unsupported("cudnn: case " + c.name() + " is not M x N");
   const std::int64_t m = c.shape[0], n = c.shape[1];
+  // Weight and bias (and their gradients) as the case holds them: the activation dtype, or fp32.
+  fe::DataType_t param = *io;
+  for (const TensorSpec& t : c.tensors) {
+    if (t.name != "weight") continue;
+    const std::optional<fe::DataType_t> p = cudnn::io_type(t.dtype);
+    if (!p) return cudnn::unsupported(std::string("cudnn: weight dtype ") + dtype_name(t.dtype));
+    param = *p;
+  }
   const auto eps32 = static_cast<float>(eps);
   char eps_hex[32];
   std::snprintf(eps_hex, sizeof eps_hex, "eps %a", static_cast<double>(eps32));  // exact, for the graph cache
   return cudnn::graph_baseline(c, bindings_of(op), eps_hex,
-                               [=](fe::graph::Graph& g) { describe_graph(g, op, m, n, *io, eps32); });
+                               [=](fe::graph::Graph& g) { describe_graph(g, op, m, n, *io, param, eps32); });
 }
 
 }  // namespace trainscale::bench

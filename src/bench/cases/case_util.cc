@@ -78,4 +78,12 @@ std::vector<Shape> sweep_row_shapes() {
   return shapes;
 }
 
+std::vector<Shape> training_row_shapes() {
+  std::vector<Shape> shapes;
+  for (std::int64_t m : {2048, 4096, 8192, 16384}) {
+    for (std::int64_t n : {2048, 4096, 5120, 8192}) shapes.push_back({m, n});
+  }
+  return shapes;
+}
+
 }  // namespace trainscale::bench::cases

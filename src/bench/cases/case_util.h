@@ -74,6 +74,7 @@ std::vector<Shape> quack_shapes();    // M = 32768, N = 256 ... 65536; (16384, 1
 std::vector<Shape> quack_m_shapes();  // N = 4096, M = batch * seq
 std::vector<Shape> dsv3_row_shapes();  // M in {4096, 16384, 65536} x N in {6144, 7168, 8192}
 std::vector<Shape> sweep_row_shapes();  // M = batch * seq, N = dim
+std::vector<Shape> training_row_shapes();  // M in {2048, 4096, 8192, 16384} x N in {2048, 4096, 5120, 8192}
 inline constexpr std::int64_t kLlamaTokens = 8192, kLlamaHidden = 4096, kLlamaFfn = 14336;
 inline constexpr std::int64_t kLlamaHeads = 32, kLlamaKvHeads = 8, kLlamaHeadDim = 128, kLlamaVocab = 128256;
 

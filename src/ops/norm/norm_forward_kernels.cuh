@@ -41,6 +41,7 @@ struct ForwardArgs {
   std::int64_t cols;
   float eps;
   float weight_offset;
+  int ring_stages;  // kPipelined: 2 (persistent grid) or 1 (ForwardPlan::ring_stages)
 };
 
 template <class T>
@@ -89,12 +90,12 @@ constexpr int residual_bytes() {
   }
 }
 
-// kPipelined's ring of two stages in shared memory, each a block's row group, filled by
-// cp.async while the previous group is reduced and written. A thread copies and later reads
-// only its own vectors, so its cp.async.wait_group is all the ordering needed (no barrier), and
-// a stage is refilled only after the thread's values from it were consumed. Layout: 16-byte
-// chunks by [stage][row slot][chunk][vector], chunk 0 x and chunks 1.. the residual (fused
-// add), so a warp's 16-byte shared accesses are consecutive.
+// kPipelined's ring of one or two stages (ForwardArgs::ring_stages) in shared memory, each a
+// block's row group, filled by cp.async while the previous group is reduced and written. A
+// thread copies and later reads only its own vectors, so its cp.async.wait_group is all the
+// ordering needed (no barrier), and a stage is refilled only after the thread's values from it
+// were consumed. Layout: 16-byte chunks by [stage][row slot][chunk][vector], chunk 0 x and
+// chunks 1.. the residual (fused add), so a warp's 16-byte shared accesses are consecutive.
 template <class T, class R, int kThreads, int kVecs>
 struct RowRing {
   static constexpr int V = detail::kVec16<T>;
@@ -359,9 +360,14 @@ constexpr int kMinBlocksPerSm =
 //     holds: a cluster of kCluster blocks per row, each holding a contiguous chunk of its
 //     vectors; the block sums are added across the cluster (ClusterRowSum, bitwise the same
 //     totals in every block), and each block normalizes and stores its chunk.
-//   kPipelined: kRegisters whose rows arrive through a two-stage RowRing: the next row group's
-//     copies are issued before this group's reduction, so HBM reads continue through its
-//     barriers and stores (in kRegisters a block has no reads in flight then).
+//   kPipelined: kRegisters whose rows arrive through a RowRing: the next row group's copies are
+//     issued before this group's reduction, so HBM reads continue through its barriers and
+//     stores (in kRegisters a block has no reads in flight then). With two stages (a persistent
+//     grid) they start before this group's copies have landed; with one (a block per row group:
+//     there is no next group, the ring overlaps the group's copies with the staging) once this
+//     group's values are in registers and consumed.
+// kRegisters issues its first row group's loads before staging the parameters, so they overlap
+// the staging's L2 round trips and barrier (every block's, where blocks take one group each).
 template <class T, class R, class W, class B, Kind kKind, NormVariant kVariant, int kThreads,
           int kVecs, int kCluster>
 __global__ void __launch_bounds__(kBlockFor<kThreads>,
@@ -417,8 +423,26 @@ __global__ void __launch_bounds__(kBlockFor<kThreads>,
     return pivot;
   };
   float next_pivot = 0.f;
+  const bool two_stages = a.ring_stages == 2;
   // The first group's copies overlap the staging of the parameters.
   if constexpr (kPipelined) next_pivot = prefetch(first_group, 0);
+  // kRegisters: the thread's vectors of `row` into held (the fused add writes its sum back).
+  Vec<X, V> held[kVecs];
+  const auto load_held = [&](std::int64_t row, bool valid) {
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      const int col = (i * kThreads + lane) * V;
+      if (!valid || col >= block_cols) continue;
+      held[i] = load_input_raw<T, R, V>(a, row, first_col + col);
+    }
+  };
+  // kRegisters: the first group's loads (and LayerNorm's pivot) overlap the staging too.
+  constexpr bool kPreload = kVariant == NormVariant::kRegisters;
+  if constexpr (kPreload) {
+    const std::int64_t row = first_group + slot;
+    load_held(row, row < a.rows);
+    if constexpr (kKind == Kind::kLayer) next_pivot = row < a.rows ? load_pivot<T, R>(a, row) : 0.f;
+  }
   if constexpr (kStaged) {
     stage_params<T, kKind, kBlock, V>(a, staged_params);
     __syncthreads();
@@ -432,24 +456,29 @@ __global__ void __launch_bounds__(kBlockFor<kThreads>,
     const std::int64_t row = base + slot;
     const bool valid = row < a.rows;
     float pivot = 0.f;
+    const int ring_stage = two_stages ? stage : 0;
     if constexpr (kPipelined) {
       pivot = next_pivot;
-      next_pivot = prefetch(base + group_stride, stage ^ 1);
-      detail::cp_async_wait<1>();  // this group's copies (the thread's own) have landed
+      if (two_stages) {
+        next_pivot = prefetch(base + group_stride, stage ^ 1);
+        detail::cp_async_wait<1>();  // this group's copies (the thread's own) have landed
+      } else {
+        detail::cp_async_wait<0>();
+      }
+    } else if (kPreload && base == first_group) {
+      pivot = next_pivot;  // held and the pivot were loaded before the staging
     } else if constexpr (kKind == Kind::kLayer) {
       pivot = valid ? load_pivot<T, R>(a, row) : 0.f;
     }
-    Vec<X, V> held[kVecs];
+    if constexpr (kPipelined) {
 #pragma unroll
-    for (int i = 0; i < kVecs; ++i) {
-      const int u = i * kThreads + lane;
-      const int col = u * V;
-      if (!valid || col >= block_cols) continue;
-      if constexpr (kPipelined) {
-        held[i] = ring.take(a, row, slot, stage, u);
-      } else {
-        held[i] = load_input_raw<T, R, V>(a, row, first_col + col);
+      for (int i = 0; i < kVecs; ++i) {
+        const int u = i * kThreads + lane;
+        if (!valid || u * V >= block_cols) continue;
+        held[i] = ring.take(a, row, slot, ring_stage, u);
       }
+    } else if (!kPreload || base != first_group) {
+      load_held(row, valid);
     }
     // Once the first row's loads are in flight, and before the parameters are prefetched into L1,
     // which this cluster-scope acquire invalidates.
@@ -473,6 +502,11 @@ __global__ void __launch_bounds__(kBlockFor<kThreads>,
       float v[V];
       detail::to_floats(held[i], v);
       accumulate<kKind, V>(v, pivot, sums);
+    }
+    // One stage: the next group's copies refill it once this group's values, read from it,
+    // were consumed by the sums above.
+    if constexpr (kPipelined) {
+      if (!two_stages) next_pivot = prefetch(base + group_stride, 0);
     }
     row_sum<kThreads, kSums<kKind>>(sums, scratch);
     if constexpr (kCluster > 1) cluster_sums.reduce(sums, cluster_rows);

@@ -112,7 +112,7 @@ bool launch_registers(const ForwardArgs& a, std::int64_t vecs, cudaStream_t stre
         // looping over row groups. RMSNorm (4 B per column) streams faster with one row group per
         // block, the tables staged by every block; for LayerNorm that restaging costs more than
         // the looping wave loses (docs/perf/norm.md).
-        if constexpr (kKind == Kind::kLayer) {
+        if constexpr (persistent_grid(kKind, kVariant)) {
           int per_sm = 0;
           detail::check_cuda(
               cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlock, smem), op,
@@ -120,7 +120,11 @@ bool launch_registers(const ForwardArgs& a, std::int64_t vecs, cudaStream_t stre
           grid = balanced_blocks_for(row_groups, std::max(per_sm, 1));
         }
       }
-      kernel<<<static_cast<unsigned>(grid), kBlock, smem, stream>>>(a);
+      // A grid of one block per row group never loops: one ring stage serves it (ring_stages);
+      // the kernel stays correct if it did, at one stage.
+      ForwardArgs args = a;
+      args.ring_stages = ring_stages(kKind);
+      kernel<<<static_cast<unsigned>(grid), kBlock, smem, stream>>>(args);
       return true;
     }
   });

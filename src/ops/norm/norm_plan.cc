@@ -34,12 +34,16 @@ namespace {
 // falls back to two passes where it cannot run. From N = 6144 kRows is faster for every op: it
 // drops the staged tables and the persistent grid, whose looping wave streams slower than one
 // row group per block; below that its small blocks each re-read the weights, which costs more.
-// Up to 256 vectors (bf16 N = 2048) kPipelined: its next row group's loads overlap this group's
-// reduction, which short rows spend most of their time in. The fused add keeps kPipelined up to
-// 512 vectors (bf16 N = 4096), where with one row group per block its first group's loads
-// overlap the staging; plain RMSNorm gains nothing there. Measurements: docs/perf/norm.md.
-NormVariant auto_register_variant(std::int64_t cols, std::int64_t vecs, bool fused_add) {
+// Below N = 6144, LayerNorm takes kPipelined: its persistent walk then has the next row group's
+// loads in flight during this group's reduction and stores (kRegisters' walk had none: 57 %
+// DRAM at 8192x4096). RMSNorm takes kPipelined up to 256 vectors (bf16 N = 2048), where short
+// rows spend most of their time in the reduction; the fused add up to 512 vectors (bf16 N =
+// 4096), where with one row group per block its group's loads overlap the staging; plain
+// RMSNorm's kRegisters issues its group's loads before the staging too, into registers.
+// Measurements: docs/perf/norm.md.
+NormVariant auto_register_variant(Kind kind, std::int64_t cols, std::int64_t vecs, bool fused_add) {
   if (cols >= 6144) return NormVariant::kRows;
+  if (kind == Kind::kLayer) return NormVariant::kPipelined;
   return vecs <= (fused_add ? 512 : 256) ? NormVariant::kPipelined : NormVariant::kRegisters;
 }
 
@@ -55,7 +59,7 @@ std::size_t forward_shared_bytes(const ForwardProblem& p, NormVariant variant, i
   if (variant == NormVariant::kPipelined) {
     const std::int64_t vecs = p.cols / (16 / p.element_bytes);
     bytes += ring_bytes(forward_row_split(vecs, vecs_per_thread).threads,
-                        ring_chunks(p.element_bytes, p.residual_bytes), vecs);
+                        ring_chunks(p.element_bytes, p.residual_bytes), vecs, ring_stages(p.kind));
   }
   return bytes;
 }
@@ -77,11 +81,13 @@ std::size_t forward_shared_bytes(const ForwardProblem& p, NormVariant variant, i
 //     vectors; 27-64 registers, no spills). Longer rows (16-bit N <= 262144, fp32 N <=
 //     131072), and kAuto's choice for them: a cluster of 2 / 4 / 8 blocks of 1024 threads
 //     per row, one block per SM.
-//   kPipelined (kAuto's choice up to 256 vectors, the fused add's up to 512): kRegisters'
-//     threads per row, 40-64 registers, no spills, plus two row groups in shared memory:
-//     16-bit RMSNorm N = 4096 48 KB per block (4 blocks per SM), N = 8192 64 KB (3),
-//     LayerNorm N = 8192 96 KB (2), N = 16384 128 / 192 KB (1 block of 512); the fused add's
-//     residual doubles the ring (fp32: triples it). No room for 16-bit N = 32768.
+//   kPipelined (kAuto's choice up to 256 vectors, the fused add's up to 512, LayerNorm's below
+//     N = 6144): kRegisters' threads per row, 40-64 registers, no spills, plus its ring in
+//     shared memory: one row group for RMSNorm and the fused add (one group per block), two for
+//     LayerNorm's persistent walk. 16-bit RMSNorm N = 4096 32 KB per block (5 blocks per SM),
+//     N = 8192 48 KB (4), N = 32768 192 KB (1); LayerNorm N = 4096 64 KB (3), N = 5120 60 KB
+//     (3), N = 8192 96 KB (2), N = 16384 1 block of 512; the fused add's residual doubles the
+//     ring (fp32: triples it): N = 4096 48 KB (4). No room for 16-bit LayerNorm N = 32768.
 //   kRegisters' LayerNorm 16-bit N > 29008 (tables over the 227 KB per block), rows beyond
 //   kRows' cluster or whose cluster cannot be resident, and unaligned rows: two passes.
 ForwardPlan plan_forward(const ForwardProblem& p, NormVariant requested,
@@ -91,7 +97,7 @@ ForwardPlan plan_forward(const ForwardProblem& p, NormVariant requested,
   plan.vecs = (p.cols + v - 1) / v;
   plan.vectorized = p.aligned;
   NormVariant chosen = requested == NormVariant::kAuto
-                           ? auto_register_variant(p.cols, plan.vecs, p.residual_bytes > 0)
+                           ? auto_register_variant(p.kind, p.cols, plan.vecs, p.residual_bytes > 0)
                            : requested;
   if (requested == NormVariant::kAuto && plan.vecs > kBlockVecs) chosen = NormVariant::kRows;
   const std::int64_t max_vecs = chosen == NormVariant::kRows ? kMaxClusterVecs : kBlockVecs;
@@ -99,6 +105,13 @@ ForwardPlan plan_forward(const ForwardProblem& p, NormVariant requested,
     chosen = NormVariant::kTwoPass;
   }
   if (one_vector_per_thread(chosen, p.rows, plan.vecs)) plan.vecs_per_thread = 1;
+  // kAuto's kPipelined without the shared memory for its ring: kRegisters, if its tables fit.
+  if (requested == NormVariant::kAuto && chosen == NormVariant::kPipelined &&
+      forward_shared_bytes(p, chosen, plan.vecs_per_thread) + kMaxScratchBytes >
+          shared_memory_per_block) {
+    chosen = NormVariant::kRegisters;
+    plan.vecs_per_thread = kForwardVecsPerThread;
+  }
   if (chosen == NormVariant::kRegisters || chosen == NormVariant::kPipelined) {
     const bool pipelined = chosen == NormVariant::kPipelined;
     const std::size_t needed = forward_shared_bytes(p, chosen, plan.vecs_per_thread);
@@ -106,13 +119,15 @@ ForwardPlan plan_forward(const ForwardProblem& p, NormVariant requested,
       if (requested == chosen) {
         throw UnsupportedVariantError(
             std::string("trainscale norm: the ") + variant_name(chosen) + " variant stages " +
-            (pipelined ? "the row's parameters and two row groups" : "the row's parameters") +
+            (pipelined ? "the row's parameters and its ring of row groups" : "the row's parameters") +
             " in shared memory, which has no room for " + std::to_string(p.cols) + " columns");
       }
       chosen = NormVariant::kTwoPass;
     }
   }
   plan.variant = chosen;
+  plan.persistent = persistent_grid(p.kind, chosen);
+  plan.ring_stages = chosen == NormVariant::kPipelined ? ring_stages(p.kind) : 0;
   return plan;
 }
 

@@ -69,15 +69,31 @@ constexpr std::size_t staged_param_bytes(Kind kind, std::int64_t cols) {
   return static_cast<std::size_t>(cols) * sizeof(float) * param_tables(kind);
 }
 
-// kPipelined's ring: two stages of a block's row group, each row `chunks` 16-byte chunks per
-// vector (x, and the fused add's residual: as many chunks as its elements are wider than x's).
+// Whether the staged register kernels (kRegisters, kPipelined) run a persistent grid of one
+// resident wave whose blocks loop over row groups: LayerNorm, whose tables (8 B per column) cost
+// more to restage per row group than the looping wave loses. RMSNorm and the fused add (4 B per
+// column) take one row group per block (docs/perf/norm.md).
+constexpr bool persistent_grid(Kind kind, NormVariant variant) {
+  return kind == Kind::kLayer &&
+         (variant == NormVariant::kRegisters || variant == NormVariant::kPipelined);
+}
+
+// kPipelined's ring: `stages` stages of a block's row group, each row `chunks` 16-byte chunks
+// per vector (x, and the fused add's residual: as many chunks as its elements are wider than
+// x's). Two stages where the grid is persistent (the next group's copies start before this
+// group's have landed); one where each block takes one row group, which then only overlaps the
+// group's copies with the staging of the parameters (a second stage would never be filled, and
+// its shared memory halved the fused add's blocks per SM at bf16 N = 4096).
 constexpr int ring_chunks(int element_bytes, int residual_bytes) {
   return 1 + residual_bytes / element_bytes;
 }
-constexpr std::size_t ring_bytes(int threads_per_row, int chunks, std::int64_t vecs) {
+constexpr int ring_stages(Kind kind) {
+  return persistent_grid(kind, NormVariant::kPipelined) ? 2 : 1;
+}
+constexpr std::size_t ring_bytes(int threads_per_row, int chunks, std::int64_t vecs, int stages) {
   const int rows_per_block = forward_block_threads(threads_per_row) / threads_per_row;
-  return static_cast<std::size_t>(2 * rows_per_block * chunks) * static_cast<std::size_t>(vecs) *
-         16;
+  return static_cast<std::size_t>(stages * rows_per_block * chunks) *
+         static_cast<std::size_t>(vecs) * 16;
 }
 
 // Small rows in about one wave take kPipelined with one vector per thread: more threads per
@@ -123,6 +139,8 @@ struct ForwardPlan {
   std::int64_t vecs = 0;          // 16-byte vectors per row (rounded up)
   int vecs_per_thread = kForwardVecsPerThread;  // kPipelined: 1 for short rows in one wave
   bool vectorized = false;        // kTwoPass: 16-byte loads and stores
+  bool persistent = false;        // persistent_grid: one resident wave looping over row groups
+  int ring_stages = 0;            // kPipelined: ring_stages(kind)
 };
 
 // Dynamic shared memory of a staged register variant (kRegisters, kPipelined) for aligned
