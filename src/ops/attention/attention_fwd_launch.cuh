@@ -3,6 +3,12 @@
 // of which instantiates its head dim's variants (dtype x causal) only.
 #pragma once
 
+// wgmma atoms of every N that is a multiple of 8 (the score tiles are 176 and 80 keys wide);
+// without it CuTe picks the largest of its default N that divides the tile (16 for both).
+#ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#endif
+
 #include <cuda_runtime.h>
 
 #include <cmath>

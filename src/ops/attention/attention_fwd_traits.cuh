@@ -3,6 +3,10 @@
 // K/V pipelines and the shared storage. Everything the mainloop, epilogue and kernel agree on.
 #pragma once
 
+#ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#error "define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED before any CuTe header (attention_fwd_launch.cuh does)"
+#endif
+
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
 #include <cutlass/numeric_types.h>
@@ -27,7 +31,7 @@ struct ForwardTraits {
   static constexpr int kThreads = kConsumerThreads + 128;  // + the producer warp group
   // Registers after setmaxnreg: the producer gives its share to the consumers; the sum over the
   // warp groups stays within the 64K registers of an SM (128 threads each).
-  static constexpr int kProducerRegisters = 24;
+  static constexpr int kProducerRegisters = 32;
   static constexpr int kConsumerRegisters = kConsumerWarpGroups == 2 ? 240 : 160;
   static_assert(kProducerRegisters + kConsumerWarpGroups * kConsumerRegisters <= 512);
 
@@ -53,6 +57,10 @@ struct ForwardTraits {
                                  cute::Shape<cute::_64, cute::Int<kHeadDim>, cute::Int<kBlockN>>,
                                  cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
       AtomLayout{}));
+
+  // One wgmma atom spans the whole tile in N (a narrower atom would be a silent slowdown).
+  static_assert(decltype(cute::size<1>(typename TiledMmaQK::AtomShape_MNK{}))::value == kBlockN);
+  static_assert(decltype(cute::size<1>(typename TiledMmaPV::AtomShape_MNK{}))::value == kHeadDim);
 
   // 128-byte swizzled tiles (8 rows x 64 elements per atom), the layouts TMA writes and wgmma
   // reads without bank conflicts.
