@@ -119,8 +119,13 @@ void set_element(const TensorView& t, const std::int64_t (&at)[4], double value,
       idx[d] = rest % got.shape[d];
       rest /= got.shape[d];
     }
-    for (int d = 0; d < got.ndim; ++d) s += (d ? ", " : "") + std::to_string(idx[d]);
-    return s + "] got " + std::to_string(element(got, i)) + " want " + std::to_string(element(ref, i));
+    for (int d = 0; d < got.ndim; ++d) {
+      if (d) s.append(", ");
+      s.append(std::to_string(idx[d]));
+    }
+    s.append("] got ").append(std::to_string(element(got, i)));
+    s.append(" want ").append(std::to_string(element(ref, i)));
+    return s;
   };
   std::ostringstream msg;
   msg << what << ": max abs error " << worst << (worst_i >= 0 ? " at " + where(worst_i) : "") << " (tolerance "
@@ -209,7 +214,9 @@ void check(const Config& c) {
 
   EXPECT_TRUE(compare("out", head_slice(out_host.view(), 0, c.q_heads, D), out_ref.view(),
                       out_tolerance(c.dtype)));
-  if (c.with_lse) EXPECT_TRUE(compare("lse", lse_host.view(), lse_ref.view(), kLseTolerance));
+  if (c.with_lse) {
+    EXPECT_TRUE(compare("lse", lse_host.view(), lse_ref.view(), kLseTolerance));
+  }
   if (c.out_pad > 0) {  // the padding columns stay poisoned
     const TensorView all = out_host.view();
     std::int64_t touched = 0;
@@ -229,8 +236,10 @@ struct Variant {
 };
 
 std::string variant_name(const ::testing::TestParamInfo<Variant>& info) {
-  return "D" + std::to_string(info.param.head_dim) + "_" + dtype_name(info.param.dtype) +
-         (info.param.causal ? "_causal" : "_full");
+  std::string name = "D";
+  name.append(std::to_string(info.param.head_dim)).append("_").append(dtype_name(info.param.dtype));
+  name.append(info.param.causal ? "_causal" : "_full");
+  return name;
 }
 
 class AttentionCuda : public ::testing::TestWithParam<Variant> {};

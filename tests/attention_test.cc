@@ -727,8 +727,9 @@ TEST(Attention, CudaForwardRejectsWhatItsKernelCannotRead) {
   // Head dims without a kernel.
   for (std::int64_t d : {32, 96, 512}) {
     auto in = random_inputs(DType::kBFloat16, {1, 4, 4, 2, 1, d});
+    const std::string shape = "[1, 4, 2, " + std::to_string(d) + "]";
     TS_EXPECT_ERROR(call(in, in.q.view(), in.k.view(), in.v.view()), op, "'q'", "64, 128 or 256",
-                    std::to_string(d).c_str());
+                    shape.c_str());
   }
   // float32 has no CUDA kernel.
   {
