@@ -298,6 +298,7 @@ TEST_P(AttentionCuda, NaNPropagates) {
   const std::int64_t at[4] = {1, 77, 3, 5};
   std::copy(at, at + 4, c.nan_at);
   check(c);
+  c.nan_at[2] = 1;  // a kv head
   c.nan_in = 'k';
   check(c);
   if (!p.causal) {  // see docs/perf/attention.md: a NaN in v may reach masked queries of its tile
