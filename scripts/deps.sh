@@ -54,6 +54,22 @@ then
     echo "[deps] could not install nvidia-cudnn-frontend: the cuDNN baselines will not be built"
 fi
 
+# CUTLASS/CuTe headers (the PyPI wheel nvidia-cutlass; header-only use, so no dependencies) for the
+# Hopper attention kernels; CMake finds them through python3 (TRAINSCALE_CUTLASS_INCLUDE overrides).
+# Only where CUDA is built. Without them those kernels are left out of the build.
+cutlass_version=4.2.0.0
+if { command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; } && command -v python3 >/dev/null &&
+  ! python3 -c "import cutlass_library" 2>/dev/null
+then
+  echo "[deps] installing nvidia-cutlass==$cutlass_version from PyPI (CUTLASS/CuTe headers)"
+  pip_cutlass() {
+    PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1 \
+      python3 -m pip install -q --no-deps "$@" "nvidia-cutlass==$cutlass_version" >/dev/null 2>&1
+  }
+  pip_cutlass || pip_cutlass --break-system-packages ||
+    echo "[deps] could not install nvidia-cutlass: the attention CUDA kernels will not be built"
+fi
+
 # nvcc is optional: without it the CPU reference is built alone.
 if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
   echo "[deps] add /usr/local/cuda/bin to PATH to build the CUDA kernels"

@@ -4,7 +4,8 @@
 # everything once into build/ with every core — library, tests, trainscale-bench, and the
 # PyTorch extension when torch imports — and stages the Python package in build/pypkg (put it on
 # PYTHONPATH). .whl/nvidia_cudnn_frontend-*.whl, when present, enables the cuDNN baselines
-# (docs/benchmarking.md). Logs go to $OUT (default /tmp/trainscale-out).
+# (docs/benchmarking.md); .whl/nvidia_cutlass-*.whl the attention kernels (without it they are left
+# out). Logs go to $OUT (default /tmp/trainscale-out).
 # Sourced by gpu_host_check.sh and gpu_host_bench.sh; a second call reuses the build.
 # TRAINSCALE_BUILD_TARGET=<target> builds only that target (e.g. trainscale-bench).
 set -uo pipefail
@@ -13,8 +14,19 @@ OUT=${OUT:-/tmp/trainscale-out}
 mkdir -p "$OUT"
 cmake_args=(-G Ninja -DTRAINSCALE_CUDA_ARCHS="${TRAINSCALE_CUDA_ARCHS:-90a}" -DTRAINSCALE_WARNINGS_AS_ERRORS=ON)
 if compgen -G ".whl/nvidia_cudnn_frontend-*.whl" >/dev/null && [ ! -d /tmp/site/include ]; then
+  cudnn_wheels=()
+  for w in .whl/*.whl; do [[ $(basename "$w") == nvidia_cutlass-* ]] || cudnn_wheels+=("$w"); done
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-    .whl/*.whl || return 1 2>/dev/null || exit 1
+    "${cudnn_wheels[@]}" || return 1 2>/dev/null || exit 1
+fi
+# .whl/nvidia_cutlass-*.whl: the CUTLASS/CuTe headers of the Hopper attention kernels, installed
+# on their own (with or without the cuDNN wheels) into /tmp/site/cutlass_library.
+if compgen -G ".whl/nvidia_cutlass-*.whl" >/dev/null && [ ! -d /tmp/site/cutlass_library ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    .whl/nvidia_cutlass-*.whl || return 1 2>/dev/null || exit 1
+fi
+if [ -d /tmp/site/cutlass_library/source/include ]; then
+  cmake_args+=(-DTRAINSCALE_CUTLASS_INCLUDE=/tmp/site/cutlass_library/source/include)
 fi
 if [ -d /tmp/site/include ]; then
   cudnn_dir=$(python3 -c "import nvidia.cudnn as m; print(list(m.__path__)[0])")

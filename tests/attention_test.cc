@@ -681,7 +681,10 @@ TEST(Attention, BackwardArgumentErrors) {
                   "on cuda:0");
 }
 
-TEST(Attention, CudaTensorsReachNoKernelYet) {
+// CUDA tensors: the backward has only its reference; the forward's kernel takes bf16/fp16, head
+// dims 64/128/256 and TMA-compatible layouts, checked before anything touches a GPU (these views
+// point to host memory and never reach one).
+TEST(Attention, CudaTensorsReachTheirChecks) {
   auto in = random_inputs(DType::kBFloat16, {1, 2, 2, 2, 1, 8});
   auto f = forward(in);
   HostTensor dq(DType::kBFloat16, in.q.shape()), dk(DType::kBFloat16, in.k.shape()),
@@ -690,10 +693,12 @@ TEST(Attention, CudaTensorsReachNoKernelYet) {
     t.device = Device::cuda(0);
     return t;
   };
+  const char* no_kernel = TRAINSCALE_HAVE_CUDA ? (TRAINSCALE_HAVE_CUTLASS ? "64, 128 or 256" : "CUTLASS")
+                                               : "no CUDA support";
   TS_EXPECT_ERROR(
       attention_forward(on_cuda(in.q.view()), on_cuda(in.k.view()), on_cuda(in.v.view()),
                         on_cuda(f.out.view()), on_cuda(f.lse.view())),
-      "attention_forward", "CUDA", "CPU reference");
+      "attention_forward", no_kernel);
   TS_EXPECT_ERROR(
       attention_backward({.dout = on_cuda(f.out.view()), .q = on_cuda(in.q.view()),
                           .k = on_cuda(in.k.view()), .v = on_cuda(in.v.view()),
@@ -706,6 +711,43 @@ TEST(Attention, CudaTensorsReachNoKernelYet) {
   TS_EXPECT_ERROR(attention_forward(on_cuda(in64.q.view()), on_cuda(in64.k.view()),
                                     on_cuda(in64.v.view()), on_cuda(out64.view()), TensorView{}),
                   "attention_forward", "'q'", "float64 tensors on the CPU only");
+}
+
+TEST(Attention, CudaForwardRejectsWhatItsKernelCannotRead) {
+  if (!TRAINSCALE_HAVE_CUDA || !TRAINSCALE_HAVE_CUTLASS) GTEST_SKIP() << "no CUDA attention kernel in this build";
+  auto on_cuda = [](TensorView t) {
+    t.device = Device::cuda(0);
+    return t;
+  };
+  const char* op = "attention_forward";
+  auto call = [&](const Inputs& in, TensorView q, TensorView k, TensorView v) {
+    HostTensor out(in.q.dtype(), {q.size(0), q.size(1), q.size(2), q.size(3)});
+    attention_forward(on_cuda(q), on_cuda(k), on_cuda(v), on_cuda(out.view()), TensorView{});
+  };
+  // Head dims without a kernel.
+  for (std::int64_t d : {32, 96, 512}) {
+    auto in = random_inputs(DType::kBFloat16, {1, 4, 4, 2, 1, d});
+    const std::string shape = "[1, 4, 2, " + std::to_string(d) + "]";
+    TS_EXPECT_ERROR(call(in, in.q.view(), in.k.view(), in.v.view()), op, "'q'", "64, 128 or 256",
+                    shape.c_str());
+  }
+  // float32 has no CUDA kernel.
+  {
+    auto in = random_inputs(DType::kFloat32, {1, 4, 4, 2, 1, 64});
+    TS_EXPECT_ERROR(call(in, in.q.view(), in.k.view(), in.v.view()), op, "'q'", "float32");
+  }
+  // A head stride of 68 elements (136 bytes) is no multiple of 16 bytes.
+  {
+    auto in = random_inputs(DType::kFloat16, {1, 4, 4, 2, 2, 64}, /*row_pad=*/4);
+    TS_EXPECT_ERROR(call(in, in.q.view(), in.k.view(), in.v.view()), op, "'q'", "16-byte", "68");
+  }
+  // A start one element past a 16-byte boundary (k only).
+  {
+    auto in = random_inputs(DType::kBFloat16, {1, 4, 4, 2, 2, 64}, /*row_pad=*/8);
+    TensorView k = in.k.view();
+    k.data = static_cast<char*>(k.data) + 2;
+    TS_EXPECT_ERROR(call(in, in.q.view(), k, in.v.view()), op, "'k'", "16-byte aligned");
+  }
 }
 
 }  // namespace

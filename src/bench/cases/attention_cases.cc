@@ -61,8 +61,18 @@ Case attention_forward_case(std::span<const std::int64_t> shape, DType dtype) {
   c.bound = Bound::kCompute;
   group_by_kv_head(c, d);
   const auto [q, k, v, out, lse] = c.ids("q", "k", "v", "out", "lse");
-  c.entry = [=](CaseTensors t, cudaStream_t s) { attention_forward(t[q], t[k], t[v], t[out], t[lse], options, s); };
-  c.reference = on_cpu(c.entry);
+  c.reference = on_cpu([=](CaseTensors t, cudaStream_t s) {
+    attention_forward(t[q], t[k], t[v], t[out], t[lse], options, s);
+  });
+  // The CUDA kernel (src/ops/attention/attention_fwd_*.cu): bf16/fp16, head dims 64/128/256;
+  // other cases are UNSUPPORTED rows rather than failures.
+  c.entry = [=](CaseTensors t, cudaStream_t s) {
+    if (t[q].device.is_cuda() && (!(dtype == DType::kBFloat16 || dtype == DType::kFloat16) ||
+                                  !(d.d == 64 || d.d == 128 || d.d == 256))) {
+      throw Unsupported("the CUDA attention forward takes bf16/fp16 with head dim 64, 128 or 256");
+    }
+    attention_forward(t[q], t[k], t[v], t[out], t[lse], options, s);
+  };
   return c;
 }
 
@@ -100,6 +110,15 @@ std::vector<Shape> attention_suite() {
       for (std::int64_t causal : {0, 1}) shapes.push_back({16384 / s, 2048 / d, 2048 / d, s, d, causal});
     }
   }
+  // Head dim 256 on the same 16k tokens x hidden 2048.
+  for (std::int64_t s : {4096, 8192, 16384}) {
+    for (std::int64_t causal : {0, 1}) shapes.push_back({16384 / s, 8, 8, s, 256, causal});
+  }
+  // Grouped-query attention at a Llama shape (32 query heads on 8 kv heads, D 128, 16k tokens),
+  // next to the same shape without GQA.
+  for (std::int64_t kv_heads : {8, 32}) {
+    for (std::int64_t causal : {0, 1}) shapes.push_back({2, 32, kv_heads, 8192, 128, causal});
+  }
   return shapes;
 }
 
@@ -112,6 +131,8 @@ const Registrar kRegister([](Registry& r) {
     r.add_configs("attention", op, attention_suite(), bf16);
     r.add_configs("llama", op, {{1, kLlamaHeads, kLlamaKvHeads, kLlamaTokens, kLlamaHeadDim, 1}}, bf16);
   }
+  // A shape the CUDA forward runs (head dim 64, a sequence off its tiles), so smoke reaches it.
+  r.add_configs("smoke", "attention_forward", {{1, 4, 2, 100, 64, 1}}, bf16);
 
   // cuDNN SDPA (same tensors, causal flag and default scale as the cases; lse is its stats).
   if (cudnn_baselines_built()) {

@@ -1,6 +1,11 @@
 #include <cmath>
+#include <cstdint>
+#include <limits>
 #include <string>
+#include <utility>
 
+#include "ops/attention/attention_cuda.h"
+#include "ops/attention/attention_heuristics.h"
 #include "ops/attention/attention_internal.h"
 
 namespace trainscale {
@@ -47,18 +52,71 @@ void check_lse(detail::OpChecker& c, const TensorView& lse, const char* name, co
   c.contiguous(lse, name);
 }
 
+std::string strides_str(const TensorView& t) {
+  std::string s = "[";
+  for (int d = 0; d < t.ndim; ++d) s += (d ? ", " : "") + std::to_string(t.strides[d]);
+  return s + "]";
+}
+
+// What the CUDA forward needs beyond the contract: a dtype and head dim it has a kernel for, and
+// q, k, v as TMA reads them (16-byte aligned start, every stride of a dim longer than 1 a multiple
+// of 16 bytes), and sizes that fit its 32-bit indices.
+void check_cuda_forward(detail::OpChecker& c, const TensorView& q, const TensorView& k,
+                        const TensorView& v) {
+  c.dtype_in(q, "q", {DType::kBFloat16, DType::kFloat16});
+  if (!ops::attention::forward_head_dim_supported(q.size(3)))
+    c.fail("q", "a head dim D of 64, 128 or 256 (the CUDA kernel's)", "shape " + q.shape_str());
+  const std::int64_t element = static_cast<std::int64_t>(dtype_size(q.dtype));
+  for (const auto& [t, name] : {std::pair<const TensorView&, const char*>{q, "q"}, {k, "k"}, {v, "v"}}) {
+    if (reinterpret_cast<std::uintptr_t>(t.data) % 16 != 0)
+      c.fail(name, "a 16-byte aligned start (TMA)",
+             "address " + std::to_string(reinterpret_cast<std::uintptr_t>(t.data)) + " (" +
+                 std::to_string(reinterpret_cast<std::uintptr_t>(t.data) % 16) + " past 16)");
+    for (int d = 0; d < 3; ++d) {
+      if (t.size(d) > 1 && (t.strides[d] * element) % 16 != 0)
+        c.fail(name, "strides of 16-byte multiples in dims 0-2 (TMA)",
+               "strides " + strides_str(t) + " in elements of " + std::to_string(element) + " bytes");
+      if (t.size(d) > std::numeric_limits<std::int32_t>::max())
+        c.fail(name, "dims below 2^31 (the CUDA kernel's indices)", "shape " + t.shape_str());
+    }
+  }
+}
+
 }  // namespace
 
 void attention_forward(const TensorView& q, const TensorView& k, const TensorView& v,
                        TensorView out, TensorView lse, const AttentionOptions& options,
-                       cudaStream_t /*stream*/) {
+                       cudaStream_t stream) {
   detail::OpChecker c("attention_forward");
   check_qkv(c, q, k, v, options);
   check_bshd_like(c, out, "out", q, "q");
   c.distinct_elements(out, "out");
   if (lse.defined()) check_lse(c, lse, "lse", q);
   c.outputs_disjoint({{out, "out"}, {lse, "lse"}}, {{q, "q"}, {k, "k"}, {v, "v"}});
-  if (c.on_cuda()) detail::throw_no_cuda_kernel(c.op());
+  if (c.on_cuda()) {
+#if !TRAINSCALE_HAVE_CUDA
+    detail::throw_no_cuda_build(c.op());
+#elif !TRAINSCALE_HAVE_CUTLASS
+    detail::throw_op_error(c.op(),
+                           "CUDA tensors given, but this build has no attention kernel: it was "
+                           "configured without the CUTLASS headers (pip install nvidia-cutlass, or "
+                           "-DTRAINSCALE_CUTLASS_INCLUDE=<dir>), so only the CPU reference exists");
+#endif
+    check_cuda_forward(c, q, k, v);
+    if (lse.defined()) c.dtype_in(lse, "lse", {DType::kFloat32});
+  }
+#if TRAINSCALE_HAVE_CUDA && TRAINSCALE_HAVE_CUTLASS
+  if (detail::ran_on_cuda(c, [&] {
+        switch (q.size(3)) {
+          case 64: ops::attention::attention_forward_hdim64(q, k, v, out, lse, options, stream); break;
+          case 128: ops::attention::attention_forward_hdim128(q, k, v, out, lse, options, stream); break;
+          default: ops::attention::attention_forward_hdim256(q, k, v, out, lse, options, stream); break;
+        }
+      }))
+    return;
+#else
+  (void)stream;
+#endif
   ops::attention::attention_forward_cpu(q, k, v, out, lse, options);
 }
 

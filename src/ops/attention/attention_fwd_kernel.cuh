@@ -1,0 +1,126 @@
+// The Hopper (sm_90a) attention forward kernel: a persistent, warp-specialized CTA of one producer
+// warp group (TMA loads; registers given away with setmaxnreg) and block_m / 64 consumer warp
+// groups (wgmma + online softmax; registers taken with setmaxnreg), tied together by the Q
+// transaction barrier, the K and V pipelines and the kQueryEmpty named barrier
+// (attention_fwd_mainloop.cuh). The body is compiled for sm_90a only; other targets get an empty
+// kernel that the launcher never starts (it checks the device and the kernel's PTX version first).
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "ops/attention/attention_fwd_epilogue.cuh"
+#include "ops/attention/attention_fwd_mainloop.cuh"
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define TS_ATTENTION_SM90_BODY 1
+#else
+#define TS_ATTENTION_SM90_BODY 0
+#endif
+
+namespace trainscale::ops::attention {
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    attention_forward_kernel(const __grid_constant__ ForwardParams<Traits> p) {
+#if TS_ATTENTION_SM90_BODY
+  using namespace cute;
+  using Element = typename Traits::Element;
+  using SharedStorage = typename Traits::SharedStorage;
+  using PipelineKV = typename Traits::PipelineKV;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+
+  extern __shared__ __align__(1024) char smem[];
+  SharedStorage& storage = *reinterpret_cast<SharedStorage*>(smem);
+  const int warp_group = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) storage.barrier_q.init(1);
+  typename PipelineKV::Params pipeline_params;
+  pipeline_params.transaction_bytes = Traits::kTmaBytesKV;
+  pipeline_params.role = warp_group == 0 ? PipelineKV::ThreadCategory::Producer
+                                         : PipelineKV::ThreadCategory::Consumer;
+  pipeline_params.is_leader = threadIdx.x == 0;
+  pipeline_params.num_consumers = Traits::kConsumerThreads;
+  PipelineKV pipeline_k(storage.pipeline_k, pipeline_params, Shape<_1, _1, _1>{});
+  PipelineKV pipeline_v(storage.pipeline_v, pipeline_params, Shape<_1, _1, _1>{});
+  __syncthreads();  // barriers initialized before any thread uses them
+
+  if (warp_group == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
+    if (threadIdx.x / 32 == 0) ForwardProducer<Traits>::run(p, storage, pipeline_k, pipeline_v);
+    return;
+  }
+  cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
+
+  const int thread = threadIdx.x - 128;  // among the consumer threads
+  typename Traits::TiledMmaQK mma_qk;
+  typename Traits::TiledMmaPV mma_pv;
+  auto thr_qk = mma_qk.get_thread_slice(thread);
+  auto thr_pv = mma_pv.get_thread_slice(thread);
+
+  Tensor sQ = make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(storage.k.data()), typename Traits::SmemLayoutK{});
+  Tensor sVt = make_tensor(make_smem_ptr(storage.v.data()), typename Traits::SmemLayoutVt{});
+  Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K) descriptors
+  Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stage)
+  Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
+
+  // (row, col) within the tile of every accumulator the thread holds, as (rows, cols).
+  Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor s_coords = make_tensor(tScS.data(), accumulator_rowcol(tScS.layout()));
+  Tensor tOcO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor o_coords = make_tensor(tOcO.data(), accumulator_rowcol(tOcO.layout()));
+
+  Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  Tensor o = make_tensor(tOrO.data(), accumulator_rowcol(tOrO.layout()));
+  constexpr int kRows = decltype(size<0>(o))::value;
+
+  typename Traits::PipelineState read;
+  uint32_t q_phase = 0;
+  for (int64_t t = p.scheduler.first(); p.scheduler.valid(t); t = p.scheduler.next(t)) {
+    const AttentionTile tile = p.scheduler.tile(t);
+    const int n_blocks = key_blocks(p, tile.m_block);
+    clear(tOrO);
+    OnlineSoftmax<kRows> softmax(p.scale_log2);
+    storage.barrier_q.wait(q_phase);
+    q_phase ^= 1;
+
+    for (int n_block = n_blocks - 1; n_block >= 0; --n_block) {
+      Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      pipeline_k.consumer_wait(read);
+      detail::warpgroup_gemm</*kZeroInit=*/true>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
+      pipeline_k.consumer_release(read);
+
+      if (p.negate_scores) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(tSrS); ++i) tSrS(i) = -tSrS(i);
+      }
+      Tensor s = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
+      if (ForwardConsumer<Traits>::needs_mask(p, tile.m_block, n_block)) {
+        ForwardConsumer<Traits>::mask(p, s, s_coords, tile.m_block, n_block);
+      }
+      softmax.update(s, o);
+
+      Tensor p_regs = convert_fragment<Element>(tSrS);
+      Tensor tOrP = make_tensor(p_regs.data(), accumulator_as_a_operand(tSrS.layout()));
+      pipeline_v.consumer_wait(read);
+      detail::warpgroup_gemm</*kZeroInit=*/false>(mma_pv, tOrP, tOrV(_, _, _, read.index()), tOrO);
+      pipeline_v.consumer_release(read);
+      ++read;
+    }
+    // Every GEMM reading this tile's Q is done: the producer may load the next one.
+    if (p.scheduler.valid(p.scheduler.next(t))) {
+      cutlass::arch::NamedBarrier::arrive(Traits::kConsumerThreads + 32,
+                                          static_cast<uint32_t>(ForwardBarrier::kQueryEmpty));
+    }
+    float lse[kRows];
+    softmax.finalize(o, p.abs_scale, lse);
+    ForwardEpilogue<Traits>::store(p, tile, o, o_coords, lse);
+  }
+#else
+  (void)p;
+#endif
+}
+
+}  // namespace trainscale::ops::attention

@@ -1,0 +1,169 @@
+// Host side of the attention forward for one head dim: the TMA descriptors of q, k and v, the
+// kernel parameters, the persistent grid and the launch. Included by attention_fwd_hdim*.cu, each
+// of which instantiates its head dim's variants (dtype x causal) only.
+#pragma once
+
+// wgmma atoms of every N that is a multiple of 8 (the score tiles are 176 and 80 keys wide);
+// without it CuTe picks the largest of its default N that divides the tile (16 for both).
+#ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#endif
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+
+#include "common/cuda_check.h"
+#include "core/check.h"
+#include "ops/attention/attention_cuda.h"
+#include "ops/attention/attention_fwd_kernel.cuh"
+#include "ops/attention/attention_heuristics.h"
+#include "ops/attention/attention_internal.h"
+
+namespace trainscale::ops::attention {
+
+inline constexpr const char* kForwardOp = "attention_forward";
+
+// Sk == 0: every query sees no key, out = 0 and lse = -inf. Any strides.
+template <class Element>
+__global__ void attention_forward_empty_kernel(Element* out, int64_t sb, int64_t ss, int64_t sh,
+                                               int64_t S, int64_t H, int64_t D, int64_t count,
+                                               float* lse, int64_t lse_count) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t d = i % D, h = i / D % H, s = i / D / H % S, b = i / D / H / S;
+    out[b * sb + s * ss + h * sh + d] = Element(0.f);
+    if (lse != nullptr && i < lse_count) lse[i] = -INFINITY;
+  }
+}
+
+// The kernel needs an sm_90a build and a compute capability 9.0 device.
+inline void require_hopper(const void* kernel) {
+#if !defined(TRAINSCALE_HAS_SM90A) || !TRAINSCALE_HAS_SM90A
+  (void)kernel;
+  detail::throw_op_error(kForwardOp,
+                         "this build has no sm_90a code (TRAINSCALE_CUDA_ARCHS must include 90a); "
+                         "the CUDA attention kernel runs on Hopper only");
+#else
+  int device = 0, major = 0, minor = 0;
+  detail::check_cuda(cudaGetDevice(&device), kForwardOp, "cudaGetDevice");
+  detail::check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+                     kForwardOp, "cudaDeviceGetAttribute");
+  detail::check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device),
+                     kForwardOp, "cudaDeviceGetAttribute");
+  if (major != 9) {
+    detail::throw_op_error(kForwardOp, "the CUDA attention kernel needs a Hopper GPU (compute "
+                                       "capability 9.0, sm_90a); device " + std::to_string(device) +
+                                       " has compute capability " + std::to_string(major) + "." +
+                                       std::to_string(minor) + " (pass CPU tensors for the reference)");
+  }
+  cudaFuncAttributes attributes{};
+  if (cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess) {
+    (void)cudaGetLastError();
+    detail::throw_op_error(kForwardOp, "no kernel image for this GPU in this build "
+                                       "(TRAINSCALE_CUDA_ARCHS must include 90a)");
+  }
+#endif
+}
+
+// A [B, S, H, D] view as the (S, D, H, B) tensor the TMA descriptor describes. The stride of a
+// dim of size 1 is never used; it is replaced by one TMA accepts.
+template <class Traits>
+auto tma_view(const TensorView& t) {
+  using namespace cute;
+  auto stride_of = [&](int dim) { return t.size(dim) == 1 ? t.size(3) : t.strides[dim]; };
+  return make_tensor(make_gmem_ptr(static_cast<const typename Traits::Element*>(t.data)),
+                     make_layout(make_shape(static_cast<int32_t>(t.size(1)), static_cast<int32_t>(t.size(3)),
+                                            static_cast<int32_t>(t.size(2)), static_cast<int32_t>(t.size(0))),
+                                 make_stride(stride_of(1), _1{}, stride_of(2), stride_of(0))));
+}
+
+template <class Element, int kHeadDim, bool kCausal>
+void launch_forward(const TensorView& q, const TensorView& k, const TensorView& v, TensorView out,
+                    TensorView lse, const AttentionOptions& options, cudaStream_t stream) {
+  using namespace cute;
+  using Traits = PlanTraits<Element, kHeadDim, kCausal>;
+  constexpr ForwardPlan plan = forward_plan(kHeadDim, kCausal);
+  static_assert(plan.block_m == Traits::kBlockM && plan.threads() == Traits::kThreads);
+  auto* kernel = &attention_forward_kernel<Traits>;
+  require_hopper(reinterpret_cast<const void*>(kernel));
+
+  const int64_t batch = q.size(0), q_len = q.size(1), q_heads = q.size(2);
+  const int64_t kv_len = k.size(1), kv_heads = k.size(2);
+  if (batch == 0 || q_len == 0) return;
+  float* lse_data = lse.defined() ? static_cast<float*>(lse.data) : nullptr;
+  if (kv_len == 0) {
+    const int64_t count = batch * q_len * q_heads * kHeadDim;
+    const int blocks = static_cast<int>(std::min<int64_t>((count + 255) / 256, 4096));
+    attention_forward_empty_kernel<Element><<<blocks, 256, 0, stream>>>(
+        static_cast<Element*>(out.data), out.strides[0], out.strides[1], out.strides[2], q_len,
+        q_heads, kHeadDim, count, lse_data, batch * q_heads * q_len);
+    detail::check_launch(kForwardOp);
+    return;
+  }
+
+  ForwardParams<Traits> p{};
+  p.tma_q = make_tma_copy(SM90_TMA_LOAD{}, tma_view<Traits>(q), typename Traits::SmemLayoutQ{},
+                          Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{}, _1{});
+  p.tma_k = make_tma_copy(SM90_TMA_LOAD{}, tma_view<Traits>(k), take<0, 2>(typename Traits::SmemLayoutK{}),
+                          Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{}, _1{});
+  p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, tma_view<Traits>(v), take<0, 2>(typename Traits::SmemLayoutV{}),
+                          Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{}, _1{});
+  p.shape_q = make_shape(static_cast<int32_t>(q_len), kHeadDim, static_cast<int32_t>(q_heads),
+                         static_cast<int32_t>(batch));
+  p.shape_kv = make_shape(static_cast<int32_t>(kv_len), kHeadDim, static_cast<int32_t>(kv_heads),
+                          static_cast<int32_t>(batch));
+  p.out = out.data;
+  p.out_stride_b = out.strides[0];
+  p.out_stride_s = out.strides[1];
+  p.out_stride_h = out.strides[2];
+  p.out_pairs_aligned = reinterpret_cast<std::uintptr_t>(out.data) % 4 == 0 &&
+                        out.strides[0] % 2 == 0 && out.strides[1] % 2 == 0 && out.strides[2] % 2 == 0;
+  p.lse = lse_data;
+  p.q_len = static_cast<int>(q_len);
+  p.kv_len = static_cast<int>(kv_len);
+  p.q_heads = static_cast<int>(q_heads);
+  p.group = static_cast<int>(q_heads / kv_heads);
+  const double scale = resolved_scale(options, kHeadDim);
+  p.abs_scale = static_cast<float>(std::fabs(scale));
+  p.scale_log2 = static_cast<float>(std::fabs(scale) * M_LOG2E);
+  p.negate_scores = scale < 0;
+
+  const detail::DeviceInfo& info = detail::current_device_info();
+  const int64_t kv_bytes_per_head = 2 * kv_len * kHeadDim * static_cast<int64_t>(sizeof(Element));
+  p.scheduler.order = forward_tile_order(q_len, batch, q_heads, kv_heads, kv_bytes_per_head,
+                                         static_cast<int64_t>(info.l2_bytes), plan);
+  const int64_t grid = forward_grid(p.scheduler.order.tiles(), info.sm_count);
+
+  constexpr int kSmem = Traits::kSharedBytes;
+  detail::check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
+                     kForwardOp, "cudaFuncSetAttribute");
+  kernel<<<static_cast<unsigned>(grid), Traits::kThreads, kSmem, stream>>>(p);
+  detail::check_launch(kForwardOp);
+}
+
+// The variants of one head dim: dtype x causal.
+template <int kHeadDim>
+void dispatch_forward(const TensorView& q, const TensorView& k, const TensorView& v, TensorView out,
+                      TensorView lse, const AttentionOptions& options, cudaStream_t stream) {
+  auto run = [&]<class Element>() {
+    if (options.causal) {
+      launch_forward<Element, kHeadDim, true>(q, k, v, out, lse, options, stream);
+    } else {
+      launch_forward<Element, kHeadDim, false>(q, k, v, out, lse, options, stream);
+    }
+  };
+  switch (q.dtype) {
+    case DType::kBFloat16: run.template operator()<cutlass::bfloat16_t>(); break;
+    case DType::kFloat16: run.template operator()<cutlass::half_t>(); break;
+    default:
+      detail::throw_op_error(kForwardOp, std::string("no CUDA kernel for dtype ") + dtype_name(q.dtype));
+  }
+}
+
+}  // namespace trainscale::ops::attention

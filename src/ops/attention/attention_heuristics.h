@@ -1,0 +1,117 @@
+// Shape heuristics of the Hopper attention forward, as pure functions of the shape, so that the
+// CPU tests check them and the kernels' template arguments come from the same table
+// (attention_fwd_hdim*.cu instantiate exactly the plans forward_plan returns).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define TS_ATTN_HOST_DEVICE __host__ __device__
+#else
+#define TS_ATTN_HOST_DEVICE
+#endif
+
+namespace trainscale::ops::attention {
+
+// One compiled variant of the forward kernel: a CTA computes block_m query rows of one head
+// against all the keys it sees, block_n keys at a time, with `stages` K/V buffers in flight.
+// consumer_warpgroups = block_m / 64 warp groups run the MMAs and softmax (64 rows each); one
+// more warp group issues the TMA loads.
+struct ForwardPlan {
+  int head_dim = 0;  // 0: no kernel for this head dim
+  int block_m = 0;
+  int block_n = 0;
+  int stages = 0;
+  int consumer_warpgroups = 0;
+  bool causal = false;
+
+  constexpr bool supported() const { return head_dim != 0; }
+  constexpr int threads() const { return 128 * (consumer_warpgroups + 1); }
+};
+
+// Head dims with a CUDA kernel.
+constexpr bool forward_head_dim_supported(std::int64_t head_dim) {
+  return head_dim == 64 || head_dim == 128 || head_dim == 256;
+}
+
+// The variant for a head dim and mask. Tiles as FlashAttention-3 picks them for H100: the score
+// tile (block_m x block_n fp32 accumulators) and the output tile (block_m x head_dim) must fit
+// the consumer warp groups' registers, and Q plus `stages` K and V tiles the 227 KiB of shared
+// memory. Non-causal head dim 128 takes wider key tiles (176: fewer softmax passes per key);
+// causal keeps 128 so the diagonal tiles waste less.
+constexpr ForwardPlan forward_plan(std::int64_t head_dim, bool causal) {
+  switch (head_dim) {
+    case 64: return {64, 192, 128, 2, 3, causal};
+    case 128: return {128, 128, causal ? 128 : 176, 2, 2, causal};
+    case 256: return {256, 128, 80, 2, 2, causal};
+    default: return {};
+  }
+}
+
+// Shared memory of a plan's Q tile and K/V stages, in bytes (16-bit elements).
+constexpr std::int64_t forward_tile_bytes(const ForwardPlan& p) {
+  return 2LL * p.head_dim * (p.block_m + 2LL * p.stages * p.block_n);
+}
+
+// One unit of work of the persistent scheduler: query block m_block of head h of batch b.
+struct AttentionTile {
+  int m_block, head, batch;
+};
+
+// The order in which the persistent CTAs take tiles; CTA c takes tiles c, c + grid, c + 2 grid...
+// Heads are cut into sections of `heads_per_section` (batch, head) pairs whose K/V fit in a share
+// of L2; a section's tiles run together, query blocks outermost, so the CTAs working at one time
+// read the same few heads' K/V. Query heads sharing a kv head are adjacent. With a causal mask the
+// query blocks go last to first: the ones that see the most keys start first, the short ones fill
+// the tail.
+struct TileOrder {
+  int m_blocks = 0;
+  int heads = 0;  // query heads
+  int batch = 0;
+  int heads_per_section = 1;
+  bool heaviest_first = false;
+
+  TS_ATTN_HOST_DEVICE std::int64_t tiles() const {
+    return static_cast<std::int64_t>(m_blocks) * heads * batch;
+  }
+
+  TS_ATTN_HOST_DEVICE AttentionTile at(std::int64_t t) const {
+    const std::int64_t section_tiles = static_cast<std::int64_t>(m_blocks) * heads_per_section;
+    const std::int64_t section = t / section_tiles;
+    const std::int64_t r = t - section * section_tiles;
+    const std::int64_t first = section * heads_per_section;
+    const std::int64_t total = static_cast<std::int64_t>(heads) * batch;
+    const std::int64_t in_section =
+        total - first < heads_per_section ? total - first : heads_per_section;
+    const std::int64_t m = r / in_section;
+    const std::int64_t bh = first + (r - m * in_section);
+    const int m_block = heaviest_first ? m_blocks - 1 - static_cast<int>(m) : static_cast<int>(m);
+    return {m_block, static_cast<int>(bh % heads), static_cast<int>(bh / heads)};
+  }
+};
+
+// Sections sized so one section's K and V take at most half of L2 (the rest holds Q, O and the
+// other section's tail). kv_bytes_per_head: 2 * Sk * D * element size of one kv head.
+inline TileOrder forward_tile_order(std::int64_t q_len, std::int64_t batch, std::int64_t q_heads,
+                                    std::int64_t kv_heads, std::int64_t kv_bytes_per_head,
+                                    std::int64_t l2_bytes, const ForwardPlan& plan) {
+  TileOrder order;
+  order.m_blocks = static_cast<int>((q_len + plan.block_m - 1) / plan.block_m);
+  order.heads = static_cast<int>(q_heads);
+  order.batch = static_cast<int>(batch);
+  order.heaviest_first = plan.causal;
+  const std::int64_t group = q_heads / std::max<std::int64_t>(kv_heads, 1);
+  const std::int64_t kv_heads_fit =
+      std::max<std::int64_t>(1, (l2_bytes / 2) / std::max<std::int64_t>(kv_bytes_per_head, 1));
+  order.heads_per_section = static_cast<int>(
+      std::clamp<std::int64_t>(kv_heads_fit * group, 1, std::max<std::int64_t>(1, q_heads * batch)));
+  return order;
+}
+
+// CTAs of the persistent grid: one per SM (a CTA fills an SM's shared memory), at most one per tile.
+inline std::int64_t forward_grid(std::int64_t tiles, int sm_count) {
+  return std::clamp<std::int64_t>(tiles, 1, std::max(sm_count, 1));
+}
+
+}  // namespace trainscale::ops::attention

@@ -1,0 +1,355 @@
+// The Hopper attention forward against the fp64 CPU reference run on float64 copies of the same
+// rounded inputs. Inputs are fresh random values (seed printed; TRAINSCALE_TEST_SEED repeats), the
+// outputs start NaN-poisoned, so an element the kernel does not write fails. On a mismatch the
+// test prints the largest errors and where they sit, so a GPU log alone is enough to debug it.
+//
+// Tolerances (absolute; outputs are averages of values in [-1, 1], so O(1)): bf16 2e-2, fp16 4e-3.
+// The kernel rounds the probabilities to the input dtype before the PV GEMM (8 bits of mantissa
+// for bf16, 11 for fp16) and the output once more on store; each is a relative error of at most
+// 2^-8 / 2^-11 on terms that sum to at most 1 in magnitude, so a few units of 4e-3 (bf16) and
+// 5e-4 (fp16) bound them with room. lse (fp32 sums of exact fp32 scores): 1e-3 absolute.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "core/host_dtype.h"
+#include "trainscale/attention.h"
+#include "util/gpu_util.h"
+
+namespace trainscale {
+namespace {
+
+using test::DeviceTensor;
+using test::HostTensor;
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+double out_tolerance(DType dtype) { return dtype == DType::kBFloat16 ? 2e-2 : 4e-3; }
+constexpr double kLseTolerance = 1e-3;
+
+struct Config {
+  DType dtype = DType::kBFloat16;
+  std::int64_t batch = 1, q_len = 1, kv_len = 1, q_heads = 1, kv_heads = 1, head_dim = 64;
+  bool causal = false;
+  double scale = 0.0;
+  bool packed = false;     // q, k, v: head slices of one [B, S, Hq + 2 Hkv, D] buffer (Sq == Sk)
+  bool with_lse = true;
+  std::int64_t out_pad = 0;  // out lives in a [B, Sq, Hq, D + out_pad] buffer
+  // NaN planted at (b, s, h, d) of one input: 'q', 'k' or 'v'; 0 for none.
+  char nan_in = 0;
+  std::int64_t nan_at[4] = {0, 0, 0, 0};
+
+  std::string str() const {
+    std::ostringstream s;
+    s << dtype_name(dtype) << " B=" << batch << " Sq=" << q_len << " Sk=" << kv_len << " Hq=" << q_heads
+      << " Hkv=" << kv_heads << " D=" << head_dim << (causal ? " causal" : "") << " scale=" << scale
+      << (packed ? " packed-qkv" : "") << (with_lse ? "" : " no-lse") << " out_pad=" << out_pad;
+    if (nan_in) s << " NaN in " << nan_in;
+    return s.str();
+  }
+};
+
+// A [B, S, H, D] view of heads [h0, h0 + n) of a [B, S, Hall, D + pad] tensor.
+TensorView head_slice(TensorView all, std::int64_t h0, std::int64_t n, std::int64_t d) {
+  TensorView t = all;
+  t.data = static_cast<char*>(t.data) + h0 * all.strides[2] * static_cast<std::int64_t>(dtype_size(all.dtype));
+  t.shape[2] = n;
+  t.shape[3] = d;
+  return t;
+}
+
+// Element offset of logical (b, s, h, d).
+std::int64_t offset_of(const TensorView& t, std::int64_t b, std::int64_t s, std::int64_t h, std::int64_t d) {
+  return b * t.strides[0] + s * t.strides[1] + h * t.strides[2] + d * t.strides[3];
+}
+
+void set_element(const TensorView& t, const std::int64_t (&at)[4], double value, HostTensor& storage) {
+  const std::int64_t base =
+      (static_cast<const char*>(t.data) - static_cast<const char*>(storage.data())) /
+      static_cast<std::int64_t>(dtype_size(t.dtype));
+  storage.set(base + offset_of(t, at[0], at[1], at[2], at[3]), value);
+}
+
+// Compares a [B, S, H, D] (or [B, H, S] for lse) result against the reference, element by
+// element: NaN/Inf must sit where the reference has them, finite values within `tol`.
+::testing::AssertionResult compare(const char* what, const TensorView& got, const TensorView& ref,
+                                   double tol) {
+  const std::int64_t n = got.numel();
+  double worst = 0;
+  std::int64_t worst_i = -1, mismatched_nonfinite = 0, first_nonfinite = -1, bad = 0;
+  std::vector<std::int64_t> index(got.ndim);
+  auto element = [&](const TensorView& t, std::int64_t i) {
+    std::int64_t off = 0, rest = i;
+    for (int d = t.ndim - 1; d >= 0; --d) {
+      off += rest % t.shape[d] * t.strides[d];
+      rest /= t.shape[d];
+    }
+    return detail::load_as_double(t.dtype, t.data, off);
+  };
+  for (std::int64_t i = 0; i < n; ++i) {
+    const double g = element(got, i), r = element(ref, i);
+    if (!std::isfinite(r) || !std::isfinite(g)) {
+      const bool same = (std::isnan(r) && std::isnan(g)) || g == r;
+      if (!same) {
+        ++mismatched_nonfinite;
+        if (first_nonfinite < 0) first_nonfinite = i;
+      }
+      continue;
+    }
+    const double e = std::fabs(g - r);
+    if (e > tol) ++bad;
+    if (e > worst) {
+      worst = e;
+      worst_i = i;
+    }
+  }
+  auto where = [&](std::int64_t i) {
+    std::string s = "[";
+    std::int64_t rest = i;
+    std::vector<std::int64_t> idx(got.ndim);
+    for (int d = got.ndim - 1; d >= 0; --d) {
+      idx[d] = rest % got.shape[d];
+      rest /= got.shape[d];
+    }
+    for (int d = 0; d < got.ndim; ++d) {
+      if (d) s.append(", ");
+      s.append(std::to_string(idx[d]));
+    }
+    s.append("] got ").append(std::to_string(element(got, i)));
+    s.append(" want ").append(std::to_string(element(ref, i)));
+    return s;
+  };
+  std::ostringstream msg;
+  msg << what << ": max abs error " << worst << (worst_i >= 0 ? " at " + where(worst_i) : "") << " (tolerance "
+      << tol << ", " << bad << " of " << n << " over); " << mismatched_nonfinite << " NaN/Inf mismatches"
+      << (first_nonfinite >= 0 ? ", first at " + where(first_nonfinite) : "");
+  std::fprintf(stderr, "  %s\n", msg.str().c_str());
+  if (bad == 0 && mismatched_nonfinite == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << msg.str();
+}
+
+// Runs the CUDA forward and the fp64 reference on the same rounded inputs and compares.
+void check(const Config& c) {
+  SCOPED_TRACE(c.str());
+  std::fprintf(stderr, "[attention_cuda] %s\n", c.str().c_str());
+  const std::int64_t B = c.batch, D = c.head_dim;
+  HostTensor q_buf, k_buf, v_buf;
+  TensorView q, k, v;
+  if (c.packed) {
+    EXPECT_EQ(c.q_len, c.kv_len);
+    q_buf = HostTensor::random(c.dtype, {B, c.q_len, c.q_heads + 2 * c.kv_heads, D});
+    q = head_slice(q_buf.view(), 0, c.q_heads, D);
+    k = head_slice(q_buf.view(), c.q_heads, c.kv_heads, D);
+    v = head_slice(q_buf.view(), c.q_heads + c.kv_heads, c.kv_heads, D);
+  } else {
+    q_buf = HostTensor::random(c.dtype, {B, c.q_len, c.q_heads, D});
+    k_buf = HostTensor::random(c.dtype, {B, c.kv_len, c.kv_heads, D});
+    v_buf = HostTensor::random(c.dtype, {B, c.kv_len, c.kv_heads, D});
+    q = q_buf.view();
+    k = k_buf.view();
+    v = v_buf.view();
+  }
+  if (c.nan_in) {
+    const TensorView& t = c.nan_in == 'q' ? q : c.nan_in == 'k' ? k : v;
+    HostTensor& storage = c.packed || c.nan_in == 'q' ? q_buf : c.nan_in == 'k' ? k_buf : v_buf;
+    set_element(t, c.nan_at, kNaN, storage);
+  }
+  // float64 copies of the same values, viewed the same way.
+  auto to64 = [](const HostTensor& h) { return HostTensor::from_values(DType::kFloat64, h.shape(), h.values()); };
+  auto rebase = [](TensorView t, const HostTensor& from, const HostTensor& to) {
+    const std::int64_t elem = (static_cast<const char*>(t.data) - static_cast<const char*>(from.data())) /
+                              static_cast<std::int64_t>(dtype_size(t.dtype));
+    t.data = static_cast<char*>(to.data()) + elem * static_cast<std::int64_t>(dtype_size(DType::kFloat64));
+    t.dtype = DType::kFloat64;
+    return t;
+  };
+  const HostTensor q64 = to64(q_buf);
+  const HostTensor k64 = c.packed ? HostTensor() : to64(k_buf);
+  const HostTensor v64 = c.packed ? HostTensor() : to64(v_buf);
+  const TensorView q_ref = rebase(q, q_buf, q64);
+  const TensorView k_ref = c.packed ? rebase(k, q_buf, q64) : rebase(k, k_buf, k64);
+  const TensorView v_ref = c.packed ? rebase(v, q_buf, q64) : rebase(v, v_buf, v64);
+  HostTensor out_ref(DType::kFloat64, {B, c.q_len, c.q_heads, D});
+  HostTensor lse_ref(DType::kFloat64, {B, c.q_heads, c.q_len});
+  AttentionOptions options{.causal = c.causal, .scale = c.scale};
+  attention_forward(q_ref, k_ref, v_ref, out_ref.view(), lse_ref.view(), options);
+
+  // Device copies (same layouts), outputs poisoned.
+  DeviceTensor dq(q_buf);
+  std::unique_ptr<DeviceTensor> dk, dv;
+  TensorView q_dev = rebase(q, q_buf, q_buf), k_dev, v_dev;  // placeholders, fixed below
+  auto on_device = [](TensorView t, const HostTensor& host, const DeviceTensor& dev) {
+    const std::int64_t bytes = static_cast<const char*>(t.data) - static_cast<const char*>(host.data());
+    t.data = static_cast<char*>(dev.view().data) + bytes;
+    t.device = Device::cuda(0);
+    return t;
+  };
+  q_dev = on_device(q, q_buf, dq);
+  if (c.packed) {
+    k_dev = on_device(k, q_buf, dq);
+    v_dev = on_device(v, q_buf, dq);
+  } else {
+    dk = std::make_unique<DeviceTensor>(k_buf);
+    dv = std::make_unique<DeviceTensor>(v_buf);
+    k_dev = on_device(k, k_buf, *dk);
+    v_dev = on_device(v, v_buf, *dv);
+  }
+  HostTensor out_host(c.dtype, {B, c.q_len, c.q_heads, D + c.out_pad});
+  DeviceTensor dout(out_host, /*copy=*/false);
+  TensorView out_dev = head_slice(dout.view(), 0, c.q_heads, D);
+  HostTensor lse_host(DType::kFloat32, {B, c.q_heads, c.q_len});
+  DeviceTensor dlse(lse_host, /*copy=*/false);
+  attention_forward(q_dev, k_dev, v_dev, out_dev, c.with_lse ? dlse.view() : TensorView{}, options);
+  test::device_synchronize();
+  dout.copy_to(out_host);
+  dlse.copy_to(lse_host);
+
+  EXPECT_TRUE(compare("out", head_slice(out_host.view(), 0, c.q_heads, D), out_ref.view(),
+                      out_tolerance(c.dtype)));
+  if (c.with_lse) {
+    EXPECT_TRUE(compare("lse", lse_host.view(), lse_ref.view(), kLseTolerance));
+  }
+  if (c.out_pad > 0) {  // the padding columns stay poisoned
+    const TensorView all = out_host.view();
+    std::int64_t touched = 0;
+    for (std::int64_t i = 0; i < B * c.q_len * c.q_heads; ++i) {
+      for (std::int64_t d = D; d < D + c.out_pad; ++d) {
+        if (!std::isnan(detail::load_as_double(all.dtype, all.data, i * (D + c.out_pad) + d))) ++touched;
+      }
+    }
+    EXPECT_EQ(touched, 0) << "elements written outside the output view";
+  }
+}
+
+struct Variant {
+  std::int64_t head_dim;
+  DType dtype;
+  bool causal;
+};
+
+std::string variant_name(const ::testing::TestParamInfo<Variant>& info) {
+  std::string name = "D";
+  name.append(std::to_string(info.param.head_dim)).append("_").append(dtype_name(info.param.dtype));
+  name.append(info.param.causal ? "_causal" : "_full");
+  return name;
+}
+
+class AttentionCuda : public ::testing::TestWithParam<Variant> {};
+
+// Sequence lengths on and off the tiles (1, 17, 129, 1000), Sq != Sk both ways, Sk = 0.
+TEST_P(AttentionCuda, MatchesReference) {
+  TS_REQUIRE_GPU();
+  const Variant p = GetParam();
+  const std::int64_t lens[][2] = {{1, 1}, {17, 17}, {129, 129}, {1000, 1000}, {100, 300}, {300, 100}, {64, 0}};
+  for (const auto& [sq, sk] : lens) {
+    Config c{.dtype = p.dtype, .batch = 2, .q_len = sq, .kv_len = sk, .q_heads = 2, .kv_heads = 1,
+             .head_dim = p.head_dim, .causal = p.causal};
+    check(c);
+  }
+}
+
+// Grouped-query (8 query heads on 2 kv heads) and multi-query (8 on 1).
+TEST_P(AttentionCuda, GroupedAndMultiQuery) {
+  TS_REQUIRE_GPU();
+  const Variant p = GetParam();
+  for (std::int64_t kv_heads : {2, 1}) {
+    check({.dtype = p.dtype, .batch = 1, .q_len = 257, .kv_len = 257, .q_heads = 8, .kv_heads = kv_heads,
+           .head_dim = p.head_dim, .causal = p.causal});
+  }
+}
+
+// q, k, v as head slices of one packed qkv tensor (strided heads); out in a padded buffer
+// (odd strides: no paired stores), no lse; a negative scale.
+TEST_P(AttentionCuda, StridedHeadsPaddedOutputNegativeScale) {
+  TS_REQUIRE_GPU();
+  const Variant p = GetParam();
+  check({.dtype = p.dtype, .batch = 2, .q_len = 200, .kv_len = 200, .q_heads = 4, .kv_heads = 2,
+         .head_dim = p.head_dim, .causal = p.causal, .packed = true});
+  check({.dtype = p.dtype, .batch = 1, .q_len = 150, .kv_len = 150, .q_heads = 2, .kv_heads = 2,
+         .head_dim = p.head_dim, .causal = p.causal, .with_lse = false, .out_pad = 1});
+  check({.dtype = p.dtype, .batch = 1, .q_len = 130, .kv_len = 130, .q_heads = 2, .kv_heads = 1,
+         .head_dim = p.head_dim, .causal = p.causal, .scale = -0.3});
+}
+
+// Many (batch, head) tiles on short sequences: more tiles than SMs, the persistent loop.
+TEST_P(AttentionCuda, ManyHeadsShortSequences) {
+  TS_REQUIRE_GPU();
+  const Variant p = GetParam();
+  check({.dtype = p.dtype, .batch = 2, .q_len = 40, .kv_len = 40, .q_heads = 64, .kv_heads = 64,
+         .head_dim = p.head_dim, .causal = p.causal});
+}
+
+// A NaN in q reaches only its query's output and lse; in k or v (non-causal: every query sees
+// it) every query of its kv head's group; in k under a causal mask only the queries that see it.
+TEST_P(AttentionCuda, NaNPropagates) {
+  TS_REQUIRE_GPU();
+  const Variant p = GetParam();
+  Config c{.dtype = p.dtype, .batch = 2, .q_len = 150, .kv_len = 150, .q_heads = 4, .kv_heads = 2,
+           .head_dim = p.head_dim, .causal = p.causal};
+  c.nan_in = 'q';
+  const std::int64_t at[4] = {1, 77, 3, 5};
+  std::copy(at, at + 4, c.nan_at);
+  check(c);
+  c.nan_at[2] = 1;  // a kv head
+  c.nan_in = 'k';
+  check(c);
+  if (!p.causal) {  // see docs/perf/attention.md: a NaN in v may reach masked queries of its tile
+    c.nan_in = 'v';
+    check(c);
+  }
+}
+
+// Same inputs, same bits: no atomics, one order of summation.
+TEST_P(AttentionCuda, Deterministic) {
+  TS_REQUIRE_GPU();
+  const Variant p = GetParam();
+  HostTensor q = HostTensor::random(p.dtype, {1, 300, 4, p.head_dim});
+  HostTensor k = HostTensor::random(p.dtype, {1, 300, 2, p.head_dim});
+  DeviceTensor dq(q), dk(k), dv(k);
+  HostTensor a(p.dtype, q.shape()), b(p.dtype, q.shape());
+  DeviceTensor da(a, false), db(b, false);
+  const AttentionOptions options{.causal = p.causal};
+  attention_forward(dq.view(), dk.view(), dv.view(), da.view(), TensorView{}, options);
+  attention_forward(dq.view(), dk.view(), dv.view(), db.view(), TensorView{}, options);
+  test::device_synchronize();
+  da.copy_to(a);
+  db.copy_to(b);
+  EXPECT_EQ(std::memcmp(a.data(), b.data(), static_cast<std::size_t>(a.storage_bytes())), 0);
+}
+
+std::vector<Variant> all_variants() {
+  std::vector<Variant> v;
+  for (std::int64_t d : {64, 128, 256})
+    for (DType t : {DType::kBFloat16, DType::kFloat16})
+      for (bool causal : {false, true}) v.push_back({d, t, causal});
+  return v;
+}
+INSTANTIATE_TEST_SUITE_P(Variants, AttentionCuda, ::testing::ValuesIn(all_variants()), variant_name);
+
+// Arguments the kernel cannot take, rejected on a GPU too (the same checks run first without one,
+// tests/attention_test.cc).
+TEST(AttentionCudaErrors, UnsupportedHeadDimDtypeAndLayout) {
+  TS_REQUIRE_GPU();
+  auto run = [](DType dtype, std::int64_t d, std::int64_t pad) {
+    HostTensor q(dtype, {1, 8, 2, d + pad});
+    DeviceTensor dq(q);
+    TensorView v = head_slice(dq.view(), 0, 2, d);
+    HostTensor o(dtype, {1, 8, 2, d});
+    DeviceTensor dout(o, false);
+    attention_forward(v, v, v, dout.view(), TensorView{});
+  };
+  TS_EXPECT_ERROR(run(DType::kBFloat16, 96, 0), "attention_forward", "'q'", "64, 128 or 256");
+  TS_EXPECT_ERROR(run(DType::kFloat32, 64, 0), "attention_forward", "'q'", "float32");
+  TS_EXPECT_ERROR(run(DType::kBFloat16, 64, 4), "attention_forward", "'q'", "16-byte");
+}
+
+}  // namespace
+}  // namespace trainscale

@@ -1,0 +1,101 @@
+// The attention forward's shape heuristics (attention_heuristics.h), on the CPU: every plan fits
+// the SM (shared memory, registers, thread count), and the persistent tile order visits every
+// tile exactly once, keeps a section's heads together and, causal, starts with the query blocks
+// that see the most keys.
+#include "ops/attention/attention_heuristics.h"
+
+#include <gtest/gtest.h>
+
+#include <set>
+#include <tuple>
+#include <vector>
+
+namespace trainscale::ops::attention {
+namespace {
+
+TEST(AttentionHeuristics, PlansFitAnH100) {
+  for (std::int64_t d : {64, 128, 256}) {
+    for (bool causal : {false, true}) {
+      const ForwardPlan p = forward_plan(d, causal);
+      SCOPED_TRACE("D=" + std::to_string(d) + (causal ? " causal" : ""));
+      ASSERT_TRUE(p.supported());
+      EXPECT_EQ(p.head_dim, d);
+      EXPECT_EQ(p.causal, causal);
+      EXPECT_EQ(p.block_m, 64 * p.consumer_warpgroups);
+      EXPECT_EQ(p.block_n % 16, 0);
+      EXPECT_LE(p.block_n, 256);  // one wgmma atom and one TMA box
+      EXPECT_LE(p.block_m, 256);
+      EXPECT_LE(p.threads(), 512);
+      EXPECT_LE(forward_tile_bytes(p), 227 * 1024 - 1024);  // + barriers and alignment
+      // fp32 accumulators per consumer thread: the score tile and the output tile (64 rows each
+      // per warp group, 128 threads).
+      const int accumulators = 64 * p.block_n / 128 + 64 * static_cast<int>(d) / 128;
+      EXPECT_LE(accumulators, p.consumer_warpgroups == 2 ? 200 : 128);
+    }
+  }
+  EXPECT_FALSE(forward_plan(32, false).supported());
+  EXPECT_FALSE(forward_plan(96, true).supported());
+  EXPECT_FALSE(forward_head_dim_supported(512));
+  EXPECT_EQ(forward_plan(128, false).block_n, 176);
+  EXPECT_EQ(forward_plan(128, true).block_n, 128);
+}
+
+TEST(AttentionHeuristics, TileOrderVisitsEveryTileOnce) {
+  for (bool causal : {false, true}) {
+    for (auto [sq, b, hq, hkv, hps] : std::vector<std::tuple<int, int, int, int, int>>{
+             {1, 1, 1, 1, 1}, {1000, 2, 8, 2, 3}, {129, 3, 5, 5, 5}, {16384, 1, 16, 16, 4}, {40, 2, 64, 64, 7}}) {
+      TileOrder order;
+      order.m_blocks = (sq + 127) / 128;
+      order.heads = hq;
+      order.batch = b;
+      order.heads_per_section = hps;
+      order.heaviest_first = causal;
+      std::set<std::tuple<int, int, int>> seen;
+      int last_section = -1, last_m = -1;
+      for (std::int64_t t = 0; t < order.tiles(); ++t) {
+        const AttentionTile tile = order.at(t);
+        ASSERT_GE(tile.m_block, 0);
+        ASSERT_LT(tile.m_block, order.m_blocks);
+        ASSERT_GE(tile.head, 0);
+        ASSERT_LT(tile.head, hq);
+        ASSERT_GE(tile.batch, 0);
+        ASSERT_LT(tile.batch, b);
+        EXPECT_TRUE(seen.insert({tile.m_block, tile.head, tile.batch}).second) << "tile " << t << " twice";
+        const int section = (tile.batch * hq + tile.head) / hps;
+        EXPECT_GE(section, last_section) << "sections run one after the other";
+        if (section != last_section) last_m = -1;
+        // Within a section, query blocks change monotonically: descending when causal.
+        if (last_m >= 0 && tile.m_block != last_m) {
+          EXPECT_EQ(tile.m_block < last_m, causal) << "tile " << t;
+        }
+        last_section = section;
+        last_m = tile.m_block;
+      }
+      EXPECT_EQ(static_cast<std::int64_t>(seen.size()), order.tiles());
+    }
+  }
+}
+
+TEST(AttentionHeuristics, SectionsHoldWhatFitsInL2) {
+  const ForwardPlan plan = forward_plan(128, true);
+  constexpr std::int64_t kL2 = 50 << 20;
+  // S = 8k, D = 128, bf16: K + V of one kv head are 4 MiB, so half of L2 holds 6 of them.
+  const std::int64_t kv_bytes = 2LL * 8192 * 128 * 2;
+  TileOrder mha = forward_tile_order(8192, 2, 16, 16, kv_bytes, kL2, plan);
+  EXPECT_EQ(mha.heads_per_section, 6);
+  EXPECT_EQ(mha.m_blocks, 64);
+  EXPECT_TRUE(mha.heaviest_first);
+  // GQA 32/8: a section holds the query heads of the kv heads that fit.
+  TileOrder gqa = forward_tile_order(8192, 1, 32, 8, kv_bytes, kL2, plan);
+  EXPECT_EQ(gqa.heads_per_section, 24);
+  // Never more than all heads, never fewer than one.
+  EXPECT_EQ(forward_tile_order(128, 2, 4, 4, 1024, kL2, plan).heads_per_section, 8);
+  EXPECT_EQ(forward_tile_order(1 << 20, 1, 4, 4, kL2 * 4, kL2, plan).heads_per_section, 1);
+  EXPECT_FALSE(forward_tile_order(128, 1, 1, 1, 1, kL2, forward_plan(64, false)).heaviest_first);
+  EXPECT_EQ(forward_grid(10, 132), 10);
+  EXPECT_EQ(forward_grid(100000, 132), 132);
+  EXPECT_EQ(forward_grid(0, 132), 1);
+}
+
+}  // namespace
+}  // namespace trainscale::ops::attention
