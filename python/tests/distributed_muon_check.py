@@ -70,10 +70,12 @@ def main():
         wrapped = torch.nn.parallel.DistributedDataParallel(wrapped, device_ids=[device.index] if cuda else None)
         inner = wrapped.module
     else:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))  # not CUDA just because it exists
         for layer in wrapped.layers:
-            fully_shard(layer)
-        fully_shard(wrapped)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(wrapped, mesh=mesh)
         inner = wrapped
     options = dict(lr=0.05, weight_decay=0.1, adamw_lr=1e-2)
     single_opt = ts.optim.Muon(groups(single), **options)

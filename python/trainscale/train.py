@@ -247,10 +247,13 @@ def wrap_parallel(model, args, d: Dist, device: torch.device):
     if args.parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    # The mesh on the run's device: without one, fully_shard picks CUDA whenever it is available.
+    mesh = init_device_mesh(device.type, (d.world,))
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
