@@ -43,19 +43,20 @@ TEST(NormPlan, RowSplitTakesTheFewestThreadsThatCoverTheRow) {
 }
 
 TEST(NormPlan, AutoChoosesByRowLength) {
-  // RMSNorm: up to 256 vectors (bf16 N = 2048) kPipelined, the fused add up to 512; kRegisters
-  // up to N = 4096; LayerNorm kPipelined below N = 6144; kRows from N = 6144, over a cluster
-  // beyond 4096 vectors.
+  // Up to 256 vectors (bf16 N = 2048) kPipelined; beyond, kRows for RMSNorm and LayerNorm and,
+  // for the fused add, kPipelined up to 512 vectors then kRegisters; kRows for every op from
+  // N = 6144, over a cluster beyond 4096 vectors.
   EXPECT_EQ(auto_variant(bf16(Kind::kRms, 32768, 512)), NormVariant::kPipelined);
   EXPECT_EQ(auto_variant(bf16(Kind::kRms, 32768, 2048)), NormVariant::kPipelined);
-  EXPECT_EQ(auto_variant(bf16(Kind::kRms, 32768, 4096)), NormVariant::kRegisters);
+  EXPECT_EQ(auto_variant(bf16(Kind::kRms, 32768, 2056)), NormVariant::kRows);
+  EXPECT_EQ(auto_variant(bf16(Kind::kRms, 32768, 4096)), NormVariant::kRows);
   EXPECT_EQ(auto_variant(bf16(Kind::kRms, 32768, 4096, 2)), NormVariant::kPipelined);
-  EXPECT_EQ(auto_variant(bf16(Kind::kRms, 8192, 5120)), NormVariant::kRegisters);
+  EXPECT_EQ(auto_variant(bf16(Kind::kRms, 8192, 5120)), NormVariant::kRows);
   EXPECT_EQ(auto_variant(bf16(Kind::kRms, 8192, 5120, 2)), NormVariant::kRegisters);
   EXPECT_EQ(auto_variant(bf16(Kind::kLayer, 4096, 2048)), NormVariant::kPipelined);
-  EXPECT_EQ(auto_variant(bf16(Kind::kLayer, 4096, 4096)), NormVariant::kPipelined);
-  EXPECT_EQ(auto_variant(bf16(Kind::kLayer, 8192, 5120)), NormVariant::kPipelined);
-  EXPECT_EQ(auto_variant(bf16(Kind::kLayer, 8192, 6136)), NormVariant::kPipelined);
+  EXPECT_EQ(auto_variant(bf16(Kind::kLayer, 4096, 4096)), NormVariant::kRows);
+  EXPECT_EQ(auto_variant(bf16(Kind::kLayer, 8192, 5120)), NormVariant::kRows);
+  EXPECT_EQ(auto_variant(bf16(Kind::kLayer, 8192, 6136)), NormVariant::kRows);
   EXPECT_EQ(auto_variant(bf16(Kind::kLayer, 4096, 6144)), NormVariant::kRows);
   EXPECT_EQ(auto_variant(bf16(Kind::kLayer, 8192, 8192)), NormVariant::kRows);
   EXPECT_EQ(auto_variant(bf16(Kind::kRms, 8192, 8192)), NormVariant::kRows);
@@ -65,7 +66,7 @@ TEST(NormPlan, AutoChoosesByRowLength) {
   // fp32: 4 elements per vector, so 2048 columns are 512 vectors.
   ForwardProblem fp32 = bf16(Kind::kRms, 32768, 2048);
   fp32.element_bytes = 4;
-  EXPECT_EQ(auto_variant(fp32), NormVariant::kRegisters);
+  EXPECT_EQ(auto_variant(fp32), NormVariant::kRows);
   EXPECT_EQ(plan_forward(fp32, NormVariant::kAuto, kH100Shared).vecs, 512);
 }
 
@@ -137,9 +138,12 @@ TEST(NormPlan, StagedVariantsNeedTheirSharedMemory) {
             64u * 1024);
   EXPECT_EQ(forward_shared_bytes(bf16(Kind::kLayer, 64, 5120), NormVariant::kPipelined, 4),
             60u * 1024);
-  const ForwardPlan layer = plan_forward(bf16(Kind::kLayer, 8192, 4096), NormVariant::kAuto, kH100Shared);
+  const ForwardPlan layer = plan_forward(bf16(Kind::kLayer, 8192, 4096), NormVariant::kPipelined, kH100Shared);
   EXPECT_TRUE(layer.persistent);
   EXPECT_EQ(layer.ring_stages, 2);
+  const ForwardPlan layer_auto = plan_forward(bf16(Kind::kLayer, 8192, 4096), NormVariant::kAuto, kH100Shared);
+  EXPECT_EQ(layer_auto.variant, NormVariant::kRows);
+  EXPECT_FALSE(layer_auto.persistent);
   const ForwardPlan fused = plan_forward(bf16(Kind::kRms, 8192, 4096, 2), NormVariant::kAuto, kH100Shared);
   EXPECT_FALSE(fused.persistent);
   EXPECT_EQ(fused.ring_stages, 1);
@@ -154,12 +158,12 @@ TEST(NormPlan, StagedVariantsNeedTheirSharedMemory) {
             NormVariant::kPipelined);
   EXPECT_THROW(plan_forward(bf16(Kind::kLayer, 64, 32768), NormVariant::kPipelined, kH100Shared),
                UnsupportedVariantError);
-  // kAuto's LayerNorm kPipelined without room for its ring takes kRegisters: at 64 KB per
-  // block, N = 4096 (64 KB + scratch) does not fit and its tables (32 KB) do.
-  EXPECT_EQ(plan_forward(bf16(Kind::kLayer, 64, 4096), NormVariant::kAuto, 64 * 1024).variant,
+  // kAuto's kPipelined without room for its ring takes kRegisters: at 24 KB per block, LayerNorm
+  // N = 2048 (16 KB of tables + 16 KB of ring) does not fit and its tables do.
+  EXPECT_EQ(plan_forward(bf16(Kind::kLayer, 64, 2048), NormVariant::kAuto, 24 * 1024).variant,
             NormVariant::kRegisters);
   // A smaller device falls back to two passes under kAuto.
-  EXPECT_EQ(plan_forward(bf16(Kind::kRms, 64, 4096), NormVariant::kAuto, 16 * 1024).variant,
+  EXPECT_EQ(plan_forward(bf16(Kind::kRms, 64, 2048), NormVariant::kAuto, 4 * 1024).variant,
             NormVariant::kTwoPass);
 }
 

@@ -29,11 +29,15 @@ struct ForwardTraits {
   static constexpr int kConsumerWarpGroups = kBlockM / 64;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpGroups;
   static constexpr int kThreads = kConsumerThreads + 128;  // + the producer warp group
-  // Registers after setmaxnreg: the producer gives its share to the consumers; the sum over the
-  // warp groups stays within the 64K registers of an SM (128 threads each).
-  static constexpr int kProducerRegisters = 32;
+  // Registers after setmaxnreg: the producer gives its share to the consumers. The pool is what
+  // the CTA was launched with (__launch_bounds__(kThreads, 1): 64K / kThreads per thread, in
+  // multiples of 8, i.e. 168 for 384 threads, not 170); asking setmaxnreg for more than the pool
+  // holds blocks forever, so the sum must fit it exactly.
+  static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
+  static constexpr int kProducerRegisters = kConsumerWarpGroups == 2 ? 24 : 32;
   static constexpr int kConsumerRegisters = kConsumerWarpGroups == 2 ? 240 : 160;
-  static_assert(kProducerRegisters + kConsumerWarpGroups * kConsumerRegisters <= 512);
+  static_assert(kProducerRegisters + kConsumerWarpGroups * kConsumerRegisters <=
+                kLaunchRegisters * (kConsumerWarpGroups + 1));
 
   static_assert(kBlockM % 64 == 0 && kConsumerWarpGroups >= 1 && kConsumerWarpGroups <= 3);
   static_assert(kHeadDim % 64 == 0, "128-byte swizzle rows");

@@ -33,18 +33,17 @@ namespace {
 // kAuto's kernel for aligned rows one block holds (kPipelined, kRegisters or kRows); kAuto
 // falls back to two passes where it cannot run. From N = 6144 kRows is faster for every op: it
 // drops the staged tables and the persistent grid, whose looping wave streams slower than one
-// row group per block; below that its small blocks each re-read the weights, which costs more.
-// Below N = 6144, LayerNorm takes kPipelined: its persistent walk then has the next row group's
-// loads in flight during this group's reduction and stores (kRegisters' walk had none: 57 %
-// DRAM at 8192x4096). RMSNorm takes kPipelined up to 256 vectors (bf16 N = 2048), where short
-// rows spend most of their time in the reduction; the fused add up to 512 vectors (bf16 N =
-// 4096), where with one row group per block its group's loads overlap the staging; plain
-// RMSNorm's kRegisters issues its group's loads before the staging too, into registers.
-// Measurements: docs/perf/norm.md.
-NormVariant auto_register_variant(Kind kind, std::int64_t cols, std::int64_t vecs, bool fused_add) {
+// row group per block. Plain RMSNorm and LayerNorm take it from 257 vectors (bf16 N 4096) too:
+// at 8192x4096 and 16384x4096 kRows measured 52.7 / 98.6 us (RMSNorm) and 59.4 / 104.0 us
+// (LayerNorm) against kRegisters' 54.9 / 98.9 and 65.0 / 111.6 and kPipelined's 53.4 / 97.0 and
+// 65.5 / 111.6. Up to 256 vectors kPipelined: its next row group's loads overlap this group's
+// reduction, which short rows spend most of their time in. The fused add keeps kPipelined up to
+// 512 vectors (bf16 N = 4096), where with one row group per block its group's loads overlap the
+// staging (98.4 us at 8192x4096 against kRows' 99.8). Measurements: docs/perf/norm.md.
+NormVariant auto_register_variant(std::int64_t cols, std::int64_t vecs, bool fused_add) {
   if (cols >= 6144) return NormVariant::kRows;
-  if (kind == Kind::kLayer) return NormVariant::kPipelined;
-  return vecs <= (fused_add ? 512 : 256) ? NormVariant::kPipelined : NormVariant::kRegisters;
+  if (fused_add) return vecs <= 512 ? NormVariant::kPipelined : NormVariant::kRegisters;
+  return vecs <= 256 ? NormVariant::kPipelined : NormVariant::kRows;
 }
 
 bool one_vector_per_thread(NormVariant chosen, std::int64_t rows, std::int64_t vecs) {
@@ -97,7 +96,7 @@ ForwardPlan plan_forward(const ForwardProblem& p, NormVariant requested,
   plan.vecs = (p.cols + v - 1) / v;
   plan.vectorized = p.aligned;
   NormVariant chosen = requested == NormVariant::kAuto
-                           ? auto_register_variant(p.kind, p.cols, plan.vecs, p.residual_bytes > 0)
+                           ? auto_register_variant(p.cols, plan.vecs, p.residual_bytes > 0)
                            : requested;
   if (requested == NormVariant::kAuto && plan.vecs > kBlockVecs) chosen = NormVariant::kRows;
   const std::int64_t max_vecs = chosen == NormVariant::kRows ? kMaxClusterVecs : kBlockVecs;
