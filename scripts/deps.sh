@@ -38,6 +38,12 @@ fi
 # Headers of the cuDNN frontend (its header-only C++ graph API, from PyPI) for trainscale-bench's
 # optional cuDNN baselines; CMake finds them through python3. Only where CUDA is built, and best
 # effort: without them (no network, no pip) the baselines are simply not built.
+# One pinned wheel without its dependencies, quietly; where pip refuses a system Python, again
+# with --break-system-packages.
+pip_pinned() {
+  local pip=(env PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1 python3 -m pip install -q --no-deps)
+  "${pip[@]}" "$1" >/dev/null 2>&1 || "${pip[@]}" --break-system-packages "$1" >/dev/null 2>&1
+}
 cudnn_frontend_version=1.32.0
 if { command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; } && command -v python3 >/dev/null &&
   ! python3 - "$cudnn_frontend_version" 2>/dev/null <<'PY'
@@ -46,11 +52,7 @@ sys.exit(0 if md.version("nvidia-cudnn-frontend") == sys.argv[1] else 1)
 PY
 then
   echo "[deps] installing nvidia-cudnn-frontend==$cudnn_frontend_version from PyPI (cuDNN baseline headers)"
-  pip_frontend() {
-    PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1 \
-      python3 -m pip install -q --no-deps "$@" "nvidia-cudnn-frontend==$cudnn_frontend_version" >/dev/null 2>&1
-  }
-  pip_frontend || pip_frontend --break-system-packages ||
+  pip_pinned "nvidia-cudnn-frontend==$cudnn_frontend_version" ||
     echo "[deps] could not install nvidia-cudnn-frontend: the cuDNN baselines will not be built"
 fi
 
@@ -62,11 +64,7 @@ if { command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; } && command
   ! python3 -c "import cutlass_library" 2>/dev/null
 then
   echo "[deps] installing nvidia-cutlass==$cutlass_version from PyPI (CUTLASS/CuTe headers)"
-  pip_cutlass() {
-    PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1 \
-      python3 -m pip install -q --no-deps "$@" "nvidia-cutlass==$cutlass_version" >/dev/null 2>&1
-  }
-  pip_cutlass || pip_cutlass --break-system-packages ||
+  pip_pinned "nvidia-cutlass==$cutlass_version" ||
     echo "[deps] could not install nvidia-cutlass: the attention CUDA kernels will not be built"
 fi
 

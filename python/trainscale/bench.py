@@ -765,6 +765,17 @@ def main(argv=None):
     return _report(args, text)
 
 
+def _run_python_suite(suite, run, configs, impls, args, use_gpu, timing, command_line):
+    """A suite measured here in Python: the engine's empty run (environment, roofline), then
+    run(result, configs, impls, device, timing, seed, progress) adds its rows; reported as the
+    engine's runs are."""
+    result = json.loads(_C.empty_run(suite, use_gpu, args.gpu, timing, args.seed,
+                                     use_gpu and not args.no_roofline, command_line))
+    device = torch.device("cuda", args.gpu) if use_gpu else torch.device("cpu")
+    run(result, configs, impls, device, timing, args.seed, not args.quiet)
+    return _report(args, json.dumps(_finite(result), indent=2))
+
+
 def _main_flce(p, args, use_gpu, timing, command_line):
     ops, impls = _csv_list(args.ops), _csv_list(args.impl)
     if any(op != FLCE_OP for op in ops):
@@ -779,11 +790,7 @@ def _main_flce(p, args, use_gpu, timing, command_line):
         for t, h, v in shapes:
             print(f"{FLCE_OP} {t}x{h}x{v} bfloat16")
         return 0
-    result = json.loads(_C.empty_run(FLCE_SUITE, use_gpu, args.gpu, timing, args.seed,
-                                     use_gpu and not args.no_roofline, command_line))
-    device = torch.device("cuda", args.gpu) if use_gpu else torch.device("cpu")
-    run_flce(result, shapes, impls, device, timing, args.seed, not args.quiet)
-    return _report(args, json.dumps(_finite(result), indent=2))
+    return _run_python_suite(FLCE_SUITE, run_flce, shapes, impls, args, use_gpu, timing, command_line)
 
 
 def _main_muon(p, args, use_gpu, timing, command_line):
@@ -801,11 +808,7 @@ def _main_muon(p, args, use_gpu, timing, command_line):
         for op, dims, _ in selected:
             print(f"{op} {dims} bfloat16")
         return 0
-    result = json.loads(_C.empty_run(MUON_SUITE, use_gpu, args.gpu, timing, args.seed,
-                                     use_gpu and not args.no_roofline, command_line))
-    device = torch.device("cuda", args.gpu) if use_gpu else torch.device("cpu")
-    run_muon(result, selected, impls, device, timing, args.seed, not args.quiet)
-    return _report(args, json.dumps(_finite(result), indent=2))
+    return _run_python_suite(MUON_SUITE, run_muon, selected, impls, args, use_gpu, timing, command_line)
 
 
 def _finite(obj):

@@ -14,6 +14,21 @@
 
 namespace trainscale::detail {
 
+// A launch configuration of `grid` 1-D blocks of `block` threads with `smem` bytes of dynamic
+// shared memory and one launch attribute (`attribute`, which must outlive the configuration;
+// none when `with_attribute` is false).
+inline cudaLaunchConfig_t launch_config(std::int64_t grid, int block, std::size_t smem, cudaStream_t stream,
+                                        cudaLaunchAttribute& attribute, bool with_attribute) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(grid));
+  config.blockDim = dim3(static_cast<unsigned>(block));
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = with_attribute ? 1 : 0;
+  return config;
+}
+
 // A launch configuration of `grid` blocks (a multiple of `cluster`) in clusters of `cluster`
 // along x (no cluster attribute when `cluster` is 1: a plain launch); `attribute` must outlive
 // the configuration.
@@ -24,14 +39,7 @@ inline cudaLaunchConfig_t cluster_config(std::int64_t grid, int block, int clust
   attribute.id = cudaLaunchAttributeClusterDimension;
   attribute.val.clusterDim.x = static_cast<unsigned>(cluster);
   attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(grid));
-  config.blockDim = dim3(static_cast<unsigned>(block));
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  config.attrs = &attribute;
-  config.numAttrs = cluster > 1 ? 1 : 0;
-  return config;
+  return launch_config(grid, block, smem, stream, attribute, cluster > 1);
 }
 
 // The largest portable cluster; larger ones need cudaFuncAttributeNonPortableClusterSizeAllowed.
@@ -112,13 +120,7 @@ bool launch_cooperative(void (*kernel)(Params...), std::int64_t grid, int block,
   cudaLaunchAttribute attribute{};
   attribute.id = cudaLaunchAttributeCooperative;
   attribute.val.cooperative = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(grid));
-  config.blockDim = dim3(static_cast<unsigned>(block));
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
+  const cudaLaunchConfig_t config = launch_config(grid, block, smem, stream, attribute, true);
   const cudaError_t status = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
   if (status == cudaErrorCooperativeLaunchTooLarge) {
     (void)cudaGetLastError();  // not sticky
