@@ -15,7 +15,9 @@ except ImportError as _e:
         "install the package with `pip install .` from the repository root") from _e
 
 # The family modules register the ops' fake implementations and autograd formulas.
-from . import activation, fp8, loss, norm, optim, rope, softmax  # noqa: E402,F401
+from . import activation, attention, fp8, loss, norm, optim, rope, softmax  # noqa: E402,F401
+# (trainscale.attention is the function below; the module stays in sys.modules as trainscale.attention.)
+from .attention import attention, attention_with_lse, hf_attention_forward, register_hf_attention  # noqa: E402
 from .functional import (  # noqa: E402
     apply_rotary,
     cross_entropy,
@@ -47,7 +49,7 @@ from .selection import config, print_selection  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [
-    "apply_rotary", "cross_entropy", "fp8_quantize", "fused_add_rms_norm", "fused_add_rms_norm_",
+    "apply_rotary", "attention", "attention_with_lse", "hf_attention_forward", "register_hf_attention", "cross_entropy", "fp8_quantize", "fused_add_rms_norm", "fused_add_rms_norm_",
     "gelu", "layer_norm", "linear_cross_entropy", "newton_schulz", "optim", "rms_norm", "rope_tables", "silu", "softmax", "swiglu",
     "CrossEntropyLoss", "FusedAddRMSNorm", "LayerNorm", "LinearCrossEntropyLoss", "RMSNorm",
     "RotaryEmbedding", "SwiGLU", "SwiGLUMLP", "config", "hf_apply_rotary_pos_emb", "hf_causal_lm_loss",
