@@ -45,6 +45,10 @@ def test_patched_llama_matches(monkeypatch, capsys, per_batch_positions):
     assert report["rope"] == ["transformers.models.llama.modeling_llama.apply_rotary_pos_emb"]
     assert report["cross_entropy"] == ["LlamaForCausalLM"] and model.loss_function is ts.hf_causal_lm_loss
     assert isinstance(model.model.norm, ts.RMSNorm) and isinstance(model.model.layers[0].mlp, ts.SwiGLUMLP)
+    # On the CPU, attention goes through trainscale (forward and backward have the reference).
+    assert report["attention"] == ["LlamaForCausalLM.config._attn_implementation = 'trainscale'"]
+    assert model.config._attn_implementation == "trainscale"
+    assert original.config._attn_implementation == "eager"
     # Parameters are shared, not copied.
     assert model.model.norm.weight is dict(model.named_parameters())["model.norm.weight"]
 
@@ -68,7 +72,7 @@ def test_patch_fp32_and_idempotent(monkeypatch):
     ts.patch(model, verbose=False)
     again = ts.patch(model, verbose=False)
     assert again["rms_norm"] == [] and again["swiglu_mlp"] == [] and again["rope"] == []
-    assert again["cross_entropy"] == [] and again["linear_cross_entropy"] == []
+    assert again["cross_entropy"] == [] and again["linear_cross_entropy"] == [] and again["attention"] == []
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, original(ids).logits, rtol=1e-5, atol=1e-5)
 
@@ -122,3 +126,15 @@ def test_training_loss_without_logits(monkeypatch, dtype):
 def test_patch_rejects_non_modules():
     with pytest.raises(TypeError, match="trainscale.patch: argument 'model'"):
         ts.patch("not a model")
+
+
+def test_patch_leaves_attention_off_the_cpu(monkeypatch):
+    # Parameters not on the CPU (CUDA in practice; meta here): the CUDA attention backward does
+    # not exist yet, so patch keeps the model's attention; attention=False keeps it anywhere.
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", modeling_llama.apply_rotary_pos_emb)
+    model = tiny_llama().to("meta")
+    assert ts.patch(model, verbose=False)["attention"] == []
+    assert model.config._attn_implementation == "eager"
+    model = tiny_llama()
+    assert ts.patch(model, attention=False, verbose=False).get("attention") is None
+    assert model.config._attn_implementation == "eager"

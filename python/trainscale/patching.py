@@ -16,6 +16,9 @@ _RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 # Causal LMs whose forward computes `logits = self.lm_head(hidden_states)` and then, with labels,
 # `self.loss_function(logits=logits, labels=labels, ..., **kwargs)`, with nothing in between.
 _FUSED_LOSS_MODELS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Llama-family models (config.model_type) whose attention goes through transformers'
+# AttentionInterface with the sdpa signature: patch(model) may route it to trainscale.
+_ATTENTION_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
@@ -152,6 +155,31 @@ def _mlp(m):
     return new
 
 
+def _attention_skip_reason(model: nn.Module):
+    """Why patch() leaves model's attention as it is, or None when it switches it to trainscale."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or getattr(cfg, "model_type", None) not in _ATTENTION_MODEL_TYPES:
+        return "not a Llama-family Hugging Face model"
+    if any(p.device.type != "cpu" for p in model.parameters()):
+        # The CUDA forward exists, but the backward is CPU-only for now: training would fail.
+        return "parameters not on the CPU (the CUDA attention backward does not exist yet; " \
+               "attn_implementation='trainscale' still runs the CUDA forward)"
+    return None
+
+
+def _patch_attention(model: nn.Module) -> List[str]:
+    from .attention import register_hf_attention
+
+    if _attention_skip_reason(model) is not None or model.config._attn_implementation == "trainscale":
+        return []
+    register_hf_attention()
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation("trainscale")
+    else:
+        model.config._attn_implementation = "trainscale"
+    return [f"{type(model).__name__}.config._attn_implementation = 'trainscale'"]
+
+
 class PatchReport(Dict[str, List[str]]):
     """What trainscale.patch swapped: part -> names of the modules (or functions) replaced."""
 
@@ -177,7 +205,8 @@ def _fuse_loss(m) -> bool:
 
 
 def patch(model: nn.Module, rms_norm: bool = True, swiglu: bool = True, rope: bool = True,
-          cross_entropy: bool = True, linear_cross_entropy: bool = True, verbose: bool = True) -> PatchReport:
+          cross_entropy: bool = True, linear_cross_entropy: bool = True, attention: bool = True,
+          verbose: bool = True) -> PatchReport:
     """Swaps in trainscale, in place: Llama-style RMSNorms -> trainscale.RMSNorm, SiLU-gated MLPs
     (gate_proj / up_proj / down_proj) -> trainscale.SwiGLUMLP (same Linear layers, fused
     activation), apply_rotary_pos_emb of the model's modeling module -> hf_apply_rotary_pos_emb
@@ -185,8 +214,13 @@ def patch(model: nn.Module, rms_norm: bool = True, swiglu: bool = True, rope: bo
     causal-LM loss of each submodule with a settable `loss_function` (transformers' models) ->
     hf_causal_lm_loss, and, in Llama / Mistral / Qwen2 / Qwen3 causal LMs, the training loss
     (labels given, model.training) -> linear_cross_entropy of the last hidden states and
-    lm_head's weight, without the logits (the output's `logits` is then None). Returns (and
-    with verbose prints) a report of what was swapped."""
+    lm_head's weight, without the logits (the output's `logits` is then None), and, in Llama /
+    Mistral / Qwen2 / Qwen3 models whose parameters are all on the CPU, attention ->
+    trainscale.hf_attention_forward (config._attn_implementation = "trainscale"; masks other
+    than the causal one, dropout, softcap and sliding windows fall back to sdpa per call). On
+    CUDA, attention is left as it is: the CUDA attention backward does not exist yet, so
+    training would fail; load the model with attn_implementation="trainscale" for the CUDA
+    forward (inference). Returns (and with verbose prints) a report of what was swapped."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"trainscale.patch: argument 'model': expected a torch.nn.Module, got {type(model).__name__}")
     report = PatchReport()
@@ -212,6 +246,8 @@ def patch(model: nn.Module, rms_norm: bool = True, swiglu: bool = True, rope: bo
     if linear_cross_entropy:
         report["linear_cross_entropy"] = [name or type(m).__name__ for name, m in list(model.named_modules())
                                           if _fuse_loss(m)]
+    if attention:
+        report["attention"] = _patch_attention(model)
     if verbose:
         print(report)
     return report
