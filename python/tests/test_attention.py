@@ -169,7 +169,7 @@ def test_hf_llama_matches_sdpa(dtype, tol):
     AttentionInterface._global_mapping["trainscale"] = lambda *a, **kw: calls.append(1) or registered(*a, **kw)
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("error")  # no sdpa fallback
+            warnings.filterwarnings("error", message="trainscale attention")  # no sdpa fallback
             loss, grads = _loss_and_grads(model, ids)
     finally:
         AttentionInterface._global_mapping["trainscale"] = registered
@@ -201,7 +201,7 @@ def test_hf_plain_causal_mask_runs_trainscale():
 
     mask = torch.ones(6, 6, dtype=torch.bool).tril()[None, None].expand(2, 1, 6, 6)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
+        warnings.filterwarnings("error", message="trainscale attention")
         out, weights = ts.hf_attention_forward(Module(), q, k, v, mask, scaling=0.5)
     assert weights is None and out.shape == (2, 6, 4, 8)
     ref, _ = reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), True, 0.5)

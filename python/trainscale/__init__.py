@@ -49,7 +49,8 @@ from .selection import config, print_selection  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [
-    "apply_rotary", "attention", "attention_with_lse", "hf_attention_forward", "register_hf_attention", "cross_entropy", "fp8_quantize", "fused_add_rms_norm", "fused_add_rms_norm_",
+    "apply_rotary", "attention", "attention_with_lse", "cross_entropy", "fp8_quantize", "fused_add_rms_norm",
+    "fused_add_rms_norm_", "hf_attention_forward", "register_hf_attention",
     "gelu", "layer_norm", "linear_cross_entropy", "newton_schulz", "optim", "rms_norm", "rope_tables", "silu", "softmax", "swiglu",
     "CrossEntropyLoss", "FusedAddRMSNorm", "LayerNorm", "LinearCrossEntropyLoss", "RMSNorm",
     "RotaryEmbedding", "SwiGLU", "SwiGLUMLP", "config", "hf_apply_rotary_pos_emb", "hf_causal_lm_loss",
