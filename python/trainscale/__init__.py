@@ -46,6 +46,7 @@ from .modules import (  # noqa: E402
 )
 from .patching import hf_apply_rotary_pos_emb, hf_causal_lm_loss, patch  # noqa: E402
 from .selection import config, print_selection  # noqa: E402
+from .vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [
@@ -54,5 +55,5 @@ __all__ = [
     "gelu", "layer_norm", "linear_cross_entropy", "newton_schulz", "optim", "rms_norm", "rope_tables", "silu", "softmax", "swiglu",
     "CrossEntropyLoss", "FusedAddRMSNorm", "LayerNorm", "LinearCrossEntropyLoss", "RMSNorm",
     "RotaryEmbedding", "SwiGLU", "SwiGLUMLP", "config", "hf_apply_rotary_pos_emb", "hf_causal_lm_loss",
-    "patch", "print_selection",
+    "patch", "print_selection", "vocab_parallel_cross_entropy", "vocab_parallel_linear_cross_entropy",
 ]
