@@ -15,6 +15,7 @@ muon suite (Newton-Schulz against eager and torch.compile, a Muon step over the 
 of 4 Llama-3-8B decoder layers against torch.optim.Muon; section "muon").
 """
 import argparse
+import contextlib
 import gc
 import inspect
 import json
@@ -434,6 +435,28 @@ def flce_configs(use_gpu, configs=()):
     return [s for s in shapes if not configs or "x".join(map(str, s)) in configs]
 
 
+@contextlib.contextmanager
+def _recorded(row, ours, result, device):
+    """One row's measurement: a failure goes into the row as the engine reports it (out of memory:
+    failed for ours, whose memory is bounded, unsupported for a baseline; NotImplementedError:
+    unsupported), Ctrl-C marks it interrupted and goes on up; the row is appended and the
+    memory freed either way."""
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as e:
+        row.update(status="failed" if ours else "unsupported", message=f"skipped (OOM): {str(e).splitlines()[0]}")
+    except NotImplementedError as e:
+        row.update(status="unsupported", message=str(e))
+    except KeyboardInterrupt:
+        row.update(status="interrupted", message="interrupted")
+        raise
+    except Exception as e:  # noqa: BLE001 (reported in the row, like the engine does)
+        row.update(status="failed", message=f"{type(e).__name__}: {e}"[:500])
+    finally:
+        result["rows"].append(row)
+        _free_memory(device)
+
+
 def run_flce(result, shapes, impls, device, timing, seed, progress):
     """Appends the flce rows of these shapes and implementations (all when impls is empty) to
     result (the JSON document of docs/bench-json.md): each implementation on the same inputs,
@@ -457,21 +480,8 @@ def run_flce(result, shapes, impls, device, timing, seed, progress):
                 row = _flce_row(shape, name, ours, device, device.type == "cuda" and timing["flush_l2"])
                 if progress:
                     print(f"[flce {n + 1}/{len(shapes)}] {row['case']} [{name}]", file=sys.stderr, flush=True)
-                try:
+                with _recorded(row, ours, result, device):
                     _flce_measure(row, make, (hidden, weight, target), ref, device, timing, gemm_tflops)
-                except torch.cuda.OutOfMemoryError as e:  # a failure of ours, whose memory is bounded
-                    row.update(status="failed" if ours else "unsupported",
-                               message=f"skipped (OOM): {str(e).splitlines()[0]}")
-                except NotImplementedError as e:
-                    row.update(status="unsupported", message=str(e))
-                except KeyboardInterrupt:
-                    row.update(status="interrupted", message="interrupted")
-                    raise
-                except Exception as e:  # noqa: BLE001 (reported in the row, like the engine does)
-                    row.update(status="failed", message=f"{type(e).__name__}: {e}"[:500])
-                finally:
-                    result["rows"].append(row)
-                    _free_memory(device)
             del hidden, weight, target, ref
     except KeyboardInterrupt:
         result["meta"]["interrupted"] = True
@@ -616,7 +626,7 @@ def run_muon(result, configs, impls, device, timing, seed, progress):
                             "rows": "all"})
                 if progress:
                     print(f"[muon {n + 1}/{len(configs)}] {row['case']} [{name}]", file=sys.stderr, flush=True)
-                try:
+                with _recorded(row, ours, result, device):
                     run, first = make_run(make)
                     rel = _rel_l2(first(), ref)
                     row["gate"].update(rel_l2=rel)
@@ -624,17 +634,6 @@ def run_muon(result, configs, impls, device, timing, seed, progress):
                         row.update(status="failed", message=f"relative L2 error {rel:.3g} > tolerance {MUON_TOLERANCE:g}")
                     else:
                         _time_row(row, run, device, timing, gemm_tflops)
-                except torch.cuda.OutOfMemoryError as e:
-                    row.update(status="failed" if ours else "unsupported",
-                               message=f"skipped (OOM): {str(e).splitlines()[0]}")
-                except KeyboardInterrupt:
-                    row.update(status="interrupted", message="interrupted")
-                    raise
-                except Exception as e:  # noqa: BLE001 (reported in the row, like the engine does)
-                    row.update(status="failed", message=f"{type(e).__name__}: {e}"[:500])
-                finally:
-                    result["rows"].append(row)
-                    _free_memory(device)
     except KeyboardInterrupt:
         result["meta"]["interrupted"] = True
     result["meta"]["wall_seconds"] = result["meta"].get("wall_seconds", 0.0) + time.monotonic() - started
