@@ -509,6 +509,34 @@ TEST(BenchGate, CoupledRowsWithACostPerRowCountAreGatedWithinTheFlopLimit) {
   EXPECT_EQ(GateData(c, 9, {.reference_flops = 4096}).coverage(), RowCoverage::kAll);
 }
 
+// A batch of Newton-Schulz problems where one matrix alone exceeds the FLOP limit: the gate
+// checks the prefix problem of the first matrix, and still catches a wrong implementation.
+TEST(BenchGate, GroupsCostlierThanTheLimitAreGatedOnThePrefixOfTheFirstGroup) {
+  const OpInfo* op = Registry::global().find_op("newton_schulz_batched");
+  ASSERT_NE(op, nullptr);
+  const std::vector<std::int64_t> shape = {3, 40, 24};
+  const Case c = op->make(shape, DType::kFloat32);
+  ASSERT_EQ(c.groups, 3);
+  // 5 (4 r^2 n + 2 r^3) with r = rows <= 24, n = 24: 187850 at 17 rows, 213840 at 18.
+  const GateData gate(c, 13, {.reference_flops = 200000});
+  ASSERT_EQ(gate.coverage(), RowCoverage::kPrefix);
+  EXPECT_EQ(gate.gated_case().tensors[0].shape, (std::vector<std::int64_t>{1, 17, 24}));
+  EXPECT_EQ(gate.gated_case().shape, (std::vector<std::int64_t>{1, 17, 24}));
+  const GateResult right = gate_on_cpu(c, gate, c.entry);
+  EXPECT_TRUE(right.passed) << right.message;
+  EXPECT_EQ(right.rows_checked, 17);
+  EXPECT_EQ(right.rows_total, 40);
+  const TensorId out_id = c.id("out");
+  const GateResult wrong = gate_on_cpu(c, gate, [&](CaseTensors t, cudaStream_t s) {
+    c.entry(t, s);
+    auto* out = static_cast<float*>(t[out_id].data);
+    for (std::int64_t i = 0; i < t[out_id].numel(); ++i) out[i] *= 1.01f;
+  });
+  EXPECT_FALSE(wrong.passed);
+  // One matrix (599040) within the limit, the batch above it: the run-of-groups gate as before.
+  EXPECT_EQ(GateData(c, 13, {.reference_flops = 1e6}).coverage(), RowCoverage::kGroups);
+}
+
 // Attention splits into kv-head groups: above the FLOP limit the gate checks a run of them, and
 // still catches an implementation that is wrong there.
 TEST(BenchGate, ComputeBoundCasesAreGatedOnARunOfIndependentGroups) {

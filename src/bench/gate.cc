@@ -168,6 +168,8 @@ GateData::GateData(const Case& c, std::uint64_t seed, const GateLimits& limits) 
     sample_plan_ = c.sampled_check->plan(seed ^ 0xC4E5u, limits.reference_flops, fills_);
     rows_total_ = sample_plan_->rows_total;
     rows_checked_ = sample_plan_->rows_checked;
+  } else if (c.groups > 0 && c.flops_of_rows && c.flops / static_cast<double>(c.groups) > limits.reference_flops) {
+    plan_group_prefix(c, limits);
   } else if (c.groups > 0 && c.flops > limits.reference_flops) {
     coverage_ = RowCoverage::kGroups;
     group_count_ = std::clamp<std::int64_t>(
@@ -354,11 +356,43 @@ std::vector<TensorView> GateData::gated_views(const std::vector<OwnedTensor>& te
   std::vector<TensorView> views;
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     TensorView v = tensors[i].view();
-    // Contiguous: the first rows of a tensor are a view of it with the same strides.
-    if (!gated.tensors[i].shape.empty()) v.shape[0] = gated.tensors[i].shape[0];
+    // Contiguous: the first rows of a tensor (of its first group) are a view of it with the same
+    // strides.
+    const std::vector<std::int64_t>& shape = gated.tensors[i].shape;
+    for (std::size_t d = 0; d < shape.size(); ++d) v.shape[d] = shape[d];
     views.push_back(v);
   }
   return views;
+}
+
+// Groups so costly that one alone exceeds the reference budget (a batch of large Newton-Schulz
+// problems): the gate checks the prefix problem of the first group, its first rows along dim 1
+// (tensors [groups, rows, ...] with group_dim 0), as many as Case::flops_of_rows keeps within the
+// budget.
+void GateData::plan_group_prefix(const Case& c, const GateLimits& limits) {
+  std::int64_t rows = 0;
+  for (const TensorSpec& spec : c.tensors) {
+    if (spec.group_dim == 0 && spec.shape.size() >= 2) rows = std::max(rows, spec.shape[1]);
+  }
+  std::int64_t lo = 1, hi = std::max<std::int64_t>(rows, 1);
+  while (lo < hi) {
+    const std::int64_t mid = lo + (hi - lo + 1) / 2;
+    if (c.flops_of_rows(mid) <= limits.reference_flops) lo = mid; else hi = mid - 1;
+  }
+  coverage_ = RowCoverage::kPrefix;
+  rows_total_ = rows;
+  rows_checked_ = lo;
+  prefix_case_ = c;
+  prefix_case_->groups = 1;
+  for (TensorSpec& spec : prefix_case_->tensors) {
+    if (spec.group_dim != 0 || spec.shape.size() < 2) continue;
+    spec.shape[0] = 1;
+    spec.shape[1] = lo;
+  }
+  if (prefix_case_->shape.size() >= 2 && prefix_case_->shape[0] == c.groups) {
+    prefix_case_->shape[0] = 1;
+    prefix_case_->shape[1] = lo;
+  }
 }
 
 std::string GateData::coverage_note() const {

@@ -108,6 +108,8 @@ class GateData {
 
  private:
   const Case& case_;
+  void plan_group_prefix(const Case& c, const GateLimits& limits);
+
   std::optional<Case> prefix_case_;
   std::vector<RandomFill> fills_;  // per tensor (used for inputs)
   RowCoverage coverage_ = RowCoverage::kAll;

@@ -171,7 +171,9 @@ struct Case {
   std::optional<SampledCheck> sampled_check;
   // Rows coupled and the cost superlinear in them (Newton-Schulz): the case's FLOPs with only
   // its first `rows` rows. Above GateLimits::reference_flops the gate checks the prefix problem
-  // of as many rows as stay within them.
+  // of as many rows as stay within them. With `groups`, the FLOPs of one group with its first
+  // `rows` rows (dim 1 of the group_dim-0 tensors): where one group alone exceeds the budget,
+  // the gate checks that prefix problem of the first group.
   std::function<double(std::int64_t rows)> flops_of_rows;
 
   // The tensor this case declares as `name`; throws std::logic_error, naming the case's tensors,

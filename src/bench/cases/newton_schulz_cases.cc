@@ -75,6 +75,7 @@ Case newton_schulz_batched_case(std::span<const std::int64_t> shape, DType dtype
   c.groups = count;
   c.bytes = traffic(c.tensors);
   c.flops = static_cast<double>(count) * ns_flops(rows, cols);
+  c.flops_of_rows = [cols](std::int64_t rows_) { return ns_flops(rows_, cols); };  // one matrix
   c.bound = Bound::kCompute;
   const auto [g, out, workspace] = c.ids("g", "out", "workspace");
   c.entry = [=](CaseTensors t, cudaStream_t s) { newton_schulz(t[g], t[out], {}, t[workspace], s); };
@@ -104,6 +105,7 @@ Case muon_step_case(std::span<const std::int64_t> shape, DType dtype) {
   c.groups = count;
   c.bytes = traffic(c.tensors);
   c.flops = static_cast<double>(count) * ns_flops(rows, cols);
+  c.flops_of_rows = [cols](std::int64_t rows_) { return ns_flops(rows_, cols); };  // one parameter
   c.bound = Bound::kCompute;
   const auto [param, grad, buffer, workspace] = c.ids("param", "grad", "momentum_buffer", "workspace");
   c.entry = [=](CaseTensors t, cudaStream_t s) {
