@@ -372,6 +372,16 @@ GateResult gate_on_cpu(const Case& c, const GateData& gate, const std::function<
   return gate.check(tensors);
 }
 
+// The case's entry with its float32 output `name` then scaled by 1.01: wrong, but only just.
+std::function<void(CaseTensors, cudaStream_t)> off_by_one_percent(const Case& c, std::string_view name) {
+  const TensorId out_id = c.id(name);
+  return [&c, out_id](CaseTensors t, cudaStream_t s) {
+    c.entry(t, s);
+    auto* out = static_cast<float*>(t[out_id].data);
+    for (std::int64_t i = 0; i < t[out_id].numel(); ++i) out[i] *= 1.01f;
+  };
+}
+
 TEST(BenchGate, LargeRowWiseCasesAreSampled) {
   const GateLimits limits;
   const std::int64_t shape[] = {limits.full_check_elements / 64 * 2, 64};
@@ -526,12 +536,7 @@ TEST(BenchGate, GroupsCostlierThanTheLimitAreGatedOnThePrefixOfTheFirstGroup) {
   EXPECT_TRUE(right.passed) << right.message;
   EXPECT_EQ(right.rows_checked, 17);
   EXPECT_EQ(right.rows_total, 40);
-  const TensorId out_id = c.id("out");
-  const GateResult wrong = gate_on_cpu(c, gate, [&](CaseTensors t, cudaStream_t s) {
-    c.entry(t, s);
-    auto* out = static_cast<float*>(t[out_id].data);
-    for (std::int64_t i = 0; i < t[out_id].numel(); ++i) out[i] *= 1.01f;
-  });
+  const GateResult wrong = gate_on_cpu(c, gate, off_by_one_percent(c, "out"));
   EXPECT_FALSE(wrong.passed);
   // One matrix (599040) within the limit, the batch above it: the run-of-groups gate as before.
   EXPECT_EQ(GateData(c, 13, {.reference_flops = 1e6}).coverage(), RowCoverage::kGroups);
@@ -553,12 +558,7 @@ TEST(BenchGate, ComputeBoundCasesAreGatedOnARunOfIndependentGroups) {
   EXPECT_TRUE(right.passed) << right.message;
   EXPECT_EQ(right.rows_checked, 2);
   EXPECT_EQ(right.rows_total, 4);
-  const TensorId out_id = c.id("out");
-  const GateResult wrong = gate_on_cpu(c, gate, [&](CaseTensors t, cudaStream_t s) {
-    c.entry(t, s);
-    auto* out = static_cast<float*>(t[out_id].data);
-    for (std::int64_t i = 0; i < t[out_id].numel(); ++i) out[i] *= 1.01f;
-  });
+  const GateResult wrong = gate_on_cpu(c, gate, off_by_one_percent(c, "out"));
   EXPECT_FALSE(wrong.passed);
   EXPECT_NE(wrong.message.find("groups"), std::string::npos) << wrong.message;
 }
