@@ -351,10 +351,17 @@ def _progress(r: dict, steps: int) -> str:
 
 def train(args) -> dict:
     d = init_distributed(args)
+    finished = False
     try:
-        return _train(args, d)
+        result = _train(args, d)
+        finished = True
+        return result
     finally:
         if d.world > 1:
+            # Every rank leaves together: a rank that tears gloo's connections down while its peer is still
+            # in its last collective can abort that peer at exit. (A failed rank skips it: no hang.)
+            if finished:
+                dist.barrier()
             dist.destroy_process_group()
 
 

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <exception>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -37,18 +38,25 @@ void parallel_chunks(std::int64_t n, std::int64_t grain, Fn&& fn) {
   }
   std::exception_ptr error;
   std::mutex error_mutex;
+  auto stride = [&](int t) {
+    try {
+      for (std::int64_t c = t; c < chunks; c += threads) run(c);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(error_mutex);
+      if (!error) error = std::current_exception();
+    }
+  };
   std::vector<std::thread> pool;
   pool.reserve(threads);
-  for (int t = 0; t < threads; ++t) {
-    pool.emplace_back([&, t] {
-      try {
-        for (std::int64_t c = t; c < chunks; c += threads) run(c);
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(error_mutex);
-        if (!error) error = std::current_exception();
-      }
-    });
+  int started = 0;
+  for (; started < threads; ++started) {
+    try {
+      pool.emplace_back(stride, started);
+    } catch (const std::system_error&) {  // no thread to be had (a process limit): the caller runs the rest
+      break;
+    }
   }
+  for (int t = started; t < threads; ++t) stride(t);
   for (auto& th : pool) th.join();
   if (error) std::rethrow_exception(error);
 }
