@@ -2,6 +2,8 @@
 // and a bottom-right aligned causal mask.
 #pragma once
 
+#include <cstdint>
+
 #include "trainscale/tensor.h"
 
 namespace trainscale {
@@ -9,6 +11,13 @@ namespace trainscale {
 struct AttentionOptions {
   bool causal = false;
   double scale = 0.0;  // 0 -> 1/sqrt(D); otherwise any finite value
+  // Sliding window (local attention): query i also sees only keys j with
+  // i + (Sk - Sq) - window_left <= j <= i + (Sk - Sq) + window_right; -1 leaves a side unbounded.
+  // Causal is window_right = 0 (with causal, window_right must be -1 or 0).
+  std::int64_t window_left = -1;
+  std::int64_t window_right = -1;
+  // Logit softcap: scores s = scale * q.k become softcap * tanh(s / softcap); 0 = off, else > 0.
+  double softcap = 0.0;
 };
 
 // q [B, Sq, Hq, D]; k and v [B, Sk, Hkv, D] with Hq % Hkv == 0 (query head h reads kv head

@@ -41,6 +41,15 @@ void check_qkv(detail::OpChecker& c, const TensorView& q, const TensorView& k, c
   check_bshd_like(c, v, "v", k, "k");
   if (!std::isfinite(options.scale))
     c.fail("options.scale", "a finite value (0 for 1/sqrt(D))", std::to_string(options.scale));
+  if (options.window_left < -1)
+    c.fail("options.window_left", "-1 (unbounded) or a key count >= 0", std::to_string(options.window_left));
+  if (options.window_right < -1 || (options.causal && options.window_right > 0))
+    c.fail("options.window_right",
+           options.causal ? "-1 or 0 with causal (causal is a right window of 0)"
+                          : "-1 (unbounded) or a key count >= 0",
+           std::to_string(options.window_right));
+  if (!(options.softcap == 0.0 || (options.softcap > 0.0 && std::isfinite(options.softcap))))
+    c.fail("options.softcap", "0 (off) or a finite value > 0", std::to_string(options.softcap));
 }
 
 // lse [B, Hq, Sq], contiguous; float32 (float64 too on the CPU, for fp64 gradient checks).

@@ -1,0 +1,62 @@
+// Which keys a query sees: the one definition of the attention mask, used by the CPU reference
+// and the CUDA kernels alike (host and device).
+//
+// Query i of q_len and key j of kv_len are aligned bottom-right: query i sits at key position
+// i + (kv_len - q_len). It sees key j iff
+//   i + offset - left <= j <= i + offset + right      (offset = kv_len - q_len)
+// with left / right < 0 meaning unbounded on that side; causal is right = 0. Ranges are clamped
+// to the keys and queries that exist, and may be empty (a query that sees no key).
+#pragma once
+
+#include <cstdint>
+
+#include "trainscale/attention.h"
+
+#if defined(__CUDACC__)
+#define TRAINSCALE_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define TRAINSCALE_HOST_DEVICE inline
+#endif
+
+namespace trainscale::ops::attention {
+
+template <class Int>
+struct AttentionMask {
+  Int q_len, kv_len;
+  Int left, right;  // window sides; < 0: unbounded
+
+  TRAINSCALE_HOST_DEVICE Int offset() const { return kv_len - q_len; }
+  TRAINSCALE_HOST_DEVICE bool masks() const { return left >= 0 || right >= 0; }
+
+  // Query i sees keys [key_begin(i), key_end(i)).
+  TRAINSCALE_HOST_DEVICE Int key_begin(Int i) const {
+    return left < 0 ? Int(0) : clamp(i + offset() - left, Int(0), kv_len);
+  }
+  TRAINSCALE_HOST_DEVICE Int key_end(Int i) const {
+    return right < 0 ? kv_len : clamp(i + offset() + right + 1, Int(0), kv_len);
+  }
+  // Key j is seen by queries [query_begin(j), query_end(j)): the inverse of the above.
+  TRAINSCALE_HOST_DEVICE Int query_begin(Int j) const {
+    return right < 0 ? Int(0) : clamp(j - offset() - right, Int(0), q_len);
+  }
+  TRAINSCALE_HOST_DEVICE Int query_end(Int j) const {
+    return left < 0 ? q_len : clamp(j - offset() + left + 1, Int(0), q_len);
+  }
+  TRAINSCALE_HOST_DEVICE bool sees(Int i, Int j) const {
+    return j >= key_begin(i) && j < key_end(i);
+  }
+
+ private:
+  TRAINSCALE_HOST_DEVICE static Int clamp(Int x, Int lo, Int hi) { return x < lo ? lo : (x > hi ? hi : x); }
+};
+
+// The mask the options stand for: causal is a right side of 0.
+template <class Int>
+TRAINSCALE_HOST_DEVICE AttentionMask<Int> make_attention_mask(Int q_len, Int kv_len, bool causal,
+                                                              Int window_left, Int window_right) {
+  return {q_len, kv_len, window_left, causal ? Int(0) : window_right};
+}
+
+}  // namespace trainscale::ops::attention
+
+#undef TRAINSCALE_HOST_DEVICE
