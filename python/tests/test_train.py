@@ -96,6 +96,28 @@ def test_trainscale_follows_eager(small_run, cache, restore_rope):
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(losses(small_run)), rtol=0.01, atol=0)
 
 
+def test_muon_trains_the_decoder_matrices(cache, tiny_run):
+    result = run("--preset", "tiny", "--steps", 20, "--optimizer", "muon", *cache)
+    loss = losses(result)
+    assert result["run"]["optimizer"] == "muon"
+    assert sum(loss[-3:]) / 3 < sum(loss[:3]) / 3 - 0.5, loss
+    assert loss[:1] == losses(tiny_run[0])[:1]  # same model and data; the steps then differ
+    assert loss[1:] != losses(tiny_run[0])[1:]
+
+
+def test_muon_groups():
+    model = ts_train.build_model(ts_train.PRESETS["tiny"], 97, 32, 0, torch.device("cpu"), torch.float32)
+    args = ts_train.parse_args(["--optimizer", "muon", "--lr", "0.01"])
+    params = list(model.parameters())
+    opt = ts_train.build_optimizer(model, params, args, torch.device("cpu"), ts_train.Dist())
+    muon, adamw = opt.param_groups
+    embedding = model.get_input_embeddings().weight
+    assert muon["use_muon"] and all(p.ndim == 2 for p in muon["params"])
+    assert any(p is embedding for p in adamw["params"]) and not any(p is embedding for p in muon["params"])
+    assert len(muon["params"]) == 7 * ts_train.PRESETS["tiny"]["layers"]  # q, k, v, o, gate, up, down
+    assert muon["lr"] == adamw["adamw_lr"] == 0.01
+
+
 def test_grad_accumulation_same_step(small_run, cache):
     accumulated = run(*SMALL, "--batch-size", 1, "--grad-accum", 2, "--steps", 3, *cache)
     torch.testing.assert_close(torch.tensor(losses(accumulated)), torch.tensor(losses(small_run)), rtol=1e-5, atol=0)
@@ -139,14 +161,15 @@ def _env():
     return env
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
-def test_two_process_gloo_matches_one(small_run, cache, tmp_path, parallel):
+@pytest.mark.parametrize("parallel,optimizer", [("ddp", "adamw"), ("fsdp2", "adamw"), ("fsdp2", "muon")])
+def test_two_process_gloo_matches_one(small_run, cache, tmp_path, parallel, optimizer):
     # The same global batch (2 sequences) as 1 process x 2 or 2 processes x 1.
-    single = small_run
+    single = small_run if optimizer == "adamw" else run(*SMALL, "--batch-size", 2, "--steps", 3,
+                                                        "--optimizer", optimizer, *cache)
     log = tmp_path / f"{parallel}.jsonl"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "-m", "trainscale.train", *map(str, SMALL), "--batch-size", "1", "--steps", "3",
-               "--parallel", parallel, "--jsonl", str(log), *cache]
+               "--parallel", parallel, "--optimizer", optimizer, "--jsonl", str(log), *cache]
     done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     records = read_jsonl(log)

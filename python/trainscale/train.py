@@ -105,7 +105,11 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, help="sequences per micro-batch per process (default: the preset's)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's)")
-    p.add_argument("--lr", type=float, help="AdamW learning rate (default: the preset's)")
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                   help="adamw: torch.optim.AdamW; muon: trainscale.optim.Muon for the decoder layers' matrices "
+                        "(RMS matched to AdamW, so --lr serves both) and AdamW for embeddings, head and norms; "
+                        "under torchrun it orthogonalizes each matrix on one rank (distributed=True)")
+    p.add_argument("--lr", type=float, help="learning rate (default: the preset's)")
     p.add_argument("--lr-warmup-steps", type=int, default=0, help="linear learning-rate warm-up")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="clip to this norm (0: no clipping)")
@@ -257,6 +261,24 @@ def wrap_parallel(model, args, d: Dist, device: torch.device):
     return model
 
 
+def build_optimizer(model, params, args, device: torch.device, d: Dist) -> torch.optim.Optimizer:
+    """AdamW, or Muon for the 2-D weights of the decoder layers with AdamW for the rest (the
+    embedding and the LM head, whose rows are tokens, and the norms), as the Muon recipe does."""
+    if args.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95),
+                                 fused=device.type == "cuda")
+    from .optim import Muon
+    base = getattr(model, "module", model)  # DDP wraps the model; FSDP2 does not
+    token_rows = {id(p) for m in (base.get_input_embeddings(), base.get_output_embeddings()) if m is not None
+                  for p in m.parameters()}
+    matrices = [p for p in params if p.ndim == 2 and id(p) not in token_rows]
+    others = [p for p in params if not (p.ndim == 2 and id(p) not in token_rows)]
+    return Muon([{"params": matrices, "use_muon": True}, {"params": others, "use_muon": False}], lr=args.lr,
+                weight_decay=args.weight_decay, adjust_lr_fn="match_rms_adamw", adamw_lr=args.lr,
+                adamw_betas=(0.9, 0.95), adamw_eps=1e-8, adamw_weight_decay=args.weight_decay,
+                distributed=d.world > 1)
+
+
 def _grad_sync(model, enabled: bool):
     """Gradient reduction only on the last micro-batch of a step."""
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -405,8 +427,7 @@ def _train(args, d: Dist) -> dict:
     model.train()
     model = wrap_parallel(model, args, d, device)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95),
-                                  fused=device.type == "cuda")
+    optimizer = build_optimizer(model, params, args, device, d)
     forward = torch.compile(model) if args.impl == "compile" else model
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16-autocast"
                 else contextlib.nullcontext())
@@ -416,7 +437,8 @@ def _train(args, d: Dist) -> dict:
            "world_size": d.world, "parallel": args.parallel if d.world > 1 else None,
            "steps": args.steps, "warmup_steps": args.warmup_steps, "batch_size": args.batch_size,
            "grad_accum": args.grad_accum, "global_batch": global_batch, "seq_len": args.seq_len, "vocab": vocab,
-           "params": n_params, "model_flops_per_token": flops_per_token, "lr": args.lr, "seed": args.seed,
+           "params": n_params, "model_flops_per_token": flops_per_token, "optimizer": args.optimizer,
+           "lr": args.lr, "seed": args.seed,
            "checkpointing": args.checkpointing, "peak_tflops": args.peak_tflops,
            "measured_peak_tflops": args.measured_peak_tflops, "torch": torch.__version__,
            "commit": git_commit()}
@@ -430,6 +452,8 @@ def _train(args, d: Dist) -> dict:
         lr = args.lr * min(1.0, step / args.lr_warmup_steps) if args.lr_warmup_steps else args.lr
         for group in optimizer.param_groups:
             group["lr"] = lr
+            if "adamw_lr" in group:  # Muon's AdamW parameters
+                group["adamw_lr"] = lr
         batch = batches.step(step - 1)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
