@@ -332,7 +332,10 @@ INSTANTIATE_TEST_SUITE_P(
         GradCase{"Mha", {2, 3, 4, 2, 2, 3}, {}},
         GradCase{"GqaCausalShortQueries", {1, 4, 6, 4, 2, 3}, {.causal = true}},
         GradCase{"CausalRowsSeeingNoKey", {2, 5, 3, 3, 1, 2}, {.causal = true, .scale = 0.7}},
-        GradCase{"MqaCausalSquare", {1, 5, 5, 2, 1, 5}, {.causal = true}}),
+        GradCase{"MqaCausalSquare", {1, 5, 5, 2, 1, 5}, {.causal = true}},
+        GradCase{"Window", {1, 6, 7, 2, 1, 3}, {.window_left = 2, .window_right = 1}},
+        GradCase{"CausalWindowSoftcap", {2, 5, 5, 2, 2, 4}, {.causal = true, .window_left = 1, .softcap = 0.5}},
+        GradCase{"Softcap", {1, 3, 4, 2, 1, 3}, {.scale = 2.0, .softcap = 1.5}}),
     [](const auto& param_info) { return std::string(param_info.param.name); });
 
 // A [B, H, S, D] buffer seen as [B, S, H, D]: the layout of a transposed projection.
@@ -457,29 +460,43 @@ Direct direct_attention(const Inputs& in, const std::vector<double>& dout_values
     for (std::int64_t h = 0; h < Hq; ++h) {
       const std::int64_t kvh = h / group;
       for (std::int64_t i = 0; i < Sq; ++i) {
-        const std::int64_t keys =
-            options.causal ? std::clamp<std::int64_t>(i + Sk - Sq + 1, 0, Sk) : Sk;
-        if (keys == 0) continue;
-        const std::int64_t row = ((b * Sq + i) * Hq + h) * D;
-        std::vector<double> p(keys), dp(keys);
-        double max_score = -kInf, sum = 0, p_dot_dp = 0;
-        for (std::int64_t j = 0; j < keys; ++j) {
-          p[j] = scale * dot(q_at(b, i, h), &k[kv_at(b, j, kvh)]);
-          max_score = std::max(max_score, p[j]);
+        // Query i sits at key position i + Sk - Sq; causal and the window bound j around it.
+        const std::int64_t at = i + Sk - Sq;
+        const std::int64_t right = options.causal ? 0 : options.window_right;
+        std::vector<std::int64_t> keys;
+        for (std::int64_t j = 0; j < Sk; ++j) {
+          if ((options.window_left < 0 || j >= at - options.window_left) && (right < 0 || j <= at + right))
+            keys.push_back(j);
         }
-        for (std::int64_t j = 0; j < keys; ++j) sum += p[j] = std::exp(p[j] - max_score);
+        if (keys.empty()) continue;
+        const std::int64_t row = ((b * Sq + i) * Hq + h) * D;
+        const std::size_t n = keys.size();
+        std::vector<double> p(n), dp(n), slope(n, scale);
+        double max_score = -kInf, sum = 0, p_dot_dp = 0;
+        for (std::size_t t = 0; t < n; ++t) {
+          p[t] = scale * dot(q_at(b, i, h), &k[kv_at(b, keys[t], kvh)]);
+          if (options.softcap > 0) {
+            const double th = std::tanh(p[t] / options.softcap);
+            p[t] = options.softcap * th;
+            slope[t] = scale * (1 - th * th);
+          }
+          max_score = std::max(max_score, p[t]);
+        }
+        for (std::size_t t = 0; t < n; ++t) sum += p[t] = std::exp(p[t] - max_score);
         r.lse[(b * Hq + h) * Sq + i] = max_score + std::log(sum);
-        for (std::int64_t j = 0; j < keys; ++j) {
-          p[j] /= sum;
-          dp[j] = dot(&dout_values[row], &v[kv_at(b, j, kvh)]);
-          p_dot_dp += p[j] * dp[j];
+        for (std::size_t t = 0; t < n; ++t) {
+          const std::int64_t j = keys[t];
+          p[t] /= sum;
+          dp[t] = dot(&dout_values[row], &v[kv_at(b, j, kvh)]);
+          p_dot_dp += p[t] * dp[t];
           for (std::int64_t d = 0; d < D; ++d) {
-            r.out[row + d] += p[j] * v[kv_at(b, j, kvh) + d];
-            r.dv[kv_at(b, j, kvh) + d] += p[j] * dout_values[row + d];
+            r.out[row + d] += p[t] * v[kv_at(b, j, kvh) + d];
+            r.dv[kv_at(b, j, kvh) + d] += p[t] * dout_values[row + d];
           }
         }
-        for (std::int64_t j = 0; j < keys; ++j) {
-          const double dscore = scale * p[j] * (dp[j] - p_dot_dp);
+        for (std::size_t t = 0; t < n; ++t) {
+          const std::int64_t j = keys[t];
+          const double dscore = slope[t] * p[t] * (dp[t] - p_dot_dp);
           for (std::int64_t d = 0; d < D; ++d) {
             r.dq[row + d] += dscore * k[kv_at(b, j, kvh) + d];
             r.dk[kv_at(b, j, kvh) + d] += dscore * q[row + d];
@@ -491,14 +508,23 @@ Direct direct_attention(const Inputs& in, const std::vector<double>& dout_values
   return r;
 }
 
-// Shapes that span several of the reference's 64-row blocks with ragged tails, causal masks
-// cutting blocks at every offset, GQA groups and odd head dims.
+// Shapes that span several of the reference's 64-row blocks with ragged tails, causal masks and
+// windows cutting blocks at every offset, GQA groups and odd head dims.
 TEST(Attention, BlockedReferenceMatchesDirectEvaluation) {
   const Shape shapes[] = {{1, 130, 130, 4, 2, 33}, {2, 67, 200, 3, 1, 5}, {1, 200, 67, 2, 2, 17},
                           {1, 1, 129, 2, 1, 8},    {2, 65, 64, 6, 3, 1},  {1, 129, 1, 1, 1, 64}};
+  const AttentionOptions modes[] = {
+      {},
+      {.causal = true, .scale = 0.3},
+      {.window_left = 70, .window_right = 3},             // a band crossing block edges
+      {.causal = true, .window_left = 17},                // causal local attention
+      {.window_left = 0, .window_right = 0},              // each query sees one key position
+      {.window_left = 5},                                 // bounded on the left only
+      {.causal = true, .scale = 0.9, .softcap = 2.0},     // softcap saturates the tanh
+      {.window_left = 40, .window_right = 90, .softcap = 30.0}};
   for (const Shape& s : shapes) {
-    for (bool causal : {false, true}) {
-      const AttentionOptions options{.causal = causal, .scale = causal ? 0.3 : 0.0};
+    for (const AttentionOptions& options : modes) {
+      const bool causal = options.causal;
       auto in = random_inputs(DType::kFloat64, s, /*row_pad=*/s.head_dim % 2);
       auto f = forward(in, options, DType::kFloat64);
       auto dout = HostTensor::random(DType::kFloat64, in.q.shape());
@@ -506,7 +532,9 @@ TEST(Attention, BlockedReferenceMatchesDirectEvaluation) {
       const Direct want = direct_attention(in, dout.values(), options);
       SCOPED_TRACE(testing::Message() << "B " << s.batch << " Sq " << s.q_len << " Sk " << s.kv_len
                                       << " Hq " << s.q_heads << " Hkv " << s.kv_heads << " D "
-                                      << s.head_dim << " causal " << causal);
+                                      << s.head_dim << " causal " << causal << " window "
+                                      << options.window_left << "/" << options.window_right
+                                      << " softcap " << options.softcap);
       EXPECT_TRUE(test::matches_reference(f.out.values(), want.out, 1e-13));
       EXPECT_TRUE(test::matches_reference(f.lse.values(), want.lse, 1e-13));
       EXPECT_TRUE(test::matches_reference(g.dq.values(), want.dq, 1e-13));
@@ -514,6 +542,148 @@ TEST(Attention, BlockedReferenceMatchesDirectEvaluation) {
       EXPECT_TRUE(test::matches_reference(g.dv.values(), want.dv, 1e-13));
     }
   }
+}
+
+// --- variable-length (packed) sequences ----------------------------------------------------------
+
+struct Packed {
+  std::vector<std::int32_t> cu_q, cu_k;
+  HostTensor cu_q_t, cu_k_t;
+  Inputs in;  // q [Tq, Hq, D], k / v [Tk, Hkv, D]
+  AttentionSequences sequences() const {
+    std::int64_t max_q = 0, max_k = 0;
+    for (std::size_t b = 0; b + 1 < cu_q.size(); ++b) {
+      max_q = std::max<std::int64_t>(max_q, cu_q[b + 1] - cu_q[b]);
+      max_k = std::max<std::int64_t>(max_k, cu_k[b + 1] - cu_k[b]);
+    }
+    return {cu_q_t.view(), cu_k_t.view(), max_q, max_k};
+  }
+};
+
+HostTensor offsets_tensor(const std::vector<std::int32_t>& offsets) {
+  HostTensor t(DType::kInt32, {static_cast<std::int64_t>(offsets.size())});
+  std::copy(offsets.begin(), offsets.end(), static_cast<std::int32_t*>(t.data()));
+  return t;
+}
+
+Packed random_packed(DType dtype, const std::vector<std::int32_t>& q_lens, const std::vector<std::int32_t>& k_lens,
+                     std::int64_t q_heads, std::int64_t kv_heads, std::int64_t head_dim) {
+  Packed p;
+  p.cu_q = {0};
+  p.cu_k = {0};
+  for (std::size_t b = 0; b < q_lens.size(); ++b) {
+    p.cu_q.push_back(p.cu_q.back() + q_lens[b]);
+    p.cu_k.push_back(p.cu_k.back() + k_lens[b]);
+  }
+  p.cu_q_t = offsets_tensor(p.cu_q);
+  p.cu_k_t = offsets_tensor(p.cu_k);
+  p.in = {HostTensor::random(dtype, {p.cu_q.back(), q_heads, head_dim}),
+          HostTensor::random(dtype, {p.cu_k.back(), kv_heads, head_dim}),
+          HostTensor::random(dtype, {p.cu_k.back(), kv_heads, head_dim})};
+  return p;
+}
+
+// Rows [begin, end) of a packed [T, H, D] tensor as a dense [1, end - begin, H, D] one.
+HostTensor sequence_copy(const HostTensor& packed, std::int64_t begin, std::int64_t end) {
+  const auto& s = packed.shape();
+  const std::int64_t row = s[1] * s[2];
+  const auto values = packed.values();
+  return HostTensor::from_values(packed.dtype(), {1, end - begin, s[1], s[2]},
+                                 std::vector<double>(values.begin() + begin * row, values.begin() + end * row));
+}
+
+// Every sequence of a packed call equals attention_forward / attention_backward on that sequence
+// alone (empty sequences, Sq != Sk, GQA, and each masking option included).
+TEST(Attention, VarlenEqualsEachSequenceAlone) {
+  const AttentionOptions modes[] = {{}, {.causal = true}, {.causal = true, .window_left = 3, .softcap = 2.0},
+                                    {.window_left = 2, .window_right = 4}};
+  for (const AttentionOptions& options : modes) {
+    auto p = random_packed(DType::kFloat64, {5, 0, 70, 1, 3}, {7, 4, 66, 1, 0}, 4, 2, 6);
+    const auto& in = p.in;
+    HostTensor out(DType::kFloat64, in.q.shape()), lse(DType::kFloat64, {4, in.q.shape()[0]});
+    out.fill_nan();
+    lse.fill_nan();
+    attention_varlen_forward(in.q.view(), in.k.view(), in.v.view(), p.sequences(), out.view(), lse.view(), options);
+    auto dout = HostTensor::random(DType::kFloat64, in.q.shape());
+    HostTensor dq(DType::kFloat64, in.q.shape()), dk(DType::kFloat64, in.k.shape()), dv(DType::kFloat64, in.v.shape());
+    for (HostTensor* t : {&dq, &dk, &dv}) t->fill_nan();
+    attention_varlen_backward({.dout = dout.view(), .q = in.q.view(), .k = in.k.view(), .v = in.v.view(),
+                               .out = out.view(), .lse = lse.view(), .dq = dq.view(), .dk = dk.view(),
+                               .dv = dv.view()},
+                              p.sequences(), options);
+    const std::int64_t tq = in.q.shape()[0];
+    for (std::size_t b = 0; b + 1 < p.cu_q.size(); ++b) {
+      SCOPED_TRACE(testing::Message() << "sequence " << b << " causal " << options.causal << " window "
+                                      << options.window_left << "/" << options.window_right);
+      const std::int64_t qb = p.cu_q[b], qe = p.cu_q[b + 1], kb = p.cu_k[b], ke = p.cu_k[b + 1];
+      Inputs one{sequence_copy(in.q, qb, qe), sequence_copy(in.k, kb, ke), sequence_copy(in.v, kb, ke)};
+      auto f = forward(one, options, DType::kFloat64);
+      auto g = backward(one, f, sequence_copy(dout, qb, qe), options);
+      EXPECT_EQ(sequence_copy(out, qb, qe).values(), f.out.values());
+      for (std::int64_t h = 0; h < 4; ++h) {
+        for (std::int64_t i = 0; i < qe - qb; ++i)
+          EXPECT_EQ(lse.at(h * tq + qb + i), f.lse.at(h * (qe - qb) + i));
+      }
+      EXPECT_EQ(sequence_copy(dq, qb, qe).values(), g.dq.values());
+      EXPECT_EQ(sequence_copy(dk, kb, ke).values(), g.dk.values());
+      EXPECT_EQ(sequence_copy(dv, kb, ke).values(), g.dv.values());
+    }
+  }
+}
+
+TEST(Attention, VarlenArgumentErrors) {
+  auto p = random_packed(DType::kFloat32, {3, 2}, {3, 4}, 2, 1, 8);
+  const auto& in = p.in;
+  HostTensor out(DType::kFloat32, in.q.shape()), lse(DType::kFloat32, {2, 5});
+  auto fwd = [&](const AttentionSequences& s, TensorView q, TensorView lse_ = {}) {
+    attention_varlen_forward(q, in.k.view(), in.v.view(), s, out.view(), lse_);
+  };
+  const char* op = "attention_varlen_forward";
+  fwd(p.sequences(), in.q.view(), lse.view());  // valid
+  auto with = [&](auto edit) {
+    AttentionSequences s = p.sequences();
+    edit(s);
+    return s;
+  };
+  TS_EXPECT_ERROR(fwd(p.sequences(), test::HostTensor::random(DType::kFloat32, {1, 5, 2, 8}).view()), op, "'q'",
+                  "3 dimensions");
+  HostTensor lse_t(DType::kFloat32, {5, 2});
+  TS_EXPECT_ERROR(fwd(p.sequences(), in.q.view(), lse_t.view()), op, "'lse'", "Hq of 'q'");
+  TS_EXPECT_ERROR(fwd(with([](AttentionSequences& s) { s.cu_seqlens_q = {}; }), in.q.view()), op,
+                  "'cu_seqlens_q'", "a tensor");
+  HostTensor offsets64(DType::kInt64, {3});
+  TS_EXPECT_ERROR(fwd(with([&](AttentionSequences& s) { s.cu_seqlens_k = offsets64.view(); }), in.q.view()), op,
+                  "'cu_seqlens_k'", "int32", "int64");
+  auto short_k = offsets_tensor({0, 7});
+  TS_EXPECT_ERROR(fwd(with([&](AttentionSequences& s) { s.cu_seqlens_k = short_k.view(); }), in.q.view()), op,
+                  "'cu_seqlens_k'", "B + 1 of 'cu_seqlens_q'");
+  auto late_start = offsets_tensor({1, 3, 5});
+  TS_EXPECT_ERROR(fwd(with([&](AttentionSequences& s) { s.cu_seqlens_q = late_start.view(); }), in.q.view()), op,
+                  "'cu_seqlens_q'", "from 0 to the 5 tokens", "from 1 to 5");
+  auto decreasing = offsets_tensor({0, 6, 5});
+  TS_EXPECT_ERROR(fwd(with([&](AttentionSequences& s) {
+                        s.cu_seqlens_q = decreasing.view();
+                        s.max_seqlen_q = 6;
+                      }),
+                      in.q.view()),
+                  op, "'cu_seqlens_q'", "non-decreasing", "6 then 5");
+  TS_EXPECT_ERROR(fwd(with([](AttentionSequences& s) { s.max_seqlen_k = 3; }), in.q.view()), op, "'cu_seqlens_k'",
+                  "no longer than max_seqlen_k = 3", "sequence 1 of 4");
+  TS_EXPECT_ERROR(fwd(with([](AttentionSequences& s) { s.max_seqlen_q = -1; }), in.q.view()), op,
+                  "'max_seqlen_q'", ">= 0");
+  TS_EXPECT_ERROR(attention_varlen_forward(in.q.view(), in.k.view(), in.v.view(), p.sequences(), out.view(), {},
+                                           {.causal = true, .window_right = 2}),
+                  op, "'options.window_right'");
+  auto on_cuda = [](TensorView t) {
+    t.device = Device::cuda(0);
+    return t;
+  };
+  AttentionSequences cuda_sequences = p.sequences();
+  cuda_sequences.cu_seqlens_q = on_cuda(cuda_sequences.cu_seqlens_q);
+  cuda_sequences.cu_seqlens_k = on_cuda(cuda_sequences.cu_seqlens_k);
+  TS_EXPECT_ERROR(attention_varlen_forward(on_cuda(in.q.view()), on_cuda(in.k.view()), on_cuda(in.v.view()),
+                                           cuda_sequences, on_cuda(out.view()), {}),
+                  op, TRAINSCALE_HAVE_CUDA ? "CPU reference so far" : "no CUDA support");
 }
 
 TEST(Attention, ForwardArgumentErrors) {
@@ -594,6 +764,16 @@ TEST(Attention, ForwardArgumentErrors) {
                   "'lse'", "disjoint from 'out'");
   TS_EXPECT_ERROR(fwd(q, k, v, out.view(), lse.view(), {.scale = NAN}), op, "'options.scale'",
                   "finite");
+  TS_EXPECT_ERROR(fwd(q, k, v, out.view(), lse.view(), {.window_left = -2}), op,
+                  "'options.window_left'", "-1 (unbounded)", "-2");
+  TS_EXPECT_ERROR(fwd(q, k, v, out.view(), lse.view(), {.window_right = -5}), op,
+                  "'options.window_right'", "-5");
+  TS_EXPECT_ERROR(fwd(q, k, v, out.view(), lse.view(), {.causal = true, .window_right = 3}), op,
+                  "'options.window_right'", "-1 or 0 with causal", "3");
+  TS_EXPECT_ERROR(fwd(q, k, v, out.view(), lse.view(), {.softcap = -1.0}), op, "'options.softcap'",
+                  "0 (off) or a finite value > 0");
+  TS_EXPECT_ERROR(fwd(q, k, v, out.view(), lse.view(), {.softcap = NAN}), op, "'options.softcap'",
+                  "> 0");
   TS_EXPECT_ERROR(fwd(q, k, v, out.view(), lse.view(), {.scale = kInf}), op, "'options.scale'",
                   "inf");
   TensorView null_k = k;

@@ -52,4 +52,28 @@ struct AttentionBackwardArgs {
 void attention_backward(const AttentionBackwardArgs& args, const AttentionOptions& options = {},
                         cudaStream_t stream = nullptr);
 
+// Variable-length (packed) sequences, FlashAttention's varlen layout: q [Tq, Hq, D] and k / v
+// [Tk, Hkv, D] hold B sequences back to back. Sequence b has queries
+// [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and keys [cu_seqlens_k[b], cu_seqlens_k[b + 1]), and is
+// attended as attention_forward attends one batch entry (causal and window aligned bottom-right
+// within the sequence; an empty sequence is allowed). cu_seqlens_* are int32 [B + 1] on q's
+// device, non-decreasing from 0 to Tq / Tk (checked on the CPU); max_seqlen_* bound the
+// sequence lengths (what a kernel's grid is sized by, given so that no device value is read).
+struct AttentionSequences {
+  TensorView cu_seqlens_q;
+  TensorView cu_seqlens_k;
+  std::int64_t max_seqlen_q = 0;
+  std::int64_t max_seqlen_k = 0;
+};
+
+// out [Tq, Hq, D] like q (any strides with stride 1 in D); lse [Hq, Tq] contiguous float32
+// (float64 accepted on the CPU), optional.
+void attention_varlen_forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                              const AttentionSequences& sequences, TensorView out, TensorView lse,
+                              const AttentionOptions& options = {}, cudaStream_t stream = nullptr);
+// The backward of attention_varlen_forward: the tensors of AttentionBackwardArgs in the packed
+// layout (dout, out, dq like q; dk, dv like k, v; lse [Hq, Tq] as the forward wrote it).
+void attention_varlen_backward(const AttentionBackwardArgs& args, const AttentionSequences& sequences,
+                               const AttentionOptions& options = {}, cudaStream_t stream = nullptr);
+
 }  // namespace trainscale

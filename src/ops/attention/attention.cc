@@ -2,6 +2,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "ops/attention/attention_cuda.h"
@@ -12,25 +13,28 @@ namespace trainscale {
 
 namespace {
 
-// A [B, S, H, D] tensor with stride 1 in D.
-void check_bshd(detail::OpChecker& c, const TensorView& t, const char* name) {
-  c.present(t, name).ndim(t, name, 4).unit_last_stride(t, name);
+// Dims of a tensor of heads: [B, S, H, D], or packed sequences [T, H, D].
+constexpr int kBatched = 4, kPacked = 3;
+
+// A tensor of heads with stride 1 in D.
+void check_heads(detail::OpChecker& c, const TensorView& t, const char* name, int dims = kBatched) {
+  c.present(t, name).ndim(t, name, dims).unit_last_stride(t, name);
 }
 
-// A [B, S, H, D] tensor with the dtype and shape of `ref`.
-void check_bshd_like(detail::OpChecker& c, const TensorView& t, const char* name,
-                     const TensorView& ref, const char* ref_name) {
-  check_bshd(c, t, name);
+// A tensor of heads with the dtype and shape of `ref`.
+void check_heads_like(detail::OpChecker& c, const TensorView& t, const char* name,
+                      const TensorView& ref, const char* ref_name, int dims = kBatched) {
+  check_heads(c, t, name, dims);
   c.same_dtype(t, name, ref, ref_name).same_shape(t, name, ref, ref_name);
 }
 
 // q, k, v and the options, shared by forward and backward.
 void check_qkv(detail::OpChecker& c, const TensorView& q, const TensorView& k, const TensorView& v,
                const AttentionOptions& options) {
-  check_bshd(c, q, "q");
+  check_heads(c, q, "q");
   c.dtype_in(q, "q", detail::kFloatDTypes);
   if (!(q.size(3) > 0)) c.fail("q", "a head dim D >= 1", "shape " + q.shape_str());
-  check_bshd(c, k, "k");
+  check_heads(c, k, "k");
   c.same_dtype(k, "k", q, "q")
       .dim_size(k, "k", 0, q.size(0), "the batch size of 'q'")
       .dim_size(k, "k", 3, q.size(3), "the head dim of 'q'");
@@ -38,7 +42,7 @@ void check_qkv(detail::OpChecker& c, const TensorView& q, const TensorView& k, c
   if (!(kv_heads > 0 && q_heads % kv_heads == 0))
     c.fail("k", "a head count that divides the " + std::to_string(q_heads) + " heads of 'q'",
            std::to_string(kv_heads) + " heads (shape " + k.shape_str() + ")");
-  check_bshd_like(c, v, "v", k, "k");
+  check_heads_like(c, v, "v", k, "k");
   if (!std::isfinite(options.scale))
     c.fail("options.scale", "a finite value (0 for 1/sqrt(D))", std::to_string(options.scale));
   if (options.window_left < -1)
@@ -98,7 +102,7 @@ void attention_forward(const TensorView& q, const TensorView& k, const TensorVie
                        cudaStream_t stream) {
   detail::OpChecker c("attention_forward");
   check_qkv(c, q, k, v, options);
-  check_bshd_like(c, out, "out", q, "q");
+  check_heads_like(c, out, "out", q, "q");
   c.distinct_elements(out, "out");
   if (lse.defined()) check_lse(c, lse, "lse", q);
   c.outputs_disjoint({{out, "out"}, {lse, "lse"}}, {{q, "q"}, {k, "k"}, {v, "v"}});
@@ -112,6 +116,12 @@ void attention_forward(const TensorView& q, const TensorView& k, const TensorVie
                            "-DTRAINSCALE_CUTLASS_INCLUDE=<dir>), so only the CPU reference exists");
 #endif
     check_cuda_forward(c, q, k, v);
+    if (options.window_left >= 0 || (!options.causal && options.window_right >= 0))
+      c.fail("options", "no sliding window on CUDA yet (the CPU reference has it)",
+             "window " + std::to_string(options.window_left) + " / " + std::to_string(options.window_right));
+    if (options.softcap != 0.0)
+      c.fail("options.softcap", "0 on CUDA (no softcap in the CUDA kernel yet; the CPU reference has it)",
+             std::to_string(options.softcap));
     if (lse.defined()) c.dtype_in(lse, "lse", {DType::kFloat32});
   }
 #if TRAINSCALE_HAVE_CUDA && TRAINSCALE_HAVE_CUTLASS
@@ -134,19 +144,154 @@ void attention_backward(const AttentionBackwardArgs& args, const AttentionOption
   const auto& [dout, q, k, v, out, lse, dq, dk, dv] = args;
   detail::OpChecker c("attention_backward");
   check_qkv(c, q, k, v, options);
-  check_bshd_like(c, out, "out", q, "q");
-  check_bshd_like(c, dout, "dout", q, "q");
+  check_heads_like(c, out, "out", q, "q");
+  check_heads_like(c, dout, "dout", q, "q");
   check_lse(c, lse, "lse", q);
-  check_bshd_like(c, dq, "dq", q, "q");
+  check_heads_like(c, dq, "dq", q, "q");
   c.distinct_elements(dq, "dq");
-  check_bshd_like(c, dk, "dk", k, "k");
+  check_heads_like(c, dk, "dk", k, "k");
   c.distinct_elements(dk, "dk");
-  check_bshd_like(c, dv, "dv", v, "v");
+  check_heads_like(c, dv, "dv", v, "v");
   c.distinct_elements(dv, "dv");
   c.outputs_disjoint({{dv, "dv"}, {dk, "dk"}, {dq, "dq"}},
                      {{dout, "dout"}, {q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}, {lse, "lse"}});
   if (c.on_cuda()) detail::throw_no_cuda_kernel(c.op());
   ops::attention::attention_backward_cpu(dout, q, k, v, out, lse, dq, dk, dv, options);
+}
+
+namespace {
+
+// --- variable-length (packed) sequences ---------------------------------------------------------
+
+// Packed q, k, v: 3 dims each, then every check of the batched layout on batch-of-one views.
+void check_packed_qkv(detail::OpChecker& c, const TensorView& q, const TensorView& k,
+                      const TensorView& v, const AttentionOptions& options) {
+  check_heads(c, q, "q", kPacked);
+  check_heads(c, k, "k", kPacked);
+  check_heads(c, v, "v", kPacked);
+  auto one = [](const TensorView& t) {
+    return TensorView(t.data, t.dtype, {1, t.size(0), t.size(1), t.size(2)},
+                      {t.size(0) * t.strides[0], t.strides[0], t.strides[1], 1}, t.device);
+  };
+  check_qkv(c, one(q), one(k), one(v), options);
+}
+
+// lse [Hq, Tq], contiguous.
+void check_packed_lse(detail::OpChecker& c, const TensorView& lse, const TensorView& q) {
+  c.present(lse, "lse").dtype_in(lse, "lse", {DType::kFloat32, DType::kFloat64}).ndim(lse, "lse", 2);
+  c.dim_size(lse, "lse", 0, q.size(1), "Hq of 'q'").dim_size(lse, "lse", 1, q.size(0), "Tq of 'q'");
+  c.contiguous(lse, "lse");
+}
+
+// cu_seqlens_q / _k: int32 [B + 1] each, one B; on the CPU their values too (from 0 to the token
+// count, non-decreasing, no sequence longer than its max_seqlen). Returns B.
+std::int64_t check_sequences(detail::OpChecker& c, const AttentionSequences& s, std::int64_t q_tokens,
+                             std::int64_t kv_tokens) {
+  c.present(s.cu_seqlens_q, "cu_seqlens_q").dtype_in(s.cu_seqlens_q, "cu_seqlens_q", {DType::kInt32});
+  c.ndim(s.cu_seqlens_q, "cu_seqlens_q", 1).contiguous(s.cu_seqlens_q, "cu_seqlens_q");
+  if (s.cu_seqlens_q.size(0) < 1)
+    c.fail("cu_seqlens_q", "B + 1 >= 1 offsets", "shape " + s.cu_seqlens_q.shape_str());
+  c.present(s.cu_seqlens_k, "cu_seqlens_k").dtype_in(s.cu_seqlens_k, "cu_seqlens_k", {DType::kInt32});
+  c.ndim(s.cu_seqlens_k, "cu_seqlens_k", 1).contiguous(s.cu_seqlens_k, "cu_seqlens_k");
+  c.dim_size(s.cu_seqlens_k, "cu_seqlens_k", 0, s.cu_seqlens_q.size(0), "the B + 1 of 'cu_seqlens_q'");
+  for (const auto& [max, name] : {std::pair{s.max_seqlen_q, "max_seqlen_q"}, {s.max_seqlen_k, "max_seqlen_k"}})
+    if (max < 0) c.fail(name, "a length >= 0", std::to_string(max));
+  if (!c.on_cuda()) {
+    for (const auto& [offsets, name, tokens, max, max_name] :
+         {std::tuple{s.cu_seqlens_q, "cu_seqlens_q", q_tokens, s.max_seqlen_q, "max_seqlen_q"},
+          std::tuple{s.cu_seqlens_k, "cu_seqlens_k", kv_tokens, s.max_seqlen_k, "max_seqlen_k"}}) {
+      const auto* o = offsets.ptr<const std::int32_t>();
+      const std::int64_t n = offsets.size(0);
+      if (o[0] != 0 || o[n - 1] != tokens)
+        c.fail(name, "offsets from 0 to the " + std::to_string(tokens) + " tokens",
+               "from " + std::to_string(o[0]) + " to " + std::to_string(o[n - 1]));
+      for (std::int64_t b = 0; b + 1 < n; ++b) {
+        if (o[b + 1] < o[b])
+          c.fail(name, "non-decreasing offsets",
+                 std::to_string(o[b]) + " then " + std::to_string(o[b + 1]) + " at " + std::to_string(b));
+        if (o[b + 1] - o[b] > max)
+          c.fail(name, std::string("sequences no longer than ") + max_name + " = " + std::to_string(max),
+                 "sequence " + std::to_string(b) + " of " + std::to_string(o[b + 1] - o[b]));
+      }
+    }
+  }
+  return s.cu_seqlens_q.size(0) - 1;
+}
+
+[[noreturn]] void throw_no_varlen_kernel(const char* op) {
+#if !TRAINSCALE_HAVE_CUDA
+  detail::throw_no_cuda_build(op);
+#else
+  detail::throw_op_error(op, "CUDA tensors given, but packed variable-length sequences have only "
+                             "their CPU reference so far");
+#endif
+}
+
+// Sequence b of a packed view as a batch of one [1, S, H, D] (or its lse [1, Hq, S], rows Tq apart).
+TensorView sequence_of(const TensorView& t, std::int64_t begin, std::int64_t end) {
+  if (!t.defined()) return t;
+  char* base = static_cast<char*>(t.data) + begin * t.strides[0] * static_cast<std::int64_t>(t.element_size());
+  return TensorView(base, t.dtype, {1, end - begin, t.size(1), t.size(2)},
+                    {(end - begin) * t.strides[0], t.strides[0], t.strides[1], 1}, t.device);
+}
+TensorView lse_of(const TensorView& lse, std::int64_t begin, std::int64_t end) {
+  if (!lse.defined()) return lse;
+  char* base = static_cast<char*>(lse.data) + begin * static_cast<std::int64_t>(lse.element_size());
+  return TensorView(base, lse.dtype, {1, lse.size(0), end - begin}, {lse.size(0) * lse.size(1), lse.size(1), 1},
+                    lse.device);
+}
+
+// fn(b, query begin, query end, key begin, key end) for every sequence.
+template <class Fn>
+void for_each_sequence(const AttentionSequences& s, std::int64_t count, Fn&& fn) {
+  const auto* q = s.cu_seqlens_q.ptr<const std::int32_t>();
+  const auto* k = s.cu_seqlens_k.ptr<const std::int32_t>();
+  for (std::int64_t b = 0; b < count; ++b) fn(q[b], q[b + 1], k[b], k[b + 1]);
+}
+
+}  // namespace
+
+void attention_varlen_forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                              const AttentionSequences& sequences, TensorView out, TensorView lse,
+                              const AttentionOptions& options, cudaStream_t /*stream*/) {
+  detail::OpChecker c("attention_varlen_forward");
+  check_packed_qkv(c, q, k, v, options);
+  check_heads_like(c, out, "out", q, "q", kPacked);
+  c.distinct_elements(out, "out");
+  if (lse.defined()) check_packed_lse(c, lse, q);
+  const std::int64_t count = check_sequences(c, sequences, q.size(0), k.size(0));
+  c.outputs_disjoint({{out, "out"}, {lse, "lse"}}, {{q, "q"}, {k, "k"}, {v, "v"}});
+  if (c.on_cuda()) throw_no_varlen_kernel(c.op());
+  for_each_sequence(sequences, count, [&](std::int64_t qb, std::int64_t qe, std::int64_t kb, std::int64_t ke) {
+    ops::attention::attention_forward_cpu(sequence_of(q, qb, qe), sequence_of(k, kb, ke), sequence_of(v, kb, ke),
+                                          sequence_of(out, qb, qe), lse_of(lse, qb, qe), options);
+  });
+}
+
+void attention_varlen_backward(const AttentionBackwardArgs& args, const AttentionSequences& sequences,
+                               const AttentionOptions& options, cudaStream_t /*stream*/) {
+  const auto& [dout, q, k, v, out, lse, dq, dk, dv] = args;
+  detail::OpChecker c("attention_varlen_backward");
+  check_packed_qkv(c, q, k, v, options);
+  check_heads_like(c, out, "out", q, "q", kPacked);
+  check_heads_like(c, dout, "dout", q, "q", kPacked);
+  check_packed_lse(c, lse, q);
+  check_heads_like(c, dq, "dq", q, "q", kPacked);
+  c.distinct_elements(dq, "dq");
+  check_heads_like(c, dk, "dk", k, "k", kPacked);
+  c.distinct_elements(dk, "dk");
+  check_heads_like(c, dv, "dv", v, "v", kPacked);
+  c.distinct_elements(dv, "dv");
+  const std::int64_t count = check_sequences(c, sequences, q.size(0), k.size(0));
+  c.outputs_disjoint({{dv, "dv"}, {dk, "dk"}, {dq, "dq"}},
+                     {{dout, "dout"}, {q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}, {lse, "lse"}});
+  if (c.on_cuda()) throw_no_varlen_kernel(c.op());
+  for_each_sequence(sequences, count, [&](std::int64_t qb, std::int64_t qe, std::int64_t kb, std::int64_t ke) {
+    ops::attention::attention_backward_cpu(sequence_of(dout, qb, qe), sequence_of(q, qb, qe), sequence_of(k, kb, ke),
+                                           sequence_of(v, kb, ke), sequence_of(out, qb, qe), lse_of(lse, qb, qe),
+                                           sequence_of(dq, qb, qe), sequence_of(dk, kb, ke), sequence_of(dv, kb, ke),
+                                           options);
+  });
 }
 
 }  // namespace trainscale

@@ -12,6 +12,7 @@
 #include "core/host_dtype.h"
 #include "core/parallel.h"
 #include "ops/attention/attention_internal.h"
+#include "ops/attention/attention_mask.h"
 
 namespace trainscale::ops::attention {
 
@@ -34,9 +35,12 @@ struct Geometry {
   std::int64_t batch, q_len, kv_len, q_heads, kv_heads, head_dim;
   std::int64_t group;  // query heads per kv head
   double scale;
-  bool causal;
+  double softcap;  // 0: off
+  AttentionMask<std::int64_t> mask;
+  std::int64_t lse_batch_stride, lse_head_stride;  // of lse [B, Hq, Sq] (unit stride in Sq)
 
-  Geometry(const TensorView& q, const TensorView& k, const AttentionOptions& options)
+  Geometry(const TensorView& q, const TensorView& k, const TensorView& lse,
+           const AttentionOptions& options)
       : batch(q.size(0)),
         q_len(q.size(1)),
         kv_len(k.size(1)),
@@ -45,25 +49,47 @@ struct Geometry {
         head_dim(q.size(3)),
         group(q_heads / kv_heads),
         scale(resolved_scale(options, head_dim)),
-        causal(options.causal) {}
+        softcap(options.softcap),
+        mask(make_attention_mask<std::int64_t>(q_len, kv_len, options.causal, options.window_left,
+                                               options.window_right)),
+        lse_batch_stride(lse.defined() ? lse.strides[0] : q_heads * q_len),
+        lse_head_stride(lse.defined() ? lse.strides[1] : q_len) {}
 
-  // Query i sees keys [0, visible_keys(i)); the causal mask is aligned bottom-right.
-  std::int64_t visible_keys(std::int64_t i) const {
-    if (!causal) return kv_len;
-    return std::clamp<std::int64_t>(i + kv_len - q_len + 1, 0, kv_len);
-  }
-  // Key j is seen by queries [first_query(j), q_len): the inverse of visible_keys.
-  std::int64_t first_query(std::int64_t j) const {
-    if (!causal) return 0;
-    return std::clamp<std::int64_t>(j + q_len - kv_len, 0, q_len);
-  }
-  // Flat index of (b, h, i) in a contiguous [B, Hq, Sq] lse.
+  // Keys query i sees, and queries key j is seen by (attention_mask.h).
+  Range keys_of(std::int64_t i) const { return {mask.key_begin(i), mask.key_end(i)}; }
+  Range queries_of(std::int64_t j) const { return {mask.query_begin(j), mask.query_end(j)}; }
   std::int64_t lse_index(std::int64_t b, std::int64_t h, std::int64_t i) const {
-    return (b * q_heads + h) * q_len + i;
+    return b * lse_batch_stride + h * lse_head_stride + i;
+  }
+  // The score of an unscaled dot product q.k, and d(score)/d(q.k).
+  double score(double dot) const {
+    const double s = scale * dot;
+    return softcap > 0 ? softcap * std::tanh(s / softcap) : s;
+  }
+  double score_slope(double dot) const {
+    if (!(softcap > 0)) return scale;
+    const double t = std::tanh(scale * dot / softcap);
+    return scale * (1 - t * t);
   }
 };
 
 std::int64_t block_count(std::int64_t n) { return (n + kBlock - 1) / kBlock; }
+
+// The part of `r` inside `block`, relative to block.begin (empty: begin == end).
+Range relative_part(Range r, Range block) {
+  const std::int64_t begin = std::clamp<std::int64_t>(r.begin - block.begin, 0, block.size());
+  return {begin, std::clamp<std::int64_t>(r.end - block.begin, begin, block.size())};
+}
+
+// The keys a block of queries sees (each row's range moves right with the row), and the
+// queries a block of keys is seen by.
+Range keys_of_block(const Geometry& g, Range rows) {
+  return {g.keys_of(rows.begin).begin, std::max(g.keys_of(rows.begin).begin, g.keys_of(rows.end - 1).end)};
+}
+Range queries_of_block(const Geometry& g, Range cols) {
+  return {g.queries_of(cols.begin).begin,
+          std::max(g.queries_of(cols.begin).begin, g.queries_of(cols.end - 1).end)};
+}
 
 // The block'th block of [first, last).
 Range block_range(std::int64_t first, std::int64_t last, std::int64_t block) {
@@ -221,7 +247,7 @@ std::int64_t grain_for(std::int64_t work_per_item) {
 
 void attention_forward_cpu(const TensorView& q, const TensorView& k, const TensorView& v,
                            TensorView out, TensorView lse, const AttentionOptions& options) {
-  const Geometry g(q, k, options);
+  const Geometry g(q, k, lse, options);
   const std::int64_t q_blocks = block_count(g.q_len);
   const std::int64_t items = g.batch * g.q_heads * q_blocks;  // (b, h, query block)
   const std::int64_t work_per_item = std::min(kBlock, g.q_len) * g.kv_len * g.head_dim;
@@ -236,14 +262,10 @@ void attention_forward_cpu(const TensorView& q, const TensorView& k, const Tenso
       acc.zero(n, g.head_dim);
       row_max.assign(n, -kInfinity);
       row_sum.assign(n, 0.0);
-      // The block's last query sees the most keys; later key blocks are fully masked.
-      const std::int64_t keys_seen = g.visible_keys(rows.end - 1);
-      for (std::int64_t kb = 0; kb < block_count(keys_seen); ++kb) {
-        const Range cols = block_range(0, keys_seen, kb);
-        auto seen = [&](std::int64_t r) {
-          return Range{0, std::clamp<std::int64_t>(g.visible_keys(rows.begin + r) - cols.begin, 0,
-                                                   cols.size())};
-        };
+      const Range keys_seen = keys_of_block(g, rows);
+      for (std::int64_t kb = 0; kb < block_count(keys_seen.size()); ++kb) {
+        const Range cols = block_range(keys_seen.begin, keys_seen.end, kb);
+        auto seen = [&](std::int64_t r) { return relative_part(g.keys_of(rows.begin + r), cols); };
         load_rows(k, b, kv_head, cols, keys);
         transpose(keys, keys_t);
         load_rows(v, b, kv_head, cols, values);
@@ -252,10 +274,10 @@ void attention_forward_cpu(const TensorView& q, const TensorView& k, const Tenso
         // score is skipped by max but reaches the sum and every output through exp.
         for (std::int64_t r = 0; r < n; ++r) {
           double* p = probs.row(r);
-          const std::int64_t count = seen(r).end;
+          const Range terms = seen(r);
           double new_max = row_max[r];
-          for (std::int64_t j = 0; j < count; ++j) {
-            p[j] *= g.scale;
+          for (std::int64_t j = terms.begin; j < terms.end; ++j) {
+            p[j] = g.score(p[j]);
             new_max = std::max(new_max, p[j]);
           }
           if (new_max != row_max[r]) {
@@ -264,7 +286,7 @@ void attention_forward_cpu(const TensorView& q, const TensorView& k, const Tenso
             for (std::int64_t d = 0; d < g.head_dim; ++d) acc.row(r)[d] *= rescale;
             row_max[r] = new_max;
           }
-          for (std::int64_t j = 0; j < count; ++j) {
+          for (std::int64_t j = terms.begin; j < terms.end; ++j) {
             p[j] = std::exp(p[j] - new_max);
             row_sum[r] += p[j];
           }
@@ -273,7 +295,7 @@ void attention_forward_cpu(const TensorView& q, const TensorView& k, const Tenso
       }
       for (std::int64_t r = 0; r < n; ++r) {
         double row_lse = -kInfinity;  // a query that sees no key: zero output
-        if (g.visible_keys(rows.begin + r) > 0) {
+        if (g.keys_of(rows.begin + r).size() > 0) {
           for (std::int64_t d = 0; d < g.head_dim; ++d) acc.row(r)[d] /= row_sum[r];
           row_lse = row_max[r] + std::log(row_sum[r]);
         }
@@ -301,15 +323,15 @@ void load_row_statistics(const Geometry& g, const TensorView& out, const TensorV
   }
 }
 
-// p = exp(scale * score - lse) and dscore = scale * p * (dp - dot(dout, out)) for one
-// (query, key) pair; `score` and `dp` are the unscaled dot products q.k and dout.v.
+// p = exp(score(q.k) - lse) and dscore = score'(q.k) * p * (dp - dot(dout, out)) for one
+// (query, key) pair; `dot` and `dp` are the unscaled dot products q.k and dout.v.
 struct Probability {
   double p, dscore;
 };
-Probability probability(const Geometry& g, double score, double dp, double row_lse,
+Probability probability(const Geometry& g, double dot, double dp, double row_lse,
                         double dout_dot_out) {
-  const double p = std::exp(g.scale * score - row_lse);
-  return {p, g.scale * p * (dp - dout_dot_out)};
+  const double p = std::exp(g.score(dot) - row_lse);
+  return {p, g.score_slope(dot) * p * (dp - dout_dot_out)};
 }
 
 // dq for the query block `rows` of (b, h): sums over the key blocks its queries see.
@@ -324,13 +346,10 @@ void query_gradient_block(const Geometry& g, const TensorView& dout, const Tenso
   load_rows(dout, b, h, rows, dout_rows);
   load_row_statistics(g, out, lse, b, h, rows, dout_rows, out_rows, row_lse, dout_dot_out);
   dq_acc.zero(rows.size(), g.head_dim);
-  const std::int64_t keys_seen = g.visible_keys(rows.end - 1);
-  for (std::int64_t kb = 0; kb < block_count(keys_seen); ++kb) {
-    const Range cols = block_range(0, keys_seen, kb);
-    auto seen = [&](std::int64_t r) {
-      return Range{
-          0, std::clamp<std::int64_t>(g.visible_keys(rows.begin + r) - cols.begin, 0, cols.size())};
-    };
+  const Range keys_seen = keys_of_block(g, rows);
+  for (std::int64_t kb = 0; kb < block_count(keys_seen.size()); ++kb) {
+    const Range cols = block_range(keys_seen.begin, keys_seen.end, kb);
+    auto seen = [&](std::int64_t r) { return relative_part(g.keys_of(rows.begin + r), cols); };
     load_rows(k, b, kv_head, cols, keys);
     transpose(keys, keys_t);
     load_rows(v, b, kv_head, cols, values);
@@ -338,7 +357,7 @@ void query_gradient_block(const Geometry& g, const TensorView& dout, const Tenso
     multiply(queries, keys_t, dscores);
     multiply(dout_rows, values_t, dprobs);
     for (std::int64_t r = 0; r < rows.size(); ++r) {
-      for (std::int64_t j = 0; j < seen(r).end; ++j) {
+      for (std::int64_t j = seen(r).begin; j < seen(r).end; ++j) {
         dscores.row(r)[j] =
             probability(g, dscores.row(r)[j], dprobs.row(r)[j], row_lse[r], dout_dot_out[r]).dscore;
       }
@@ -361,16 +380,11 @@ void key_value_gradient_block(const Geometry& g, const TensorView& dout, const T
   load_rows(v, b, kv_head, cols, values);
   dk_acc.zero(cols.size(), g.head_dim);
   dv_acc.zero(cols.size(), g.head_dim);
-  // The block's first key is seen by the most queries; earlier queries see none of it.
-  const std::int64_t first = g.first_query(cols.begin);
+  const Range queries_seen = queries_of_block(g, cols);
   for (std::int64_t h = kv_head * g.group; h < (kv_head + 1) * g.group; ++h) {
-    for (std::int64_t qb = 0; qb < block_count(g.q_len - first); ++qb) {
-      const Range rows = block_range(first, g.q_len, qb);
-      auto seen_by = [&](std::int64_t c) {
-        return Range{
-            std::clamp<std::int64_t>(g.first_query(cols.begin + c) - rows.begin, 0, rows.size()),
-            rows.size()};
-      };
+    for (std::int64_t qb = 0; qb < block_count(queries_seen.size()); ++qb) {
+      const Range rows = block_range(queries_seen.begin, queries_seen.end, qb);
+      auto seen_by = [&](std::int64_t c) { return relative_part(g.queries_of(cols.begin + c), rows); };
       load_rows(q, b, h, rows, queries);
       transpose(queries, queries_t);
       load_rows(dout, b, h, rows, dout_rows);
@@ -379,7 +393,7 @@ void key_value_gradient_block(const Geometry& g, const TensorView& dout, const T
       multiply(keys, queries_t, probs_t);
       multiply(values, dout_t, dscores_t);
       for (std::int64_t c = 0; c < cols.size(); ++c) {
-        for (std::int64_t r = seen_by(c).begin; r < rows.size(); ++r) {
+        for (std::int64_t r = seen_by(c).begin; r < seen_by(c).end; ++r) {
           const Probability pr =
               probability(g, probs_t.row(c)[r], dscores_t.row(c)[r], row_lse[r], dout_dot_out[r]);
           probs_t.row(c)[r] = pr.p;
@@ -400,7 +414,7 @@ void attention_backward_cpu(const TensorView& dout, const TensorView& q, const T
                             const TensorView& v, const TensorView& out, const TensorView& lse,
                             TensorView dq, TensorView dk, TensorView dv,
                             const AttentionOptions& options) {
-  const Geometry g(q, k, options);
+  const Geometry g(q, k, lse, options);
   const std::int64_t q_blocks = block_count(g.q_len), k_blocks = block_count(g.kv_len);
   // dq: one item per (b, h, query block).
   detail::parallel_for(g.batch * g.q_heads * q_blocks,
