@@ -9,17 +9,17 @@
 namespace trainscale::binding {
 namespace {
 
-ts::AttentionOptions attention_options(bool causal, double scale) {
-  ts::AttentionOptions o;
-  o.causal = causal;
-  o.scale = scale;
-  return o;
+ts::AttentionOptions attention_options(bool causal, double scale, int64_t window_left,
+                                       int64_t window_right, double softcap) {
+  return {.causal = causal, .scale = scale, .window_left = window_left, .window_right = window_right,
+          .softcap = softcap};
 }
 
 // (out, lse): out [B, Sq, Hq, D] contiguous in q's dtype, lse [B, Hq, Sq] float32 (float64 for
 // float64 q). A q that is not 4-D gets placeholders, and attention_forward names the argument.
 std::tuple<Tensor, Tensor> attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
-                                             bool causal, double scale) {
+                                             bool causal, double scale, int64_t window_left,
+                                             int64_t window_right, double softcap) {
   const char* op = "attention_forward";
   Ctx ctx(q);
   Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
@@ -27,46 +27,112 @@ std::tuple<Tensor, Tensor> attention_forward(const Tensor& q, const Tensor& k, c
   Tensor lse = q.dim() == 4 ? at::empty({q.size(0), q.size(2), q.size(1)}, stats) : at::empty({0}, stats);
   guarded([&] {
     ts::attention_forward(view(q, op, "q"), view(k, op, "k"), view(v, op, "v"), view(out, op, "out"),
-                          view(lse, op, "lse"), attention_options(causal, scale), ctx.stream);
+                          view(lse, op, "lse"),
+                          attention_options(causal, scale, window_left, window_right, softcap), ctx.stream);
   });
   return {out, lse};
 }
 
-// (dq, dk, dv), contiguous, like q, k and v.
-std::tuple<Tensor, Tensor, Tensor> attention_backward(const Tensor& dout, const Tensor& q,
-                                                      const Tensor& k, const Tensor& v,
-                                                      const Tensor& out, const Tensor& lse,
-                                                      bool causal, double scale) {
-  const char* op = "attention_backward";
+// (dq, dk, dv), contiguous, like q, k and v: allocated here, then run(args, stream) with the
+// tensors of the backward named.
+template <class Run>
+std::tuple<Tensor, Tensor, Tensor> run_backward(const char* op, const Tensor& dout, const Tensor& q,
+                                                const Tensor& k, const Tensor& v, const Tensor& out,
+                                                const Tensor& lse, Run run) {
   Ctx ctx(q);
   Tensor dq = at::empty_like(q, at::MemoryFormat::Contiguous);
   Tensor dk = at::empty_like(k, at::MemoryFormat::Contiguous);
   Tensor dv = at::empty_like(v, at::MemoryFormat::Contiguous);
   guarded([&] {
-    ts::attention_backward({.dout = view(dout, op, "dout"),
-                            .q = view(q, op, "q"),
-                            .k = view(k, op, "k"),
-                            .v = view(v, op, "v"),
-                            .out = view(out, op, "out"),
-                            .lse = view(lse, op, "lse"),
-                            .dq = view(dq, op, "dq"),
-                            .dk = view(dk, op, "dk"),
-                            .dv = view(dv, op, "dv")},
-                           attention_options(causal, scale), ctx.stream);
+    run(ts::AttentionBackwardArgs{.dout = view(dout, op, "dout"),
+                                  .q = view(q, op, "q"),
+                                  .k = view(k, op, "k"),
+                                  .v = view(v, op, "v"),
+                                  .out = view(out, op, "out"),
+                                  .lse = view(lse, op, "lse"),
+                                  .dq = view(dq, op, "dq"),
+                                  .dk = view(dk, op, "dk"),
+                                  .dv = view(dv, op, "dv")},
+        ctx.stream);
   });
   return {dq, dk, dv};
+}
+
+std::tuple<Tensor, Tensor, Tensor> attention_backward(const Tensor& dout, const Tensor& q,
+                                                      const Tensor& k, const Tensor& v,
+                                                      const Tensor& out, const Tensor& lse,
+                                                      bool causal, double scale,
+                                                      int64_t window_left, int64_t window_right,
+                                                      double softcap) {
+  return run_backward("attention_backward", dout, q, k, v, out, lse,
+                      [&](const ts::AttentionBackwardArgs& args, cudaStream_t stream) {
+                        ts::attention_backward(
+                            args, attention_options(causal, scale, window_left, window_right, softcap), stream);
+                      });
+}
+
+ts::AttentionSequences attention_sequences(const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
+                                           int64_t max_seqlen_q, int64_t max_seqlen_k, const char* op) {
+  return {.cu_seqlens_q = view(cu_seqlens_q, op, "cu_seqlens_q"),
+          .cu_seqlens_k = view(cu_seqlens_k, op, "cu_seqlens_k"),
+          .max_seqlen_q = max_seqlen_q,
+          .max_seqlen_k = max_seqlen_k};
+}
+
+// (out, lse) of packed sequences: out [Tq, Hq, D] contiguous in q's dtype, lse [Hq, Tq].
+std::tuple<Tensor, Tensor> attention_varlen_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                    const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
+                                                    int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
+                                                    double scale, int64_t window_left, int64_t window_right,
+                                                    double softcap) {
+  const char* op = "attention_varlen_forward";
+  Ctx ctx(q);
+  Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
+  const auto stats = q.options().dtype(q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
+  Tensor lse = q.dim() == 3 ? at::empty({q.size(1), q.size(0)}, stats) : at::empty({0}, stats);
+  guarded([&] {
+    ts::attention_varlen_forward(view(q, op, "q"), view(k, op, "k"), view(v, op, "v"),
+                                 attention_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, op),
+                                 view(out, op, "out"), view(lse, op, "lse"),
+                                 attention_options(causal, scale, window_left, window_right, softcap), ctx.stream);
+  });
+  return {out, lse};
+}
+
+std::tuple<Tensor, Tensor, Tensor> attention_varlen_backward(
+    const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+    const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    bool causal, double scale, int64_t window_left, int64_t window_right, double softcap) {
+  const char* op = "attention_varlen_backward";
+  return run_backward(op, dout, q, k, v, out, lse, [&](const ts::AttentionBackwardArgs& args, cudaStream_t stream) {
+    ts::attention_varlen_backward(args,
+                                  attention_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, op),
+                                  attention_options(causal, scale, window_left, window_right, softcap), stream);
+  });
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(trainscale, m) {
   def_op(m,
-         "attention_forward(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> "
-         "(Tensor, Tensor)",
+         "attention_varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+         "int max_seqlen_q, int max_seqlen_k, bool causal, float scale, int window_left=-1, "
+         "int window_right=-1, float softcap=0.0) -> (Tensor, Tensor)",
+         &attention_varlen_forward);
+  def_op(m,
+         "attention_varlen_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+         "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, bool causal, "
+         "float scale, int window_left=-1, int window_right=-1, float softcap=0.0) -> "
+         "(Tensor, Tensor, Tensor)",
+         &attention_varlen_backward);
+  def_op(m,
+         "attention_forward(Tensor q, Tensor k, Tensor v, bool causal, float scale, "
+         "int window_left=-1, int window_right=-1, float softcap=0.0) -> (Tensor, Tensor)",
          &attention_forward);
   def_op(m,
          "attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-         "bool causal, float scale) -> (Tensor, Tensor, Tensor)",
+         "bool causal, float scale, int window_left=-1, int window_right=-1, float softcap=0.0) -> "
+         "(Tensor, Tensor, Tensor)",
          &attention_backward);
 }
 

@@ -16,8 +16,9 @@ from conftest import cuda
 ops = torch.ops.trainscale
 
 
-def reference(q, k, v, causal=False, scale=None):
-    """Math attention in BSHD, GQA by repeating kv heads, bottom-right causal mask; (out, lse)."""
+def reference(q, k, v, causal=False, scale=None, window_size=(-1, -1), softcap=0.0):
+    """Math attention in BSHD, GQA by repeating kv heads, bottom-right causal mask and window,
+    softcap on the scaled scores; (out, lse)."""
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     scale = d ** -0.5 if scale is None else scale
@@ -25,9 +26,16 @@ def reference(q, k, v, causal=False, scale=None):
     kk = k.repeat_interleave(rep, dim=2).transpose(1, 2)
     vv = v.repeat_interleave(rep, dim=2).transpose(1, 2)
     s = (q.transpose(1, 2) @ kk.transpose(-1, -2)) * scale  # [B, H, Sq, Sk]
-    if causal:
-        keep = torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq)
-        s = s.masked_fill(~keep, float("-inf"))
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    left, right = window_size
+    right = 0 if causal else right
+    keep = torch.ones(sq, sk, dtype=torch.bool)
+    if right >= 0:
+        keep = keep.tril(sk - sq + right)
+    if left >= 0:
+        keep = keep.triu(sk - sq - left)
+    s = s.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)  # rows that see no key: 0
     return (p @ vv).transpose(1, 2), lse
@@ -96,6 +104,82 @@ def test_backward_matches_reference(shape):
         torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10)
 
 
+WINDOW_MODES = [  # (causal, window_size, softcap)
+    (True, (3, -1), 0.0),  # causal local attention (Mistral)
+    (False, (2, 1), 0.0),
+    (False, (0, 0), 0.0),
+    (True, (-1, -1), 1.5),  # softcap (Gemma 2)
+    (True, (4, 0), 2.0),
+]
+
+
+@pytest.mark.parametrize("causal,window,softcap", WINDOW_MODES)
+@pytest.mark.parametrize("shape", [(2, 9, 9, 4, 2, 8), (1, 5, 11, 2, 1, 4), (1, 11, 6, 2, 2, 3)])
+def test_window_and_softcap_match_reference(shape, causal, window, softcap):
+    q, k, v = make(*shape, requires_grad=True)
+    out, lse = ts.attention_with_lse(q, k, v, causal=causal, scale=0.8, window_size=window, softcap=softcap)
+    ref_out, ref_lse = reference(q, k, v, causal, 0.8, window, softcap)
+    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-10)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref = torch.autograd.grad(ref_out, (q, k, v), dout)
+    for g, r in zip(grads, ref):
+        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10)
+
+
+def test_window_and_softcap_gradcheck():
+    q, k, v = make(1, 5, 6, 2, 1, 3, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: ts.attention(q, k, v, causal=True, window_size=(2, 0), softcap=0.9), (q, k, v))
+
+
+def _packed(q_lens, k_lens, hq=4, hkv=2, d=6, dtype=torch.float64):
+    cu_q = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    cu_k = torch.tensor([0] + k_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    q = torch.randn(int(cu_q[-1]), hq, d, dtype=dtype, requires_grad=True)
+    k = torch.randn(int(cu_k[-1]), hkv, d, dtype=dtype, requires_grad=True)
+    v = torch.randn(int(cu_k[-1]), hkv, d, dtype=dtype, requires_grad=True)
+    return q, k, v, cu_q, cu_k
+
+
+@pytest.mark.parametrize("causal,window,softcap", [(False, (-1, -1), 0.0)] + WINDOW_MODES[:2])
+def test_varlen_equals_each_sequence(causal, window, softcap):
+    q_lens, k_lens = [4, 0, 9, 1], [6, 3, 9, 0]
+    q, k, v, cu_q, cu_k = _packed(q_lens, k_lens)
+    out, lse = ts.attention_varlen_with_lse(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), causal=causal,
+                                            window_size=window, softcap=softcap)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref_out, ref_lse, ref_terms = [], [], 0
+    for b in range(len(q_lens)):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        o, l_ = reference(q[None, qs], k[None, ks], v[None, ks], causal, None, window, softcap)
+        ref_out.append(o[0])
+        ref_lse.append(l_[0])
+        ref_terms = ref_terms + (o[0] * dout[qs]).sum()
+    torch.testing.assert_close(out, torch.cat(ref_out), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse, torch.cat(ref_lse, dim=1), rtol=1e-10, atol=1e-10)
+    for g, r in zip(grads, torch.autograd.grad(ref_terms, (q, k, v))):
+        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10)
+
+
+def test_varlen_gradcheck_compile_and_errors():
+    q, k, v, cu_q, cu_k = _packed([2, 3], [3, 2], hq=2, hkv=1, d=3)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: ts.attention_varlen(q, k, v, cu_q, cu_k, 3, 3, causal=True, softcap=1.0), (q, k, v))
+
+    def f(q, k, v):
+        return ts.attention_varlen(q, k, v, cu_q, cu_k, 3, 3, causal=True).sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(q, k, v), f(q, k, v))
+    with pytest.raises(ValueError, match=r"attention_varlen_forward: argument 'cu_seqlens_q'.*non-decreasing"):
+        ts.attention_varlen(q, k, v, torch.tensor([0, 4, 5], dtype=torch.int32)[[0, 2, 1]], cu_k, 5, 3)
+    with pytest.raises(ValueError, match=r"attention_varlen_forward: argument 'cu_seqlens_k'.*max_seqlen_k = 2"):
+        ts.attention_varlen(q, k, v, cu_q, cu_k, 3, 2)
+
+
 def test_fake_tensors():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -106,13 +190,16 @@ def test_fake_tensors():
         dq, dk, dv = ops.attention_backward(out, q, k, v, out, lse, True, 0.0)
         assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     torch.library.opcheck(ops.attention_forward, make(1, 3, 4, 2, 1, 4), {"causal": True, "scale": 0.5})
+    torch.library.opcheck(ops.attention_forward, make(1, 3, 4, 2, 1, 4),
+                          {"causal": False, "scale": 0.5, "window_left": 1, "window_right": 0, "softcap": 2.0})
 
 
 def test_torch_compile_fullgraph():
     q, k, v = make(1, 6, 6, 4, 2, 8, requires_grad=True)
 
     def f(q, k, v):
-        return (ts.attention(q, k, v, causal=True) * 2).sum()
+        return (ts.attention(q, k, v, causal=True) * 2).sum() + ts.attention(
+            q, k, v, causal=True, window_size=(2, -1), softcap=3.0).sum()
 
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     loss = compiled(q, k, v)
@@ -133,6 +220,10 @@ def test_argument_errors():
         ts.attention(q, torch.randn(2, 7, 3, 8, dtype=torch.float64), v)
     with pytest.raises(ValueError, match=r"attention_forward: argument 'v'"):
         ts.attention(q, k, v[:, :6])
+    with pytest.raises(ValueError, match=r"attention_forward: argument 'options.window_right'"):
+        ts.attention(q, k, v, causal=True, window_size=(4, 2))
+    with pytest.raises(ValueError, match=r"attention_forward: argument 'options.softcap'"):
+        ts.attention(q, k, v, softcap=-1.0)
 
 
 # --- Hugging Face ---------------------------------------------------------------------------------
@@ -188,6 +279,32 @@ def test_hf_padding_mask_falls_back_to_sdpa():
     with pytest.warns(UserWarning, match="falling back to transformers' sdpa"):
         logits = model(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(logits, ref_model(input_ids=ids, attention_mask=mask).logits)
+
+
+def _tiny_gemma2(impl):
+    transformers = pytest.importorskip("transformers")
+    ts.register_hf_attention()
+    cfg = transformers.Gemma2Config(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    max_position_embeddings=64, sliding_window=4, attn_logit_softcapping=5.0,
+                                    query_pre_attn_scalar=16, attn_implementation=impl)
+    torch.manual_seed(0)
+    return transformers.Gemma2ForCausalLM(cfg).to(torch.float64)
+
+
+def test_hf_gemma2_window_and_softcap_match_eager():
+    """Gemma 2: a sliding-window layer and a global one, both with a logit softcap; the model's
+    own eager attention is the reference."""
+    ref_model, model = _tiny_gemma2("eager"), _tiny_gemma2("trainscale")
+    assert "sliding_attention" in model.config.layer_types
+    ids = torch.randint(0, 97, (2, 12))
+    ref_loss, ref_grads = _loss_and_grads(ref_model, ids)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="trainscale attention")  # no fallback
+        loss, grads = _loss_and_grads(model, ids)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=1e-10)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-9, atol=1e-10, msg=name)
 
 
 def test_hf_plain_causal_mask_runs_trainscale():

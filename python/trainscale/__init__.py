@@ -17,7 +17,8 @@ except ImportError as _e:
 # The family modules register the ops' fake implementations and autograd formulas.
 from . import activation, attention, fp8, loss, norm, optim, rope, softmax  # noqa: E402,F401
 # (trainscale.attention is the function below; the module stays in sys.modules as trainscale.attention.)
-from .attention import attention, attention_with_lse, hf_attention_forward, register_hf_attention  # noqa: E402
+from .attention import (attention, attention_varlen, attention_varlen_with_lse, attention_with_lse,  # noqa: E402
+                        hf_attention_forward, register_hf_attention)
 from .functional import (  # noqa: E402
     apply_rotary,
     cross_entropy,
@@ -50,7 +51,7 @@ from .vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_linear_
 
 __version__ = "0.1.0"
 __all__ = [
-    "apply_rotary", "attention", "attention_with_lse", "cross_entropy", "fp8_quantize", "fused_add_rms_norm",
+    "apply_rotary", "attention", "attention_varlen", "attention_varlen_with_lse", "attention_with_lse", "cross_entropy", "fp8_quantize", "fused_add_rms_norm",
     "fused_add_rms_norm_", "hf_attention_forward", "register_hf_attention",
     "gelu", "layer_norm", "linear_cross_entropy", "newton_schulz", "optim", "rms_norm", "rope_tables", "silu", "softmax", "swiglu",
     "CrossEntropyLoss", "FusedAddRMSNorm", "LayerNorm", "LinearCrossEntropyLoss", "RMSNorm",

@@ -6,10 +6,11 @@ implementations and autograd formula of its ops in torch.ops.trainscale
 Layout is BSHD: q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D] with Hq % Hkv == 0 (grouped-query
 heads are read in place, never repeated). The forward runs the CUDA kernel (bf16 / fp16, D 64,
 128 or 256, sm_90a) or the CPU reference (any dtype, float64 included); the backward has only
-the CPU reference for now: on CUDA it raises."""
+the CPU reference for now: on CUDA it raises. Sliding windows and the logit softcap run on the
+CPU reference only so far (a CUDA call with either raises)."""
 import sys
 import warnings
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch.library import register_autograd, register_fake
@@ -22,22 +23,22 @@ def _stat_dtype(q):
 
 
 @register_fake("trainscale::attention_forward")
-def _(q, k, v, causal, scale):
+def _(q, k, v, causal, scale, window_left=-1, window_right=-1, softcap=0.0):
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_stat_dtype(q))
     return out, lse
 
 
 @register_fake("trainscale::attention_backward")
-def _(dout, q, k, v, out, lse, causal, scale):
+def _(dout, q, k, v, out, lse, causal, scale, window_left=-1, window_right=-1, softcap=0.0):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
 def _attention_setup(ctx, inputs, output):
-    q, k, v, causal, scale = inputs
+    q, k, v, *options = inputs  # causal, scale, and window_left, window_right, softcap when given
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.causal, ctx.scale = causal, scale
+    ctx.options = options
     ctx.mark_non_differentiable(lse)
 
 
@@ -46,30 +47,97 @@ def _attention_backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
     if dout.stride(-1) != 1:  # e.g. the expanded gradient of a sum
         dout = dout.contiguous()
-    dq, dk, dv = ops.attention_backward(dout, q, k, v, out, lse, ctx.causal, ctx.scale)
-    return dq, dk, dv, None, None
+    dq, dk, dv = ops.attention_backward(dout, q, k, v, out, lse, *ctx.options)
+    return (dq, dk, dv) + (None,) * len(ctx.options)
 
 
 register_autograd("trainscale::attention_forward", _attention_backward, setup_context=_attention_setup)
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                       scale: Optional[float] = None):
+                       scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
+                       softcap: float = 0.0):
     """(out, lse) of attention: lse [B, Hq, Sq] float32 (float64 for float64 inputs), the
     log-sum-exp of each query's scaled, masked scores; lse is not differentiable."""
-    return ops.attention_forward(q, k, v, bool(causal), 0.0 if scale is None else float(scale))
+    scale = 0.0 if scale is None else float(scale)
+    left, right = (int(w) for w in window_size)
+    if (left, right) == (-1, -1) and not softcap:  # the short schema: what traces and saves stay plain
+        return ops.attention_forward(q, k, v, bool(causal), scale)
+    return ops.attention_forward(q, k, v, bool(causal), scale, left, right, float(softcap))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-              scale: Optional[float] = None) -> torch.Tensor:
-    """softmax(q k^T * scale + mask) v in BSHD layout: q [B, Sq, Hq, D], k / v [B, Sk, Hkv, D]
-    (Hq % Hkv == 0; query head h reads kv head h // (Hq // Hkv)); returns out [B, Sq, Hq, D]
-    (contiguous, q's dtype). scale None (or 0, as in the C++ contract) is 1 / sqrt(D). causal:
-    query i sees key j iff j <= i + (Sk - Sq) (bottom-right aligned, as FlashAttention); a query
-    that sees no key gets 0. Any strides with stride 1 in D (e.g. a transposed [B, H, S, D]
-    view). Differentiable: the backward saves out and lse (CPU only for now: on CUDA the
-    backward raises)."""
-    return attention_with_lse(q, k, v, causal, scale)[0]
+              scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
+              softcap: float = 0.0) -> torch.Tensor:
+    """softmax(mask(softcap(q k^T * scale))) v in BSHD layout: q [B, Sq, Hq, D], k / v
+    [B, Sk, Hkv, D] (Hq % Hkv == 0; query head h reads kv head h // (Hq // Hkv)); returns out
+    [B, Sq, Hq, D] (contiguous, q's dtype). scale None (or 0, as in the C++ contract) is
+    1 / sqrt(D). Query i sits at key position i + (Sk - Sq) (bottom-right aligned, as
+    FlashAttention). causal: it sees keys j <= that position. window_size (left, right), as
+    FlashAttention's: it also sees only keys within `left` before and `right` after it (-1:
+    unbounded; with causal, right is -1 or 0). softcap > 0: scores s become softcap * tanh(s /
+    softcap) (Gemma 2). A query that sees no key gets 0. Any strides with stride 1 in D (e.g. a
+    transposed [B, H, S, D] view). Differentiable: the backward saves out and lse (CPU only for
+    now: on CUDA the backward raises)."""
+    return attention_with_lse(q, k, v, causal, scale, window_size, softcap)[0]
+
+
+@register_fake("trainscale::attention_varlen_forward")
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window_left=-1,
+      window_right=-1, softcap=0.0):
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    return out, q.new_empty((q.shape[1], q.shape[0]), dtype=_stat_dtype(q))
+
+
+@register_fake("trainscale::attention_varlen_backward")
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+      window_left=-1, window_right=-1, softcap=0.0):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def _attention_varlen_setup(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *options = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.options = options  # max_seqlen_q, max_seqlen_k, causal, scale, and the window and softcap when given
+    ctx.mark_non_differentiable(lse)
+
+
+def _attention_varlen_backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    dq, dk, dv = ops.attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options)
+    return (dq, dk, dv, None, None) + (None,) * len(ctx.options)
+
+
+register_autograd("trainscale::attention_varlen_forward", _attention_varlen_backward,
+                  setup_context=_attention_varlen_setup)
+
+
+def attention_varlen_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                              cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                              causal: bool = False, scale: Optional[float] = None,
+                              window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0):
+    """(out, lse) of attention_varlen: lse [Hq, Tq] (float32; float64 for float64 inputs)."""
+    return ops.attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                                        bool(causal), 0.0 if scale is None else float(scale), int(window_size[0]),
+                                        int(window_size[1]), float(softcap))
+
+
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool = False,
+                     scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
+                     softcap: float = 0.0) -> torch.Tensor:
+    """attention over packed variable-length sequences, as FlashAttention's varlen function: q
+    [Tq, Hq, D] and k / v [Tk, Hkv, D] hold B sequences back to back; sequence b has queries
+    cu_seqlens_q[b]:cu_seqlens_q[b + 1] and keys cu_seqlens_k[b]:cu_seqlens_k[b + 1] (int32
+    [B + 1] on q's device, from 0 to Tq / Tk), each attended as `attention` attends one batch
+    entry (causal and window_size aligned bottom-right within the sequence). max_seqlen_q / _k
+    bound the lengths. Returns out [Tq, Hq, D]. Differentiable. CPU reference only so far: CUDA
+    tensors raise."""
+    return attention_varlen_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                     scale, window_size, softcap)[0]
 
 
 # --- Hugging Face -----------------------------------------------------------------------------
@@ -81,20 +149,23 @@ def _warn_once(reason: str):
     if reason not in _warned:
         _warned.add(reason)
         warnings.warn(f"trainscale attention: {reason}; falling back to transformers' sdpa attention "
-                      "for such calls", stacklevel=3)
+                      "(the model's eager attention for a softcap) for such calls", stacklevel=3)
 
 
 def _is_compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def _is_plain_causal(mask: torch.Tensor, q_len: int, kv_len: int) -> bool:
-    """Whether a boolean mask [B or 1, 1 or H, Sq, Sk] is the bottom-right causal pattern in every
-    batch and head (reads the mask: not done while compiling)."""
+def _is_causal_band(mask: torch.Tensor, q_len: int, kv_len: int, window_left: int) -> bool:
+    """Whether a boolean mask [B or 1, 1 or H, Sq, Sk] is, in every batch and head, the
+    bottom-right causal pattern, limited to `window_left` keys before the diagonal when >= 0
+    (reads the mask: not done while compiling)."""
     if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[-2:] != (q_len, kv_len):
         return False
-    causal = torch.ones(q_len, kv_len, dtype=torch.bool, device=mask.device).tril(kv_len - q_len)
-    return bool((mask == causal).all())
+    band = torch.ones(q_len, kv_len, dtype=torch.bool, device=mask.device).tril(kv_len - q_len)
+    if window_left >= 0:
+        band = band.triu(kv_len - q_len - window_left)
+    return bool((mask == band).all())
 
 
 def hf_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -104,21 +175,25 @@ def hf_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
     key / value [B, Hkv, Sk, D] -> (attn_output [B, S, Hq, D], None). Runs trainscale.attention
     on BSHD views (no copies, grouped-query heads in place) when the call is plain attention:
     no mask (causal from is_causal / module.is_causal, as sdpa decides it) or a boolean mask that
-    is exactly the causal pattern. Anything else (padding or other masks, dropout > 0, softcap,
-    sliding window, position bias, attention sinks, a different value head dim, and on CUDA a
-    dtype / head dim the kernel lacks) falls back to transformers' sdpa_attention_forward with a
-    one-time warning per reason."""
+    is exactly the causal pattern; a causal sliding window (Mistral, Gemma: query i sees the
+    `sliding_window` keys up to its own) and a logit softcap (Gemma 2) run on the CPU. Anything
+    else (padding or other masks, dropout > 0, position bias, attention sinks, a different value
+    head dim, and on CUDA a window, a softcap or a dtype / head dim the kernel lacks) falls back
+    to transformers' sdpa_attention_forward (a softcap, which sdpa lacks, to the model module's
+    eager_attention_forward) with a one-time warning per reason."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     reason = None
     q_len, kv_len = query.shape[2], key.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    softcap, sliding_window = kwargs.get("softcap"), kwargs.get("sliding_window")
+    window_left = sliding_window - 1 if sliding_window is not None else -1
     if dropout:
         reason = "dropout > 0 is not supported"
-    elif kwargs.get("softcap") is not None:
-        reason = "softcap is not supported yet"
-    elif kwargs.get("sliding_window") is not None:
-        reason = "sliding-window attention is not supported yet"
+    elif query.is_cuda and (softcap is not None or sliding_window is not None):
+        reason = "softcap and sliding windows are not in the CUDA kernel yet"
+    elif sliding_window is not None and not (causal and sliding_window >= 1):
+        reason = "a sliding window without a causal mask is not supported"
     elif kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None:
         reason = "position bias / attention sinks are not supported"
     elif key.shape[-1] != query.shape[-1] or value.shape[-1] != query.shape[-1]:
@@ -128,10 +203,14 @@ def hf_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
     elif query.is_cuda and (query.dtype not in (torch.bfloat16, torch.float16) or query.shape[-1] not in (64, 128, 256)):
         reason = "the CUDA kernel needs bfloat16 / float16 and head dim 64, 128 or 256"
     elif attention_mask is not None:
-        if not causal or _is_compiling() or not _is_plain_causal(attention_mask, q_len, kv_len):
-            reason = "attention masks other than the causal one (e.g. padding) are not supported"
+        if not causal or _is_compiling() or not _is_causal_band(attention_mask, q_len, kv_len, window_left):
+            reason = "attention masks other than the causal (sliding-window) one, e.g. padding, are not supported"
     if reason is not None:
         _warn_once(reason)
+        # sdpa cannot express a softcap: such calls go to the model's own eager attention.
+        eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if softcap is not None and eager is not None:
+            return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
 
@@ -141,7 +220,7 @@ def hf_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
     if causal and attention_mask is None and kv_len > q_len:
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=causal,
-                    scale=scaling)
+                    scale=scaling, window_size=(window_left, -1), softcap=softcap or 0.0)
     return out, None
 
 
