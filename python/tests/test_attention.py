@@ -175,7 +175,7 @@ def test_varlen_gradcheck_compile_and_errors():
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(q, k, v), f(q, k, v))
     with pytest.raises(ValueError, match=r"attention_varlen_forward: argument 'cu_seqlens_q'.*non-decreasing"):
-        ts.attention_varlen(q, k, v, torch.tensor([0, 4, 5], dtype=torch.int32)[[0, 2, 1]], cu_k, 5, 3)
+        ts.attention_varlen(q, k, v, torch.tensor([0, 6, 5], dtype=torch.int32), cu_k, 6, 3)
     with pytest.raises(ValueError, match=r"attention_varlen_forward: argument 'cu_seqlens_k'.*max_seqlen_k = 2"):
         ts.attention_varlen(q, k, v, cu_q, cu_k, 3, 2)
 
@@ -302,9 +302,10 @@ def test_hf_gemma2_window_and_softcap_match_eager():
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="trainscale attention")  # no fallback
         loss, grads = _loss_and_grads(model, ids)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=1e-10)
+    # Gemma 2's eager attention takes its softmax in float32 (then back to float64): 1e-7 relative.
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
     for name, g in ref_grads.items():
-        torch.testing.assert_close(grads[name], g, rtol=1e-9, atol=1e-10, msg=name)
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_hf_plain_causal_mask_runs_trainscale():
