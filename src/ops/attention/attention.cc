@@ -91,6 +91,44 @@ void check_cuda_forward(detail::OpChecker& c, const TensorView& q, const TensorV
   }
 }
 
+// What the CUDA backward needs beyond the contract: a dtype and head dim it has a kernel for;
+// every [B, S, H, D] tensor as its 16-byte cp.async loads and stores reach it (16-byte aligned
+// start, every stride of a dim longer than 1 a multiple of 16 bytes; no TMA, so no other layout
+// rule); lse in float32; sequence lengths whose sum fits its 32-bit in-sequence indices; and the
+// workspace.
+void check_cuda_backward(detail::OpChecker& c, const AttentionBackwardArgs& args) {
+  const TensorView& q = args.q;
+  c.dtype_in(q, "q", {DType::kBFloat16, DType::kFloat16});
+  if (!ops::attention::backward_head_dim_supported(q.size(3)))
+    c.fail("q", "a head dim D of 64, 128 or 256 (the CUDA kernel's)", "shape " + q.shape_str());
+  c.dtype_in(args.lse, "lse", {DType::kFloat32});
+  const std::int64_t element = static_cast<std::int64_t>(dtype_size(q.dtype));
+  for (const auto& [t, name] : {std::pair<const TensorView&, const char*>{q, "q"}, {args.k, "k"}, {args.v, "v"},
+                                {args.out, "out"}, {args.dout, "dout"}, {args.dq, "dq"}, {args.dk, "dk"},
+                                {args.dv, "dv"}}) {
+    if (reinterpret_cast<std::uintptr_t>(t.data) % 16 != 0)
+      c.fail(name, "a 16-byte aligned start (16-byte loads and stores)",
+             "address " + std::to_string(reinterpret_cast<std::uintptr_t>(t.data)) + " (" +
+                 std::to_string(reinterpret_cast<std::uintptr_t>(t.data) % 16) + " past 16)");
+    for (int d = 0; d < 3; ++d) {
+      if (t.size(d) > 1 && (t.strides[d] * element) % 16 != 0)
+        c.fail(name, "strides of 16-byte multiples in dims 0-2 (16-byte loads and stores)",
+               "strides " + strides_str(t) + " in elements of " + std::to_string(element) + " bytes");
+    }
+  }
+  if (q.size(1) + args.k.size(1) > std::numeric_limits<std::int32_t>::max())
+    c.fail("k", "Sq + Sk below 2^31 (the CUDA kernel's indices)",
+           "Sq = " + std::to_string(q.size(1)) + ", Sk = " + std::to_string(args.k.size(1)));
+  const std::size_t needed = attention_backward_workspace_bytes(q);
+  const TensorView& w = args.workspace;
+  const std::size_t given = w.defined() ? static_cast<std::size_t>(w.numel()) * w.element_size() : 0;
+  if (given < needed)
+    c.fail("workspace", "at least " + std::to_string(needed) + " bytes (attention_backward_workspace_bytes(q))",
+           std::to_string(given) + " bytes");
+  if (needed > 0 && (!w.is_contiguous() || reinterpret_cast<std::uintptr_t>(w.data) % 256 != 0))
+    c.fail("workspace", "a contiguous, 256-byte aligned view", w.describe());
+}
+
 }  // namespace
 
 void attention_forward(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -130,8 +168,8 @@ void attention_forward(const TensorView& q, const TensorView& k, const TensorVie
 }
 
 void attention_backward(const AttentionBackwardArgs& args, const AttentionOptions& options,
-                        cudaStream_t /*stream*/) {
-  const auto& [dout, q, k, v, out, lse, dq, dk, dv] = args;
+                        cudaStream_t stream) {
+  const auto& [dout, q, k, v, out, lse, dq, dk, dv, workspace] = args;
   detail::OpChecker c("attention_backward");
   check_qkv(c, q, k, v, options);
   check_bshd_like(c, out, "out", q, "q");
@@ -143,10 +181,41 @@ void attention_backward(const AttentionBackwardArgs& args, const AttentionOption
   c.distinct_elements(dk, "dk");
   check_bshd_like(c, dv, "dv", v, "v");
   c.distinct_elements(dv, "dv");
-  c.outputs_disjoint({{dv, "dv"}, {dk, "dk"}, {dq, "dq"}},
+  c.optional(workspace, "workspace");
+  c.outputs_disjoint({{dv, "dv"}, {dk, "dk"}, {dq, "dq"}, {workspace, "workspace"}},
                      {{dout, "dout"}, {q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}, {lse, "lse"}});
-  if (c.on_cuda()) detail::throw_no_cuda_kernel(c.op());
+  if (c.on_cuda()) {
+#if !TRAINSCALE_HAVE_CUDA
+    detail::throw_no_cuda_build(c.op());
+#elif !TRAINSCALE_HAVE_CUTLASS
+    detail::throw_op_error(c.op(),
+                           "CUDA tensors given, but this build has no attention kernel: it was "
+                           "configured without the CUTLASS headers (pip install nvidia-cutlass, or "
+                           "-DTRAINSCALE_CUTLASS_INCLUDE=<dir>), so only the CPU reference exists");
+#endif
+    check_cuda_backward(c, args);
+  }
+#if TRAINSCALE_HAVE_CUDA && TRAINSCALE_HAVE_CUTLASS
+  if (detail::ran_on_cuda(c, [&] {
+        switch (q.size(3)) {
+          case 64: ops::attention::attention_backward_hdim64(args, options, stream); break;
+          case 128: ops::attention::attention_backward_hdim128(args, options, stream); break;
+          default: ops::attention::attention_backward_hdim256(args, options, stream); break;
+        }
+      }))
+    return;
+#else
+  (void)stream;
+#endif
   ops::attention::attention_backward_cpu(dout, q, k, v, out, lse, dq, dk, dv, options);
+}
+
+std::size_t attention_backward_workspace_bytes(const TensorView& q) {
+  detail::OpChecker c("attention_backward_workspace_bytes");
+  check_bshd(c, q, "q");
+  constexpr std::size_t kAlign = 256;
+  const std::size_t delta_bytes = static_cast<std::size_t>(q.size(0) * q.size(2) * q.size(1)) * sizeof(float);
+  return (delta_bytes + kAlign - 1) / kAlign * kAlign;
 }
 
 }  // namespace trainscale
