@@ -60,8 +60,8 @@ struct AttentionBackwardArgs {
 };
 void attention_backward(const AttentionBackwardArgs& args, const AttentionOptions& options = {},
                         cudaStream_t stream = nullptr);
-// Bytes of workspace attention_backward's CUDA path needs for q's shape: an fp32 [B, Hq, Sq]
-// array rounded up to a multiple of 256.
+// Bytes of workspace attention_backward's CUDA path needs for q's shape (only the shape is
+// read): an fp32 [B, Hq, Sq] array rounded up to a multiple of 256.
 std::size_t attention_backward_workspace_bytes(const TensorView& q);
 
 }  // namespace trainscale

@@ -5,8 +5,9 @@ implementations and autograd formula of its ops in torch.ops.trainscale
 
 Layout is BSHD: q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D] with Hq % Hkv == 0 (grouped-query
 heads are read in place, never repeated). The forward runs the CUDA kernel (bf16 / fp16, D 64,
-128 or 256, sm_90a) or the CPU reference (any dtype, float64 included); the backward has only
-the CPU reference for now: on CUDA it raises."""
+128 or 256, sm_90a) or the CPU reference (any dtype, float64 included); the backward runs its
+CUDA kernels (bf16 / fp16, D 64, 128 or 256, sm_80+; the workspace is allocated by the op) or
+the CPU reference."""
 import sys
 import warnings
 from typing import Optional
@@ -67,8 +68,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     (contiguous, q's dtype). scale None (or 0, as in the C++ contract) is 1 / sqrt(D). causal:
     query i sees key j iff j <= i + (Sk - Sq) (bottom-right aligned, as FlashAttention); a query
     that sees no key gets 0. Any strides with stride 1 in D (e.g. a transposed [B, H, S, D]
-    view). Differentiable: the backward saves out and lse (CPU only for now: on CUDA the
-    backward raises)."""
+    view). Differentiable: the backward saves out and lse."""
     return attention_with_lse(q, k, v, causal, scale)[0]
 
 

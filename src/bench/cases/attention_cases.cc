@@ -46,7 +46,9 @@ TensorSpec saved_lse(const Dims& d) {
 // checks a few such groups against the fp64 reference rather than every head.
 void group_by_kv_head(Case& c, const Dims& d) {
   c.groups = d.hkv;
-  for (TensorSpec& t : c.tensors) t.group_dim = t.name == "lse" ? 1 : 2;
+  for (TensorSpec& t : c.tensors) {
+    if (t.role != Role::kScratch) t.group_dim = t.name == "lse" ? 1 : 2;
+  }
 }
 
 Case attention_forward_case(std::span<const std::int64_t> shape, DType dtype) {
@@ -83,15 +85,19 @@ Case attention_backward_case(std::span<const std::int64_t> shape, DType dtype) {
   const Shape q_shape = {d.b, d.s, d.hq, d.d}, kv_shape = {d.b, d.s, d.hkv, d.d};
   c.tensors = {input("dout", dtype, q_shape), input("q", dtype, q_shape),    input("k", dtype, kv_shape),
                input("v", dtype, kv_shape),   input("out", dtype, q_shape),  saved_lse(d),
-               output("dq", dtype, q_shape),  output("dk", dtype, kv_shape), output("dv", dtype, kv_shape)};
+               output("dq", dtype, q_shape),  output("dk", dtype, kv_shape), output("dv", dtype, kv_shape),
+               scratch("workspace", cuda_workspace_bytes([&] {
+                         return attention_backward_workspace_bytes(TensorView(nullptr, dtype, {d.b, d.s, d.hq, d.d}));
+                       }))};
   c.bytes = traffic(c.tensors);
   c.flops = 2.5 * forward_flops(d);  // 5 GEMMs to the forward's 2
   c.bound = Bound::kCompute;
   group_by_kv_head(c, d);
-  const auto [dout, q, k, v, out, lse, dq, dk, dv] = c.ids("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv");
+  const auto [dout, q, k, v, out, lse, dq, dk, dv, workspace] =
+      c.ids("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "workspace");
   c.entry = [=](CaseTensors t, cudaStream_t s) {
     attention_backward({.dout = t[dout], .q = t[q], .k = t[k], .v = t[v], .out = t[out], .lse = t[lse],
-                        .dq = t[dq], .dk = t[dk], .dv = t[dv]},
+                        .dq = t[dq], .dk = t[dk], .dv = t[dv], .workspace = t[workspace]},
                        options, s);
   };
   c.reference = on_cpu(c.entry);
