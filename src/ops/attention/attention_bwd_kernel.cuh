@@ -36,28 +36,23 @@
 
 namespace trainscale::ops::attention {
 
-// Element strides of the batch, sequence and head dims of a [B, S, H, D] tensor (D contiguous).
-struct HeadStrides {
-  int64_t batch, seq, head;
+// A [B, S, H, D] tensor: its data and the element strides of B, S and H (D contiguous).
+struct BshdTensor {
+  void* data;
+  int64_t batch_stride, seq_stride, head_stride;
 
-  __device__ __forceinline__ int64_t head_offset(int b, int h) const {
-    return b * batch + h * head;
+  // Element 0 of vector (b, s, h).
+  template <class Element>
+  __device__ __forceinline__ Element* row(int b, int s, int h) const {
+    return static_cast<Element*>(data) + b * batch_stride + s * seq_stride + h * head_stride;
   }
 };
 
 struct BackwardParams {
-  const void* q;
-  const void* k;
-  const void* v;
-  const void* out;
-  const void* dout;
-  const float* lse;  // [B, Hq, Sq]
-  float* delta;      // [B, Hq, Sq], the workspace
-  void* dq;
-  void* dk;
-  void* dv;
-  HeadStrides q_strides, k_strides, v_strides, out_strides, dout_strides, dq_strides, dk_strides,
-      dv_strides;
+  BshdTensor q, k, v, out, dout;  // read
+  BshdTensor dq, dk, dv;          // written
+  const float* lse;               // [B, Hq, Sq]
+  float* delta;                   // [B, Hq, Sq], the workspace
   int batch, q_len, kv_len, q_heads, kv_heads, group;
   float scale;
   float softcap;  // 0: off
@@ -81,10 +76,8 @@ __global__ void __launch_bounds__(256) attention_backward_preprocess_kernel(cons
   const int b = static_cast<int>(row / p.q_len / p.q_heads);
   const int64_t column = static_cast<int64_t>(lane) * kPerLane;
   float dout[kPerLane], out[kPerLane];
-  detail::load_floats<Native, kPerLane>(
-      static_cast<const Native*>(p.dout) + p.dout_strides.head_offset(b, h) + i * p.dout_strides.seq + column, dout);
-  detail::load_floats<Native, kPerLane>(
-      static_cast<const Native*>(p.out) + p.out_strides.head_offset(b, h) + i * p.out_strides.seq + column, out);
+  detail::load_floats<Native, kPerLane>(p.dout.row<const Native>(b, i, h) + column, dout);
+  detail::load_floats<Native, kPerLane>(p.out.row<const Native>(b, i, h) + column, out);
   float sum = 0.f;
   CUTE_UNROLL
   for (int j = 0; j < kPerLane; ++j) sum = fmaf(dout[j], out[j], sum);
@@ -193,8 +186,9 @@ __device__ __forceinline__ void recompute_scores(const BackwardParams& p, const 
   Tensor dprobs = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
   clear(scores);
   clear(dprobs);
-  gemm_smem<typename Traits::LoadKMajor, typename Traits::LoadKMajor>(mma, scores, smem_q, smem_k, thread);
-  gemm_smem<typename Traits::LoadKMajor, typename Traits::LoadKMajor>(mma, dprobs, smem_dout, smem_v, thread);
+  using LoadK = typename Traits::LoadKMajor;
+  gemm_smem<LoadK, LoadK>(mma, scores, smem_q, smem_k, thread);
+  gemm_smem<LoadK, LoadK>(mma, dprobs, smem_dout, smem_v, thread);
 
   Tensor coords = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   Tensor out_p = thr_mma.partition_C(smem_p);
@@ -260,7 +254,8 @@ __device__ __forceinline__ void store_rows(const SmemTensor& smem, Element* glob
 
 // ---- dK / dV ----------------------------------------------------------------------------------
 
-// blockIdx.x = key block + key blocks * (kv head + Hkv * batch).
+// blockIdx.x = key block + key blocks * (kv head + Hkv * batch): key block 0, which the most
+// queries see under a causal mask, starts first.
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     attention_backward_dkdv_kernel(const __grid_constant__ BackwardParams p) {
@@ -293,32 +288,27 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor smem_ds = make_tensor(make_smem_ptr(storage.ds), typename Traits::SmemLayoutP{});
   Tensor smem_pt = make_tensor(make_smem_ptr(storage.p), typename Traits::SmemLayoutPt{});
   Tensor smem_dst = make_tensor(make_smem_ptr(storage.ds), typename Traits::SmemLayoutPt{});
-  auto smem_q = [&](int stage) { return make_tensor(make_smem_ptr(storage.q[stage]), typename Traits::SmemLayoutQ{}); };
-  auto smem_dout = [&](int stage) {
-    return make_tensor(make_smem_ptr(storage.dout[stage]), typename Traits::SmemLayoutQ{});
-  };
-  auto smem_qt = [&](int stage) { return make_tensor(make_smem_ptr(storage.q[stage]), typename Traits::SmemLayoutQt{}); };
-  auto smem_doutt = [&](int stage) {
-    return make_tensor(make_smem_ptr(storage.dout[stage]), typename Traits::SmemLayoutQt{});
-  };
+  using LayoutQ = typename Traits::SmemLayoutQ;
+  using LayoutQt = typename Traits::SmemLayoutQt;
+  auto smem_q = [&](int stage) { return make_tensor(make_smem_ptr(storage.q[stage]), LayoutQ{}); };
+  auto smem_dout = [&](int stage) { return make_tensor(make_smem_ptr(storage.dout[stage]), LayoutQ{}); };
+  auto smem_qt = [&](int stage) { return make_tensor(make_smem_ptr(storage.q[stage]), LayoutQt{}); };
+  auto smem_doutt = [&](int stage) { return make_tensor(make_smem_ptr(storage.dout[stage]), LayoutQt{}); };
 
-  const Element* k = static_cast<const Element*>(p.k) + p.k_strides.head_offset(batch, kv_head) + n0 * p.k_strides.seq;
-  const Element* v = static_cast<const Element*>(p.v) + p.v_strides.head_offset(batch, kv_head) + n0 * p.v_strides.seq;
-  load_rows_async<kThreads>(smem_k, k, p.k_strides.seq, n_valid, thread);
-  load_rows_async<kThreads>(smem_v, v, p.v_strides.seq, n_valid, thread);
+  load_rows_async<kThreads>(smem_k, p.k.row<const Element>(batch, n0, kv_head), p.k.seq_stride, n_valid,
+                            thread);
+  load_rows_async<kThreads>(smem_v, p.v.row<const Element>(batch, n0, kv_head), p.v.seq_stride, n_valid,
+                            thread);
 
   auto tile_head = [&](int t) { return kv_head * p.group + t / m_count; };
   auto tile_m0 = [&](int t) { return (m_first + t % m_count) * kBlockM; };
   auto load_queries = [&](int t, int stage) {
     const int head = tile_head(t), m0 = tile_m0(t);
     const int m_valid = min(kBlockM, p.q_len - m0);
-    load_rows_async<kThreads>(smem_q(stage),
-                              static_cast<const Element*>(p.q) + p.q_strides.head_offset(batch, head) + m0 * p.q_strides.seq,
-                              p.q_strides.seq, m_valid, thread);
-    load_rows_async<kThreads>(
-        smem_dout(stage),
-        static_cast<const Element*>(p.dout) + p.dout_strides.head_offset(batch, head) + m0 * p.dout_strides.seq,
-        p.dout_strides.seq, m_valid, thread);
+    load_rows_async<kThreads>(smem_q(stage), p.q.row<const Element>(batch, m0, head), p.q.seq_stride, m_valid,
+                              thread);
+    load_rows_async<kThreads>(smem_dout(stage), p.dout.row<const Element>(batch, m0, head), p.dout.seq_stride,
+                              m_valid, thread);
     const int64_t stats = (static_cast<int64_t>(batch) * p.q_heads + head) * p.q_len + m0;
     load_row_statistics_async<kBlockM>(storage.lse[stage], storage.delta[stage], p.lse + stats,
                                        p.delta + stats, m_valid, thread);
@@ -344,8 +334,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                                                storage.lse[stage], storage.delta[stage], smem_p,
                                                smem_ds, tile_m0(t), n0, thread);
     __syncthreads();
-    gemm_smem<typename Traits::LoadMNMajor, typename Traits::LoadMNMajor>(mma, dv, smem_pt, smem_doutt(stage), thread);
-    gemm_smem<typename Traits::LoadMNMajor, typename Traits::LoadMNMajor>(mma, dk, smem_dst, smem_qt(stage), thread);
+    using LoadMN = typename Traits::LoadMNMajor;
+    gemm_smem<LoadMN, LoadMN>(mma, dv, smem_pt, smem_doutt(stage), thread);
+    gemm_smem<LoadMN, LoadMN>(mma, dk, smem_dst, smem_qt(stage), thread);
   }
 
   // K and V (and any copy still in flight) are done with: stage dK and dV in their place.
@@ -354,12 +345,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   stage_accumulators<Traits>(dk, p.scale, smem_k, thread);
   stage_accumulators<Traits>(dv, 1.f, smem_v, thread);
   __syncthreads();
-  store_rows<kThreads>(smem_k,
-                       static_cast<Element*>(p.dk) + p.dk_strides.head_offset(batch, kv_head) + n0 * p.dk_strides.seq,
-                       p.dk_strides.seq, n_valid, thread);
-  store_rows<kThreads>(smem_v,
-                       static_cast<Element*>(p.dv) + p.dv_strides.head_offset(batch, kv_head) + n0 * p.dv_strides.seq,
-                       p.dv_strides.seq, n_valid, thread);
+  store_rows<kThreads>(smem_k, p.dk.row<Element>(batch, n0, kv_head), p.dk.seq_stride, n_valid, thread);
+  store_rows<kThreads>(smem_v, p.dv.row<Element>(batch, n0, kv_head), p.dv.seq_stride, n_valid, thread);
 #else
   (void)p;
 #endif
@@ -367,7 +354,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
 // ---- dQ ---------------------------------------------------------------------------------------
 
-// blockIdx.x = query block + query blocks * (query head + Hq * batch).
+// blockIdx.x = (query blocks - 1 - query block) + query blocks * (query head + Hq * batch): the
+// last query blocks, which see the most keys under a causal mask, start first.
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     attention_backward_dq_kernel(const __grid_constant__ BackwardParams p) {
@@ -382,7 +370,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int thread = threadIdx.x;
 
   const int m_blocks = (p.q_len + kBlockM - 1) / kBlockM;
-  const int m_block = static_cast<int>(blockIdx.x % m_blocks);
+  const int m_block = m_blocks - 1 - static_cast<int>(blockIdx.x % m_blocks);
   const int head = static_cast<int>(blockIdx.x / m_blocks % p.q_heads);
   const int batch = static_cast<int>(blockIdx.x / m_blocks / p.q_heads);
   const int kv_head = head / p.group;
@@ -397,26 +385,26 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor smem_q = make_tensor(make_smem_ptr(storage.q), typename Traits::SmemLayoutQ{});
   Tensor smem_dout = make_tensor(make_smem_ptr(storage.dout), typename Traits::SmemLayoutQ{});
   Tensor smem_ds = make_tensor(make_smem_ptr(storage.ds), typename Traits::SmemLayoutP{});
-  auto smem_k = [&](int stage) { return make_tensor(make_smem_ptr(storage.k[stage]), typename Traits::SmemLayoutK{}); };
-  auto smem_v = [&](int stage) { return make_tensor(make_smem_ptr(storage.v[stage]), typename Traits::SmemLayoutK{}); };
-  auto smem_kt = [&](int stage) { return make_tensor(make_smem_ptr(storage.k[stage]), typename Traits::SmemLayoutKt{}); };
+  using LayoutK = typename Traits::SmemLayoutK;
+  auto smem_k = [&](int stage) { return make_tensor(make_smem_ptr(storage.k[stage]), LayoutK{}); };
+  auto smem_v = [&](int stage) { return make_tensor(make_smem_ptr(storage.v[stage]), LayoutK{}); };
+  using LayoutKt = typename Traits::SmemLayoutKt;
+  auto smem_kt = [&](int stage) { return make_tensor(make_smem_ptr(storage.k[stage]), LayoutKt{}); };
 
-  load_rows_async<kThreads>(smem_q,
-                            static_cast<const Element*>(p.q) + p.q_strides.head_offset(batch, head) + m0 * p.q_strides.seq,
-                            p.q_strides.seq, m_valid, thread);
-  load_rows_async<kThreads>(
-      smem_dout, static_cast<const Element*>(p.dout) + p.dout_strides.head_offset(batch, head) + m0 * p.dout_strides.seq,
-      p.dout_strides.seq, m_valid, thread);
+  load_rows_async<kThreads>(smem_q, p.q.row<const Element>(batch, m0, head), p.q.seq_stride, m_valid, thread);
+  load_rows_async<kThreads>(smem_dout, p.dout.row<const Element>(batch, m0, head), p.dout.seq_stride, m_valid,
+                            thread);
   const int64_t stats = (static_cast<int64_t>(batch) * p.q_heads + head) * p.q_len + m0;
-  load_row_statistics_async<kBlockM>(storage.lse, storage.delta, p.lse + stats, p.delta + stats, m_valid, thread);
+  load_row_statistics_async<kBlockM>(storage.lse, storage.delta, p.lse + stats, p.delta + stats, m_valid,
+                                     thread);
 
-  const Element* k = static_cast<const Element*>(p.k) + p.k_strides.head_offset(batch, kv_head);
-  const Element* v = static_cast<const Element*>(p.v) + p.v_strides.head_offset(batch, kv_head);
   auto load_keys = [&](int t, int stage) {
     const int n0 = (n_first + t) * kBlockN;
     const int n_valid = min(kBlockN, p.kv_len - n0);
-    load_rows_async<kThreads>(smem_k(stage), k + n0 * p.k_strides.seq, p.k_strides.seq, n_valid, thread);
-    load_rows_async<kThreads>(smem_v(stage), v + n0 * p.v_strides.seq, p.v_strides.seq, n_valid, thread);
+    load_rows_async<kThreads>(smem_k(stage), p.k.row<const Element>(batch, n0, kv_head), p.k.seq_stride, n_valid,
+                              thread);
+    load_rows_async<kThreads>(smem_v(stage), p.v.row<const Element>(batch, n0, kv_head), p.v.seq_stride, n_valid,
+                              thread);
   };
   if (n_count > 0) load_keys(0, 0);
   detail::cp_async_commit();
@@ -437,7 +425,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                                                 storage.lse, storage.delta, smem_ds, smem_ds,
                                                 m0, (n_first + t) * kBlockN, thread);
     __syncthreads();
-    gemm_smem<typename Traits::LoadKMajor, typename Traits::LoadMNMajor>(mma, dq, smem_ds, smem_kt(stage), thread);
+    gemm_smem<typename Traits::LoadKMajor, typename Traits::LoadMNMajor>(mma, dq, smem_ds, smem_kt(stage),
+                                                                         thread);
   }
 
   // Q (and any copy still in flight) is done with: stage dQ in its place.
@@ -445,9 +434,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   __syncthreads();
   stage_accumulators<Traits>(dq, p.scale, smem_q, thread);
   __syncthreads();
-  store_rows<kThreads>(smem_q,
-                       static_cast<Element*>(p.dq) + p.dq_strides.head_offset(batch, head) + m0 * p.dq_strides.seq,
-                       p.dq_strides.seq, m_valid, thread);
+  store_rows<kThreads>(smem_q, p.dq.row<Element>(batch, m0, head), p.dq.seq_stride, m_valid, thread);
 #else
   (void)p;
 #endif

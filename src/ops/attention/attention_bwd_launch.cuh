@@ -46,17 +46,19 @@ inline void require_backward_device(const void* kernel, int shared_bytes, int he
   const std::size_t available = detail::current_device_info().shared_memory_per_block_optin;
   if (static_cast<std::size_t>(shared_bytes) > available) {
     detail::throw_op_error(kBackwardOp, "head dim " + std::to_string(head_dim) + " needs " +
-                                            std::to_string(shared_bytes) + " bytes of shared memory per block; device " +
+                                            std::to_string(shared_bytes) +
+                                            " bytes of shared memory per block; device " +
                                             std::to_string(device) + " offers " + std::to_string(available));
   }
 }
 
-inline HeadStrides head_strides(const TensorView& t) { return {t.strides[0], t.strides[1], t.strides[2]}; }
+inline BshdTensor bshd(const TensorView& t) { return {t.data, t.strides[0], t.strides[1], t.strides[2]}; }
 
 // The options' mask in the kernels' 32-bit indices. A window side at least as long as the
 // sequence it reaches across hides nothing (the mask clamps it), so it becomes unbounded; the
 // mask's sums then stay below Sq + Sk, which attention.cc keeps below 2^31.
-inline AttentionMask<int> kernel_mask(std::int64_t q_len, std::int64_t kv_len, const AttentionOptions& options) {
+inline AttentionMask<int> kernel_mask(std::int64_t q_len, std::int64_t kv_len,
+                                      const AttentionOptions& options) {
   const std::int64_t right = options.causal ? 0 : options.window_right;
   const std::int64_t left = options.window_left;
   return {static_cast<int>(q_len), static_cast<int>(kv_len), left >= kv_len ? -1 : static_cast<int>(left),
@@ -71,7 +73,8 @@ inline unsigned grid_of(std::int64_t ctas) {
 }
 
 template <class Element, int kHeadDim>
-void launch_backward(const AttentionBackwardArgs& args, const AttentionOptions& options, cudaStream_t stream) {
+void launch_backward(const AttentionBackwardArgs& args, const AttentionOptions& options,
+                     cudaStream_t stream) {
   constexpr BackwardPlan plan = backward_plan(kHeadDim);
   static_assert(plan.supported());
   using DkdvTraits = BackwardTraits<Element, kHeadDim, plan.block_m, plan.block_n, plan.warps>;
@@ -81,8 +84,8 @@ void launch_backward(const AttentionBackwardArgs& args, const AttentionOptions& 
   auto* dkdv = &attention_backward_dkdv_kernel<DkdvTraits>;
   auto* dq = &attention_backward_dq_kernel<DqTraits>;
   constexpr int kDkdvShared = DkdvTraits::kDkdvSharedBytes, kDqShared = DqTraits::kDqSharedBytes;
-  require_backward_device(reinterpret_cast<const void*>(dkdv), kDkdvShared > kDqShared ? kDkdvShared : kDqShared,
-                          kHeadDim);
+  require_backward_device(reinterpret_cast<const void*>(dkdv),
+                          kDkdvShared > kDqShared ? kDkdvShared : kDqShared, kHeadDim);
 
   const TensorView& q = args.q;
   const std::int64_t batch = q.size(0), q_len = q.size(1), q_heads = q.size(2);
@@ -90,24 +93,16 @@ void launch_backward(const AttentionBackwardArgs& args, const AttentionOptions& 
   if (batch == 0 || q_heads == 0) return;
 
   BackwardParams p{};
-  p.q = q.data;
-  p.k = args.k.data;
-  p.v = args.v.data;
-  p.out = args.out.data;
-  p.dout = args.dout.data;
+  p.q = bshd(q);
+  p.k = bshd(args.k);
+  p.v = bshd(args.v);
+  p.out = bshd(args.out);
+  p.dout = bshd(args.dout);
+  p.dq = bshd(args.dq);
+  p.dk = bshd(args.dk);
+  p.dv = bshd(args.dv);
   p.lse = static_cast<const float*>(args.lse.data);
   p.delta = static_cast<float*>(args.workspace.data);
-  p.dq = args.dq.data;
-  p.dk = args.dk.data;
-  p.dv = args.dv.data;
-  p.q_strides = head_strides(q);
-  p.k_strides = head_strides(args.k);
-  p.v_strides = head_strides(args.v);
-  p.out_strides = head_strides(args.out);
-  p.dout_strides = head_strides(args.dout);
-  p.dq_strides = head_strides(args.dq);
-  p.dk_strides = head_strides(args.dk);
-  p.dv_strides = head_strides(args.dv);
   p.batch = static_cast<int>(batch);
   p.q_len = static_cast<int>(q_len);
   p.kv_len = static_cast<int>(kv_len);
@@ -141,12 +136,14 @@ void launch_backward(const AttentionBackwardArgs& args, const AttentionOptions& 
 
 // The variants of one head dim: the dtypes.
 template <int kHeadDim>
-void dispatch_backward(const AttentionBackwardArgs& args, const AttentionOptions& options, cudaStream_t stream) {
+void dispatch_backward(const AttentionBackwardArgs& args, const AttentionOptions& options,
+                       cudaStream_t stream) {
   switch (args.q.dtype) {
     case DType::kBFloat16: launch_backward<cutlass::bfloat16_t, kHeadDim>(args, options, stream); break;
     case DType::kFloat16: launch_backward<cutlass::half_t, kHeadDim>(args, options, stream); break;
     default:
-      detail::throw_op_error(kBackwardOp, std::string("no CUDA kernel for dtype ") + dtype_name(args.q.dtype));
+      detail::throw_op_error(kBackwardOp,
+                             std::string("no CUDA kernel for dtype ") + dtype_name(args.q.dtype));
   }
 }
 
