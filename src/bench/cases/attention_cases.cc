@@ -51,6 +51,16 @@ void group_by_kv_head(Case& c, const Dims& d) {
   }
 }
 
+// The CUDA kernels (src/ops/attention/attention_{fwd,bwd}_*.cu) take bf16/fp16 with head dims
+// 64/128/256; other cases are UNSUPPORTED rows rather than failures.
+void require_cuda_kernel(const TensorView& q, DType dtype, const Dims& d, const char* direction) {
+  if (q.device.is_cuda() && (!(dtype == DType::kBFloat16 || dtype == DType::kFloat16) ||
+                             !(d.d == 64 || d.d == 128 || d.d == 256))) {
+    throw Unsupported(std::string("the CUDA attention ") + direction +
+                      " takes bf16/fp16 with head dim 64, 128 or 256");
+  }
+}
+
 Case attention_forward_case(std::span<const std::int64_t> shape, DType dtype) {
   Case c = begin_case("attention_forward", "attention", shape, dtype, 6, kDoc);
   const Dims d = dims_of(c);
@@ -66,13 +76,8 @@ Case attention_forward_case(std::span<const std::int64_t> shape, DType dtype) {
   c.reference = on_cpu([=](CaseTensors t, cudaStream_t s) {
     attention_forward(t[q], t[k], t[v], t[out], t[lse], options, s);
   });
-  // The CUDA kernel (src/ops/attention/attention_fwd_*.cu): bf16/fp16, head dims 64/128/256;
-  // other cases are UNSUPPORTED rows rather than failures.
   c.entry = [=](CaseTensors t, cudaStream_t s) {
-    if (t[q].device.is_cuda() && (!(dtype == DType::kBFloat16 || dtype == DType::kFloat16) ||
-                                  !(d.d == 64 || d.d == 128 || d.d == 256))) {
-      throw Unsupported("the CUDA attention forward takes bf16/fp16 with head dim 64, 128 or 256");
-    }
+    require_cuda_kernel(t[q], dtype, d, "forward");
     attention_forward(t[q], t[k], t[v], t[out], t[lse], options, s);
   };
   return c;
@@ -96,6 +101,7 @@ Case attention_backward_case(std::span<const std::int64_t> shape, DType dtype) {
   const auto [dout, q, k, v, out, lse, dq, dk, dv, workspace] =
       c.ids("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "workspace");
   c.entry = [=](CaseTensors t, cudaStream_t s) {
+    require_cuda_kernel(t[q], dtype, d, "backward");
     attention_backward({.dout = t[dout], .q = t[q], .k = t[k], .v = t[v], .out = t[out], .lse = t[lse],
                         .dq = t[dq], .dk = t[dk], .dv = t[dv], .workspace = t[workspace]},
                        options, s);

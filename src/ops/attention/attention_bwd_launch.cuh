@@ -59,10 +59,11 @@ inline BshdTensor bshd(const TensorView& t) { return {t.data, t.strides[0], t.st
 // mask's sums then stay below Sq + Sk, which attention.cc keeps below 2^31.
 inline AttentionMask<int> kernel_mask(std::int64_t q_len, std::int64_t kv_len,
                                       const AttentionOptions& options) {
-  const std::int64_t right = options.causal ? 0 : options.window_right;
-  const std::int64_t left = options.window_left;
-  return {static_cast<int>(q_len), static_cast<int>(kv_len), left >= kv_len ? -1 : static_cast<int>(left),
-          right >= q_len ? -1 : static_cast<int>(right)};
+  const AttentionMask<std::int64_t> mask = make_attention_mask<std::int64_t>(
+      q_len, kv_len, options.causal, options.window_left, options.window_right);
+  return {static_cast<int>(q_len), static_cast<int>(kv_len),
+          mask.left >= kv_len ? -1 : static_cast<int>(mask.left),
+          mask.right >= q_len ? -1 : static_cast<int>(mask.right)};
 }
 
 inline unsigned grid_of(std::int64_t ctas) {
