@@ -78,6 +78,26 @@ void set_element(const TensorView& t, const std::int64_t (&at)[4], double value,
   storage.set(base + offset_of(t, at[0], at[1], at[2], at[3]), value);
 }
 
+// The same values in float64 (what the reference reads).
+HostTensor to64(const HostTensor& h) { return HostTensor::from_values(DType::kFloat64, h.shape(), h.values()); }
+
+// The view `t` of `from`'s storage moved onto `to`'s: the same elements, in `to`'s dtype.
+TensorView rebase(TensorView t, const HostTensor& from, const HostTensor& to) {
+  const std::int64_t elem = (static_cast<const char*>(t.data) - static_cast<const char*>(from.data())) /
+                            static_cast<std::int64_t>(dtype_size(t.dtype));
+  t.data = static_cast<char*>(to.data()) + elem * static_cast<std::int64_t>(dtype_size(to.dtype()));
+  t.dtype = to.dtype();
+  return t;
+}
+
+// The view `t` of `host`'s storage moved onto its device copy.
+TensorView on_device(TensorView t, const HostTensor& host, const DeviceTensor& dev) {
+  const std::int64_t bytes = static_cast<const char*>(t.data) - static_cast<const char*>(host.data());
+  t.data = static_cast<char*>(dev.view().data) + bytes;
+  t.device = Device::cuda(0);
+  return t;
+}
+
 // Compares a [B, S, H, D] (or [B, H, S] for lse) result against the reference, element by
 // element: NaN/Inf must sit where the reference has them, finite values within `tol`.
 ::testing::AssertionResult compare(const char* what, const TensorView& got, const TensorView& ref,
@@ -163,14 +183,6 @@ void check(const Config& c) {
     set_element(t, c.nan_at, kNaN, storage);
   }
   // float64 copies of the same values, viewed the same way.
-  auto to64 = [](const HostTensor& h) { return HostTensor::from_values(DType::kFloat64, h.shape(), h.values()); };
-  auto rebase = [](TensorView t, const HostTensor& from, const HostTensor& to) {
-    const std::int64_t elem = (static_cast<const char*>(t.data) - static_cast<const char*>(from.data())) /
-                              static_cast<std::int64_t>(dtype_size(t.dtype));
-    t.data = static_cast<char*>(to.data()) + elem * static_cast<std::int64_t>(dtype_size(DType::kFloat64));
-    t.dtype = DType::kFloat64;
-    return t;
-  };
   const HostTensor q64 = to64(q_buf);
   const HostTensor k64 = c.packed ? HostTensor() : to64(k_buf);
   const HostTensor v64 = c.packed ? HostTensor() : to64(v_buf);
@@ -185,14 +197,8 @@ void check(const Config& c) {
   // Device copies (same layouts), outputs poisoned.
   DeviceTensor dq(q_buf);
   std::unique_ptr<DeviceTensor> dk, dv;
-  TensorView q_dev = rebase(q, q_buf, q_buf), k_dev, v_dev;  // placeholders, fixed below
-  auto on_device = [](TensorView t, const HostTensor& host, const DeviceTensor& dev) {
-    const std::int64_t bytes = static_cast<const char*>(t.data) - static_cast<const char*>(host.data());
-    t.data = static_cast<char*>(dev.view().data) + bytes;
-    t.device = Device::cuda(0);
-    return t;
-  };
-  q_dev = on_device(q, q_buf, dq);
+  TensorView k_dev, v_dev;
+  const TensorView q_dev = on_device(q, q_buf, dq);
   if (c.packed) {
     k_dev = on_device(k, q_buf, dq);
     v_dev = on_device(v, q_buf, dq);
@@ -349,6 +355,268 @@ TEST(AttentionCudaErrors, UnsupportedHeadDimDtypeAndLayout) {
   TS_EXPECT_ERROR(run(DType::kBFloat16, 96, 0), "attention_forward", "'q'", "64, 128 or 256");
   TS_EXPECT_ERROR(run(DType::kFloat32, 64, 0), "attention_forward", "'q'", "float32");
   TS_EXPECT_ERROR(run(DType::kBFloat16, 64, 4), "attention_forward", "'q'", "16-byte");
+}
+
+// ---- backward ---------------------------------------------------------------------------------
+//
+// The CUDA backward against attention_backward on float64 copies. out and lse come from the fp64
+// reference forward (out rounded to the input dtype, lse to float32), and the reference backward
+// reads those same rounded values, so the comparison isolates the backward (and covers masks and
+// softcaps whatever the CUDA forward supports). Gradients start NaN-poisoned.
+//
+// Tolerance: relative to the largest reference magnitude of each gradient (gradients scale with
+// Sq / Sk and the group size): bf16 2e-2, fp16 4e-3. The kernel rounds P and dS to the input
+// dtype before the products (relative 2^-9 / 2^-12 per term) and the result once on store;
+// summed with random signs these stay a few units of 2^-8 / 2^-11 of the largest value.
+
+struct BackwardConfig {
+  DType dtype = DType::kBFloat16;
+  std::int64_t batch = 1, q_len = 1, kv_len = 1, q_heads = 1, kv_heads = 1, head_dim = 64;
+  AttentionOptions options{};
+  bool packed = false;  // q, k, v: head slices of one [B, S, Hq + 2 Hkv, D] buffer (Sq == Sk)
+  bool nan_in_q = false;
+  std::int64_t nan_at[4] = {0, 0, 0, 0};  // (b, s, h, d) of q
+
+  std::string str() const {
+    std::ostringstream s;
+    s << "backward " << dtype_name(dtype) << " B=" << batch << " Sq=" << q_len << " Sk=" << kv_len
+      << " Hq=" << q_heads << " Hkv=" << kv_heads << " D=" << head_dim << (options.causal ? " causal" : "")
+      << " window=(" << options.window_left << ", " << options.window_right << ") softcap=" << options.softcap
+      << " scale=" << options.scale << (packed ? " packed-qkv" : "");
+    if (nan_in_q) s << " NaN in q";
+    return s.str();
+  }
+};
+
+double grad_tolerance(DType dtype, const HostTensor& ref) {
+  double largest = 0;
+  for (double x : ref.values()) {
+    if (std::isfinite(x)) largest = std::max(largest, std::fabs(x));
+  }
+  return (dtype == DType::kBFloat16 ? 2e-2 : 4e-3) * std::max(largest, 1e-3);
+}
+
+// Host tensors of one backward problem in the input dtype and their float64 twins for the
+// reference. Built in place (the views point into the tensors).
+struct BackwardProblem {
+  HostTensor qkv_buf, k_buf, v_buf, dout, out, lse;  // k_buf, v_buf unused when packed
+  TensorView q, k, v;
+  HostTensor q64, k64, v64, dout64, out64, lse64;
+  TensorView q_ref, k_ref, v_ref;
+
+  explicit BackwardProblem(const BackwardConfig& c);
+  BackwardProblem(const BackwardProblem&) = delete;
+  BackwardProblem& operator=(const BackwardProblem&) = delete;
+};
+
+BackwardProblem::BackwardProblem(const BackwardConfig& c) {
+  BackwardProblem& pr = *this;
+  const std::int64_t B = c.batch, D = c.head_dim;
+  if (c.packed) {
+    EXPECT_EQ(c.q_len, c.kv_len);
+    pr.qkv_buf = HostTensor::random(c.dtype, {B, c.q_len, c.q_heads + 2 * c.kv_heads, D});
+    pr.q = head_slice(pr.qkv_buf.view(), 0, c.q_heads, D);
+    pr.k = head_slice(pr.qkv_buf.view(), c.q_heads, c.kv_heads, D);
+    pr.v = head_slice(pr.qkv_buf.view(), c.q_heads + c.kv_heads, c.kv_heads, D);
+  } else {
+    pr.qkv_buf = HostTensor::random(c.dtype, {B, c.q_len, c.q_heads, D});
+    pr.k_buf = HostTensor::random(c.dtype, {B, c.kv_len, c.kv_heads, D});
+    pr.v_buf = HostTensor::random(c.dtype, {B, c.kv_len, c.kv_heads, D});
+    pr.q = pr.qkv_buf.view();
+    pr.k = pr.k_buf.view();
+    pr.v = pr.v_buf.view();
+  }
+  if (c.nan_in_q) set_element(pr.q, c.nan_at, kNaN, pr.qkv_buf);
+  pr.q64 = to64(pr.qkv_buf);
+  pr.q_ref = rebase(pr.q, pr.qkv_buf, pr.q64);
+  if (c.packed) {
+    pr.k_ref = rebase(pr.k, pr.qkv_buf, pr.q64);
+    pr.v_ref = rebase(pr.v, pr.qkv_buf, pr.q64);
+  } else {
+    pr.k64 = to64(pr.k_buf);
+    pr.v64 = to64(pr.v_buf);
+    pr.k_ref = pr.k64.view();
+    pr.v_ref = pr.v64.view();
+  }
+  // The forward in fp64, then rounded as a CUDA forward would store it.
+  HostTensor out_exact(DType::kFloat64, {B, c.q_len, c.q_heads, D});
+  HostTensor lse_exact(DType::kFloat64, {B, c.q_heads, c.q_len});
+  attention_forward(pr.q_ref, pr.k_ref, pr.v_ref, out_exact.view(), lse_exact.view(), c.options);
+  pr.out = HostTensor::from_values(c.dtype, out_exact.shape(), out_exact.values());
+  pr.lse = HostTensor::from_values(DType::kFloat32, lse_exact.shape(), lse_exact.values());
+  pr.dout = HostTensor::random(c.dtype, {B, c.q_len, c.q_heads, D});
+  pr.out64 = to64(pr.out);
+  pr.lse64 = to64(pr.lse);
+  pr.dout64 = to64(pr.dout);
+}
+
+// Device copies of a problem's inputs, NaN-poisoned gradients and a workspace of the bytes the
+// backward asks for.
+struct DeviceBackward {
+  DeviceTensor qkv, k, v, dout, out, lse;
+  HostTensor dq_host, dk_host, dv_host, workspace_host;
+  DeviceTensor dq, dk, dv, workspace;
+  AttentionBackwardArgs args;
+
+  DeviceBackward(const BackwardProblem& pr, bool packed)
+      : qkv(pr.qkv_buf),
+        k(packed ? pr.qkv_buf : pr.k_buf),
+        v(packed ? pr.qkv_buf : pr.v_buf),
+        dout(pr.dout),
+        out(pr.out),
+        lse(pr.lse),
+        dq_host(pr.q.dtype, {pr.q.size(0), pr.q.size(1), pr.q.size(2), pr.q.size(3)}),
+        dk_host(pr.k.dtype, {pr.k.size(0), pr.k.size(1), pr.k.size(2), pr.k.size(3)}),
+        dv_host(pr.v.dtype, {pr.v.size(0), pr.v.size(1), pr.v.size(2), pr.v.size(3)}),
+        workspace_host(DType::kFloat32,
+                       {static_cast<std::int64_t>(attention_backward_workspace_bytes(pr.q) / sizeof(float))}),
+        dq(dq_host, /*copy=*/false),
+        dk(dk_host, /*copy=*/false),
+        dv(dv_host, /*copy=*/false),
+        workspace(workspace_host, /*copy=*/false) {
+    args = {.dout = dout.view(),
+            .q = on_device(pr.q, pr.qkv_buf, qkv),
+            .k = packed ? on_device(pr.k, pr.qkv_buf, qkv) : k.view(),
+            .v = packed ? on_device(pr.v, pr.qkv_buf, qkv) : v.view(),
+            .out = out.view(),
+            .lse = lse.view(),
+            .dq = dq.view(),
+            .dk = dk.view(),
+            .dv = dv.view(),
+            .workspace = workspace.view()};
+  }
+
+  void run(const AttentionOptions& options) {
+    attention_backward(args, options);
+    test::device_synchronize();
+    dq.copy_to(dq_host);
+    dk.copy_to(dk_host);
+    dv.copy_to(dv_host);
+  }
+};
+
+void check_backward(const BackwardConfig& c) {
+  SCOPED_TRACE(c.str());
+  std::fprintf(stderr, "[attention_cuda] %s\n", c.str().c_str());
+  const BackwardProblem pr(c);
+  HostTensor dq_ref(DType::kFloat64, {c.batch, c.q_len, c.q_heads, c.head_dim});
+  HostTensor dk_ref(DType::kFloat64, {c.batch, c.kv_len, c.kv_heads, c.head_dim});
+  HostTensor dv_ref(DType::kFloat64, {c.batch, c.kv_len, c.kv_heads, c.head_dim});
+  attention_backward({.dout = pr.dout64.view(), .q = pr.q_ref, .k = pr.k_ref, .v = pr.v_ref, .out = pr.out64.view(),
+                      .lse = pr.lse64.view(), .dq = dq_ref.view(), .dk = dk_ref.view(), .dv = dv_ref.view()},
+                     c.options);
+
+  DeviceBackward dev(pr, c.packed);
+  dev.run(c.options);
+  EXPECT_TRUE(compare("dq", dev.dq_host.view(), dq_ref.view(), grad_tolerance(c.dtype, dq_ref)));
+  EXPECT_TRUE(compare("dk", dev.dk_host.view(), dk_ref.view(), grad_tolerance(c.dtype, dk_ref)));
+  EXPECT_TRUE(compare("dv", dev.dv_host.view(), dv_ref.view(), grad_tolerance(c.dtype, dv_ref)));
+}
+
+class AttentionBackwardCuda : public ::testing::TestWithParam<Variant> {};
+
+// Sequence lengths on and off the tiles (1, 17, 129, 1000), Sq != Sk both ways, Sk = 0 (dq = 0)
+// and Sq = 0 (dk = dv = 0).
+TEST_P(AttentionBackwardCuda, MatchesReference) {
+  TS_REQUIRE_GPU();
+  const Variant p = GetParam();
+  const std::int64_t lens[][2] = {{1, 1},     {17, 17},  {129, 129}, {1000, 1000},
+                                  {100, 300}, {300, 100}, {64, 0},    {0, 64}};
+  for (const auto& [sq, sk] : lens) {
+    check_backward({.dtype = p.dtype, .batch = 2, .q_len = sq, .kv_len = sk, .q_heads = 2, .kv_heads = 1,
+                    .head_dim = p.head_dim, .options = {.causal = p.causal}});
+  }
+}
+
+// Grouped-query (8 query heads on 2 kv heads) and multi-query (8 on 1): dK and dV sum the group.
+TEST_P(AttentionBackwardCuda, GroupedAndMultiQuery) {
+  TS_REQUIRE_GPU();
+  const Variant p = GetParam();
+  for (std::int64_t kv_heads : {2, 1}) {
+    check_backward({.dtype = p.dtype, .batch = 1, .q_len = 257, .kv_len = 257, .q_heads = 8,
+                    .kv_heads = kv_heads, .head_dim = p.head_dim, .options = {.causal = p.causal}});
+  }
+}
+
+// q, k, v as head slices of one packed qkv tensor (strided heads); a negative scale.
+TEST_P(AttentionBackwardCuda, StridedHeadsNegativeScale) {
+  TS_REQUIRE_GPU();
+  const Variant p = GetParam();
+  check_backward({.dtype = p.dtype, .batch = 2, .q_len = 200, .kv_len = 200, .q_heads = 4, .kv_heads = 2,
+                  .head_dim = p.head_dim, .options = {.causal = p.causal}, .packed = true});
+  check_backward({.dtype = p.dtype, .batch = 1, .q_len = 130, .kv_len = 130, .q_heads = 2, .kv_heads = 1,
+                  .head_dim = p.head_dim, .options = {.causal = p.causal, .scale = -0.3}});
+}
+
+// Sliding windows (left 64 / right 0, which with causal is the same mask; left 32 / right 16 when
+// not causal), with Sq != Sk so the mask is offset, and a logit softcap of 30.
+TEST_P(AttentionBackwardCuda, WindowAndSoftcap) {
+  TS_REQUIRE_GPU();
+  const Variant p = GetParam();
+  AttentionOptions window{.causal = p.causal, .window_left = 64, .window_right = 0};
+  if (!p.causal) {
+    check_backward({.dtype = p.dtype, .batch = 1, .q_len = 300, .kv_len = 300, .q_heads = 2, .kv_heads = 1,
+                    .head_dim = p.head_dim, .options = window});
+    window.window_left = 32;
+    window.window_right = 16;
+  }
+  for (const auto& [sq, sk] : {std::pair<std::int64_t, std::int64_t>{300, 300}, {200, 333}, {333, 200}}) {
+    check_backward({.dtype = p.dtype, .batch = 1, .q_len = sq, .kv_len = sk, .q_heads = 2, .kv_heads = 1,
+                    .head_dim = p.head_dim, .options = window});
+  }
+  AttentionOptions softcap{.causal = p.causal, .scale = 1.0, .softcap = 30.0};  // scores reach the cap
+  check_backward({.dtype = p.dtype, .batch = 1, .q_len = 257, .kv_len = 257, .q_heads = 4, .kv_heads = 2,
+                  .head_dim = p.head_dim, .options = softcap});
+}
+
+// A NaN in q reaches dq of its query and dk, dv of the keys that query sees: every key of its kv
+// head without a mask; with the causal mask it is planted in the last query, which sees every key
+// (the kernel's products spread a NaN row over the whole key tile, hidden keys included).
+TEST_P(AttentionBackwardCuda, NaNInQueryPropagates) {
+  TS_REQUIRE_GPU();
+  const Variant p = GetParam();
+  BackwardConfig c{.dtype = p.dtype, .batch = 2, .q_len = 150, .kv_len = 150, .q_heads = 4, .kv_heads = 2,
+                   .head_dim = p.head_dim, .options = {.causal = p.causal}, .nan_in_q = true};
+  const std::int64_t at[4] = {1, p.causal ? 149 : 77, 3, 5};
+  std::copy(at, at + 4, c.nan_at);
+  check_backward(c);
+}
+
+// Same inputs, same bits: every gradient element is summed by one thread block in one order.
+TEST_P(AttentionBackwardCuda, Deterministic) {
+  TS_REQUIRE_GPU();
+  const Variant p = GetParam();
+  const BackwardConfig c{.dtype = p.dtype, .batch = 1, .q_len = 300, .kv_len = 300, .q_heads = 8,
+                         .kv_heads = 2, .head_dim = p.head_dim, .options = {.causal = p.causal}};
+  const BackwardProblem pr(c);
+  DeviceBackward first(pr, false), second(pr, false);
+  first.run(c.options);
+  second.run(c.options);
+  for (const auto& [a, b] : {std::pair<const HostTensor*, const HostTensor*>{&first.dq_host, &second.dq_host},
+                             {&first.dk_host, &second.dk_host},
+                             {&first.dv_host, &second.dv_host}}) {
+    EXPECT_EQ(std::memcmp(a->data(), b->data(), static_cast<std::size_t>(a->storage_bytes())), 0);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Variants, AttentionBackwardCuda, ::testing::ValuesIn(all_variants()), variant_name);
+
+// On a GPU the backward needs its workspace: the error names the op, the argument, the bytes it
+// needs and the bytes it was given.
+TEST(AttentionBackwardCudaErrors, WorkspaceMissingOrSmall) {
+  TS_REQUIRE_GPU();
+  const BackwardConfig c{.dtype = DType::kBFloat16, .batch = 1, .q_len = 100, .kv_len = 100, .q_heads = 4,
+                         .kv_heads = 1, .head_dim = 64};
+  const BackwardProblem pr(c);
+  DeviceBackward dev(pr, false);
+  const std::string needed = "at least " + std::to_string(attention_backward_workspace_bytes(pr.q)) + " bytes";
+  EXPECT_EQ(attention_backward_workspace_bytes(pr.q), 1792u);  // 4 * 100 floats, to a multiple of 256
+  AttentionBackwardArgs args = dev.args;
+  args.workspace = TensorView{};
+  TS_EXPECT_ERROR(attention_backward(args), "attention_backward", "'workspace'", needed.c_str(), "0 bytes");
+  args.workspace = dev.workspace.view();
+  args.workspace.shape[0] = 16;
+  TS_EXPECT_ERROR(attention_backward(args), "attention_backward", "'workspace'", needed.c_str(), "64 bytes");
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
-// The attention forward's shape heuristics (attention_heuristics.h), on the CPU: every plan fits
-// the SM (shared memory, registers, thread count), and the persistent tile order visits every
-// tile exactly once, keeps a section's heads together and, causal, starts with the query blocks
-// that see the most keys.
+// The attention kernels' shape heuristics (attention_heuristics.h), on the CPU: every forward
+// and backward plan fits the SM (shared memory, registers, thread count), and the persistent
+// tile order visits every tile exactly once, keeps a section's heads together and, causal,
+// starts with the query blocks that see the most keys.
 #include "ops/attention/attention_heuristics.h"
 
 #include <gtest/gtest.h>
@@ -38,6 +38,29 @@ TEST(AttentionHeuristics, PlansFitAnH100) {
   EXPECT_FALSE(forward_head_dim_supported(512));
   EXPECT_EQ(forward_plan(128, false).block_n, 176);
   EXPECT_EQ(forward_plan(128, true).block_n, 128);
+}
+
+// The backward's tiles: whole swizzle rows and MMA steps, and fp32 accumulators per thread of
+// the dK/dV kernel (dK, dV, S, dP over 256 threads) and the dQ kernel (dQ, S, dP) that leave
+// room for operands and addresses in 255 registers.
+TEST(AttentionHeuristics, BackwardPlansFitTheRegisters) {
+  for (std::int64_t d : {64, 128, 256}) {
+    const BackwardPlan p = backward_plan(d);
+    SCOPED_TRACE("D=" + std::to_string(d));
+    ASSERT_TRUE(p.supported());
+    ASSERT_TRUE(backward_head_dim_supported(d));
+    EXPECT_EQ(p.head_dim, d);
+    EXPECT_EQ(p.threads(), 256);
+    EXPECT_EQ(p.block_m % 64, 0);
+    EXPECT_EQ(p.block_n % 64, 0);
+    EXPECT_EQ(p.dq_block_n % 64, 0);
+    const std::int64_t dkdv = (2 * p.block_n * d + 2 * p.block_m * p.block_n) / p.threads();
+    const std::int64_t dq = (p.block_m * d + 2 * p.block_m * p.dq_block_n) / p.threads();
+    EXPECT_LE(dkdv, 192);
+    EXPECT_LE(dq, 128);
+  }
+  EXPECT_FALSE(backward_plan(32).supported());
+  EXPECT_FALSE(backward_head_dim_supported(96));
 }
 
 TEST(AttentionHeuristics, TileOrderVisitsEveryTileOnce) {

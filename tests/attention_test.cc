@@ -861,9 +861,9 @@ TEST(Attention, BackwardArgumentErrors) {
                   "on cuda:0");
 }
 
-// CUDA tensors: the backward has only its reference; the forward's kernel takes bf16/fp16, head
-// dims 64/128/256 and TMA-compatible layouts, checked before anything touches a GPU (these views
-// point to host memory and never reach one).
+// CUDA tensors: the kernels take bf16/fp16, head dims 64/128/256 and 16-byte aligned layouts
+// (TMA-compatible for the forward), checked before anything touches a GPU (these views point to
+// host memory and never reach one).
 TEST(Attention, CudaTensorsReachTheirChecks) {
   auto in = random_inputs(DType::kBFloat16, {1, 2, 2, 2, 1, 8});
   auto f = forward(in);
@@ -885,7 +885,7 @@ TEST(Attention, CudaTensorsReachTheirChecks) {
                           .out = on_cuda(in.q.view()), .lse = on_cuda(f.lse.view()),
                           .dq = on_cuda(dq.view()), .dk = on_cuda(dk.view()),
                           .dv = on_cuda(dv.view())}),
-      "attention_backward", "CUDA", "CPU reference");
+      "attention_backward", no_kernel);
   auto in64 = random_inputs(DType::kFloat64, {1, 2, 2, 2, 1, 8});
   HostTensor out64(DType::kFloat64, in64.q.shape());
   TS_EXPECT_ERROR(attention_forward(on_cuda(in64.q.view()), on_cuda(in64.k.view()),
@@ -940,6 +940,37 @@ TEST(Attention, CudaForwardRejectsWhatItsKernelCannotRead) {
     TS_EXPECT_ERROR(with({.window_right = 0}), op, "'options'", "no sliding window on CUDA");
     TS_EXPECT_ERROR(with({.softcap = 30.0}), op, "'options.softcap'", "0 on CUDA");
   }
+}
+
+// The CUDA backward's own requirements: the workspace (named with the bytes it needs and was
+// given) and 16-byte aligned outputs, checked before anything touches a GPU.
+TEST(Attention, CudaBackwardRejectsWhatItsKernelCannotTake) {
+  if (!TRAINSCALE_HAVE_CUDA || !TRAINSCALE_HAVE_CUTLASS) GTEST_SKIP() << "no CUDA attention kernel in this build";
+  auto on_cuda = [](TensorView t) {
+    t.device = Device::cuda(0);
+    return t;
+  };
+  auto in = random_inputs(DType::kBFloat16, {2, 8, 8, 2, 1, 64});
+  HostTensor out(DType::kBFloat16, in.q.shape()), dout(DType::kBFloat16, in.q.shape());
+  HostTensor lse(DType::kFloat32, {2, 2, 8});
+  HostTensor dq(DType::kBFloat16, in.q.shape()), dk(DType::kBFloat16, in.k.shape()),
+      dv(DType::kBFloat16, in.v.shape());
+  const std::size_t bytes = attention_backward_workspace_bytes(in.q.view());
+  EXPECT_EQ(bytes, 256u);  // 2 * 2 * 8 floats, rounded up to 256
+  HostTensor small(DType::kFloat32, {16});
+  auto call = [&](TensorView workspace, TensorView dq_view) {
+    attention_backward({.dout = on_cuda(dout.view()), .q = on_cuda(in.q.view()), .k = on_cuda(in.k.view()),
+                        .v = on_cuda(in.v.view()), .out = on_cuda(out.view()), .lse = on_cuda(lse.view()),
+                        .dq = on_cuda(dq_view), .dk = on_cuda(dk.view()), .dv = on_cuda(dv.view()),
+                        .workspace = workspace.defined() ? on_cuda(workspace) : workspace});
+  };
+  const char* op = "attention_backward";
+  TS_EXPECT_ERROR(call(TensorView{}, dq.view()), op, "'workspace'", "at least 256 bytes",
+                  "attention_backward_workspace_bytes", "0 bytes");
+  TS_EXPECT_ERROR(call(small.view(), dq.view()), op, "'workspace'", "at least 256 bytes", "64 bytes");
+  TensorView dq_shifted = dq.view();
+  dq_shifted.data = static_cast<char*>(dq_shifted.data) + 2;
+  TS_EXPECT_ERROR(call(TensorView{}, dq_shifted), op, "'dq'", "16-byte aligned");
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 // and a bottom-right aligned causal mask.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "trainscale/tensor.h"
@@ -38,6 +39,13 @@ void attention_forward(const TensorView& q, const TensorView& k, const TensorVie
 // dout and out like the forward's out, lse as the forward wrote it (both required: the
 // backward recomputes P = exp(S - lse) and D_i = rowsum(dout * out) as a kernel does).
 // dq like q; dk, dv like k, v (all three required, written in full).
+// workspace: the CUDA path's scratch (the fp32 row terms D_i), at least
+// attention_backward_workspace_bytes(q) bytes, contiguous and 256-byte aligned, disjoint from
+// every other argument; required on CUDA, ignored on the CPU and may be absent there.
+// On CUDA every output element is written by one thread block in one fixed order: the same
+// bits every run (no atomics). The CUDA path takes bf16 / fp16 with D in {64, 128, 256}, and
+// every [B, S, H, D] tensor 16-byte aligned with strides of 16-byte multiples (dims of size 1
+// excepted); it needs compute capability 8.0+.
 struct AttentionBackwardArgs {
   TensorView dout;
   TensorView q;
@@ -48,9 +56,13 @@ struct AttentionBackwardArgs {
   TensorView dq;
   TensorView dk;
   TensorView dv;
+  TensorView workspace;
 };
 void attention_backward(const AttentionBackwardArgs& args, const AttentionOptions& options = {},
                         cudaStream_t stream = nullptr);
+// Bytes of workspace attention_backward's CUDA path needs for q's shape (only the shape is
+// read): an fp32 [B, Hq, Sq] array rounded up to a multiple of 256.
+std::size_t attention_backward_workspace_bytes(const TensorView& q);
 
 // Variable-length (packed) sequences, FlashAttention's varlen layout: q [Tq, Hq, D] and k / v
 // [Tk, Hkv, D] hold B sequences back to back. Sequence b has queries

@@ -43,7 +43,15 @@ std::tuple<Tensor, Tensor, Tensor> run_backward(const char* op, const Tensor& do
   Tensor dq = at::empty_like(q, at::MemoryFormat::Contiguous);
   Tensor dk = at::empty_like(k, at::MemoryFormat::Contiguous);
   Tensor dv = at::empty_like(v, at::MemoryFormat::Contiguous);
+  Tensor workspace;
   guarded([&] {
+    // The CPU reference needs no workspace; on CUDA the caching allocator owns it (256-byte
+    // aligned). A q that is not 4-D gets none, and the op names the argument.
+    if (q.is_cuda() && q.dim() == 4) {
+      const ts::TensorView shape_of_q(nullptr, ts::DType::kFloat32, {q.size(0), q.size(1), q.size(2), q.size(3)});
+      const auto bytes = static_cast<int64_t>(ts::attention_backward_workspace_bytes(shape_of_q));
+      workspace = at::empty({bytes}, q.options().dtype(at::kByte));
+    }
     run(ts::AttentionBackwardArgs{.dout = view(dout, op, "dout"),
                                   .q = view(q, op, "q"),
                                   .k = view(k, op, "k"),
@@ -52,7 +60,9 @@ std::tuple<Tensor, Tensor, Tensor> run_backward(const char* op, const Tensor& do
                                   .lse = view(lse, op, "lse"),
                                   .dq = view(dq, op, "dq"),
                                   .dk = view(dk, op, "dk"),
-                                  .dv = view(dv, op, "dv")},
+                                  .dv = view(dv, op, "dv"),
+                                  .workspace = workspace.defined() ? view(workspace, op, "workspace")
+                                                                   : ts::TensorView{}},
         ctx.stream);
   });
   return {dq, dk, dv};

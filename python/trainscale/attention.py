@@ -5,9 +5,10 @@ implementations and autograd formula of its ops in torch.ops.trainscale
 
 Layout is BSHD: q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D] with Hq % Hkv == 0 (grouped-query
 heads are read in place, never repeated). The forward runs the CUDA kernel (bf16 / fp16, D 64,
-128 or 256, sm_90a) or the CPU reference (any dtype, float64 included); the backward has only
-the CPU reference for now: on CUDA it raises. Sliding windows and the logit softcap run on the
-CPU reference only so far (a CUDA call with either raises)."""
+128 or 256, sm_90a) or the CPU reference (any dtype, float64 included); the backward runs its
+CUDA kernels (bf16 / fp16, D 64, 128 or 256, sm_80+; the workspace is allocated by the op; not yet
+run on a GPU) or the CPU reference. Sliding windows and the logit softcap run on the CPU
+reference only so far (a CUDA forward with either raises); so do packed sequences."""
 import sys
 import warnings
 from typing import Optional, Tuple
@@ -77,8 +78,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     FlashAttention's: it also sees only keys within `left` before and `right` after it (-1:
     unbounded; with causal, right is -1 or 0). softcap > 0: scores s become softcap * tanh(s /
     softcap) (Gemma 2). A query that sees no key gets 0. Any strides with stride 1 in D (e.g. a
-    transposed [B, H, S, D] view). Differentiable: the backward saves out and lse (CPU only for
-    now: on CUDA the backward raises)."""
+    transposed [B, H, S, D] view). Differentiable: the backward saves out and lse."""
     return attention_with_lse(q, k, v, causal, scale, window_size, softcap)[0]
 
 

@@ -46,7 +46,19 @@ TensorSpec saved_lse(const Dims& d) {
 // checks a few such groups against the fp64 reference rather than every head.
 void group_by_kv_head(Case& c, const Dims& d) {
   c.groups = d.hkv;
-  for (TensorSpec& t : c.tensors) t.group_dim = t.name == "lse" ? 1 : 2;
+  for (TensorSpec& t : c.tensors) {
+    if (t.role != Role::kScratch) t.group_dim = t.name == "lse" ? 1 : 2;
+  }
+}
+
+// The CUDA kernels (src/ops/attention/attention_{fwd,bwd}_*.cu) take bf16/fp16 with head dims
+// 64/128/256; other cases are UNSUPPORTED rows rather than failures.
+void require_cuda_kernel(const TensorView& q, DType dtype, const Dims& d, const char* direction) {
+  if (q.device.is_cuda() && (!(dtype == DType::kBFloat16 || dtype == DType::kFloat16) ||
+                             !(d.d == 64 || d.d == 128 || d.d == 256))) {
+    throw Unsupported(std::string("the CUDA attention ") + direction +
+                      " takes bf16/fp16 with head dim 64, 128 or 256");
+  }
 }
 
 Case attention_forward_case(std::span<const std::int64_t> shape, DType dtype) {
@@ -64,13 +76,8 @@ Case attention_forward_case(std::span<const std::int64_t> shape, DType dtype) {
   c.reference = on_cpu([=](CaseTensors t, cudaStream_t s) {
     attention_forward(t[q], t[k], t[v], t[out], t[lse], options, s);
   });
-  // The CUDA kernel (src/ops/attention/attention_fwd_*.cu): bf16/fp16, head dims 64/128/256;
-  // other cases are UNSUPPORTED rows rather than failures.
   c.entry = [=](CaseTensors t, cudaStream_t s) {
-    if (t[q].device.is_cuda() && (!(dtype == DType::kBFloat16 || dtype == DType::kFloat16) ||
-                                  !(d.d == 64 || d.d == 128 || d.d == 256))) {
-      throw Unsupported("the CUDA attention forward takes bf16/fp16 with head dim 64, 128 or 256");
-    }
+    require_cuda_kernel(t[q], dtype, d, "forward");
     attention_forward(t[q], t[k], t[v], t[out], t[lse], options, s);
   };
   return c;
@@ -83,15 +90,20 @@ Case attention_backward_case(std::span<const std::int64_t> shape, DType dtype) {
   const Shape q_shape = {d.b, d.s, d.hq, d.d}, kv_shape = {d.b, d.s, d.hkv, d.d};
   c.tensors = {input("dout", dtype, q_shape), input("q", dtype, q_shape),    input("k", dtype, kv_shape),
                input("v", dtype, kv_shape),   input("out", dtype, q_shape),  saved_lse(d),
-               output("dq", dtype, q_shape),  output("dk", dtype, kv_shape), output("dv", dtype, kv_shape)};
+               output("dq", dtype, q_shape),  output("dk", dtype, kv_shape), output("dv", dtype, kv_shape),
+               scratch("workspace", cuda_workspace_bytes([&] {
+                         return attention_backward_workspace_bytes(TensorView(nullptr, dtype, {d.b, d.s, d.hq, d.d}));
+                       }))};
   c.bytes = traffic(c.tensors);
   c.flops = 2.5 * forward_flops(d);  // 5 GEMMs to the forward's 2
   c.bound = Bound::kCompute;
   group_by_kv_head(c, d);
-  const auto [dout, q, k, v, out, lse, dq, dk, dv] = c.ids("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv");
+  const auto [dout, q, k, v, out, lse, dq, dk, dv, workspace] =
+      c.ids("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "workspace");
   c.entry = [=](CaseTensors t, cudaStream_t s) {
+    require_cuda_kernel(t[q], dtype, d, "backward");
     attention_backward({.dout = t[dout], .q = t[q], .k = t[k], .v = t[v], .out = t[out], .lse = t[lse],
-                        .dq = t[dq], .dk = t[dk], .dv = t[dv]},
+                        .dq = t[dq], .dk = t[dk], .dv = t[dv], .workspace = t[workspace]},
                        options, s);
   };
   c.reference = on_cpu(c.entry);

@@ -71,28 +71,65 @@ std::string strides_str(const TensorView& t) {
   return s + "]";
 }
 
+// [B, S, H, D] tensors as a kernel's 16-byte accesses (`how`: TMA, cp.async) reach them: a
+// 16-byte aligned start and every stride of a dim longer than 1 a multiple of 16 bytes.
+void check_16_byte_access(detail::OpChecker& c, std::initializer_list<detail::Arg> tensors, const char* how) {
+  for (const auto& [t, name] : tensors) {
+    const std::int64_t element = static_cast<std::int64_t>(t.element_size());
+    if (reinterpret_cast<std::uintptr_t>(t.data) % 16 != 0)
+      c.fail(name, std::string("a 16-byte aligned start (") + how + ")",
+             "address " + std::to_string(reinterpret_cast<std::uintptr_t>(t.data)) + " (" +
+                 std::to_string(reinterpret_cast<std::uintptr_t>(t.data) % 16) + " past 16)");
+    for (int d = 0; d < 3; ++d) {
+      if (t.size(d) > 1 && (t.strides[d] * element) % 16 != 0)
+        c.fail(name, std::string("strides of 16-byte multiples in dims 0-2 (") + how + ")",
+               "strides " + strides_str(t) + " in elements of " + std::to_string(element) + " bytes");
+    }
+  }
+}
+
 // What the CUDA forward needs beyond the contract: a dtype and head dim it has a kernel for, and
-// q, k, v as TMA reads them (16-byte aligned start, every stride of a dim longer than 1 a multiple
-// of 16 bytes), and sizes that fit its 32-bit indices.
+// q, k, v as TMA reads them, and sizes that fit its 32-bit indices.
 void check_cuda_forward(detail::OpChecker& c, const TensorView& q, const TensorView& k,
                         const TensorView& v) {
   c.dtype_in(q, "q", {DType::kBFloat16, DType::kFloat16});
   if (!ops::attention::forward_head_dim_supported(q.size(3)))
     c.fail("q", "a head dim D of 64, 128 or 256 (the CUDA kernel's)", "shape " + q.shape_str());
-  const std::int64_t element = static_cast<std::int64_t>(dtype_size(q.dtype));
+  check_16_byte_access(c, {{q, "q"}, {k, "k"}, {v, "v"}}, "TMA");
   for (const auto& [t, name] : {std::pair<const TensorView&, const char*>{q, "q"}, {k, "k"}, {v, "v"}}) {
-    if (reinterpret_cast<std::uintptr_t>(t.data) % 16 != 0)
-      c.fail(name, "a 16-byte aligned start (TMA)",
-             "address " + std::to_string(reinterpret_cast<std::uintptr_t>(t.data)) + " (" +
-                 std::to_string(reinterpret_cast<std::uintptr_t>(t.data) % 16) + " past 16)");
     for (int d = 0; d < 3; ++d) {
-      if (t.size(d) > 1 && (t.strides[d] * element) % 16 != 0)
-        c.fail(name, "strides of 16-byte multiples in dims 0-2 (TMA)",
-               "strides " + strides_str(t) + " in elements of " + std::to_string(element) + " bytes");
       if (t.size(d) > std::numeric_limits<std::int32_t>::max())
         c.fail(name, "dims below 2^31 (the CUDA kernel's indices)", "shape " + t.shape_str());
     }
   }
+}
+
+// What the CUDA backward needs beyond the contract: a dtype and head dim it has a kernel for;
+// every [B, S, H, D] tensor as its 16-byte cp.async loads and stores reach it (16-byte aligned
+// start, every stride of a dim longer than 1 a multiple of 16 bytes; no TMA, so no other layout
+// rule); lse in float32; sequence lengths whose sum fits its 32-bit in-sequence indices; and the
+// workspace.
+void check_cuda_backward(detail::OpChecker& c, const AttentionBackwardArgs& args) {
+  const TensorView& q = args.q;
+  c.dtype_in(q, "q", {DType::kBFloat16, DType::kFloat16});
+  if (!ops::attention::backward_head_dim_supported(q.size(3)))
+    c.fail("q", "a head dim D of 64, 128 or 256 (the CUDA kernel's)", "shape " + q.shape_str());
+  c.dtype_in(args.lse, "lse", {DType::kFloat32});
+  check_16_byte_access(c,
+                       {{q, "q"}, {args.k, "k"}, {args.v, "v"}, {args.out, "out"}, {args.dout, "dout"},
+                        {args.dq, "dq"}, {args.dk, "dk"}, {args.dv, "dv"}},
+                       "16-byte loads and stores");
+  if (q.size(1) + args.k.size(1) > std::numeric_limits<std::int32_t>::max())
+    c.fail("k", "Sq + Sk below 2^31 (the CUDA kernel's indices)",
+           "Sq = " + std::to_string(q.size(1)) + ", Sk = " + std::to_string(args.k.size(1)));
+  const std::size_t needed = attention_backward_workspace_bytes(q);
+  const TensorView& w = args.workspace;
+  const std::size_t given = w.defined() ? static_cast<std::size_t>(w.numel()) * w.element_size() : 0;
+  if (given < needed)
+    c.fail("workspace", "at least " + std::to_string(needed) + " bytes (attention_backward_workspace_bytes(q))",
+           std::to_string(given) + " bytes");
+  if (needed > 0 && (!w.is_contiguous() || reinterpret_cast<std::uintptr_t>(w.data) % 256 != 0))
+    c.fail("workspace", "a contiguous, 256-byte aligned view", w.describe());
 }
 
 }  // namespace
@@ -140,8 +177,8 @@ void attention_forward(const TensorView& q, const TensorView& k, const TensorVie
 }
 
 void attention_backward(const AttentionBackwardArgs& args, const AttentionOptions& options,
-                        cudaStream_t /*stream*/) {
-  const auto& [dout, q, k, v, out, lse, dq, dk, dv] = args;
+                        cudaStream_t stream) {
+  const auto& [dout, q, k, v, out, lse, dq, dk, dv, workspace] = args;
   detail::OpChecker c("attention_backward");
   check_qkv(c, q, k, v, options);
   check_heads_like(c, out, "out", q, "q");
@@ -153,9 +190,32 @@ void attention_backward(const AttentionBackwardArgs& args, const AttentionOption
   c.distinct_elements(dk, "dk");
   check_heads_like(c, dv, "dv", v, "v");
   c.distinct_elements(dv, "dv");
-  c.outputs_disjoint({{dv, "dv"}, {dk, "dk"}, {dq, "dq"}},
+  c.optional(workspace, "workspace");
+  c.outputs_disjoint({{dv, "dv"}, {dk, "dk"}, {dq, "dq"}, {workspace, "workspace"}},
                      {{dout, "dout"}, {q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}, {lse, "lse"}});
-  if (c.on_cuda()) detail::throw_no_cuda_kernel(c.op());
+  if (c.on_cuda()) {
+#if !TRAINSCALE_HAVE_CUDA
+    detail::throw_no_cuda_build(c.op());
+#elif !TRAINSCALE_HAVE_CUTLASS
+    detail::throw_op_error(c.op(),
+                           "CUDA tensors given, but this build has no attention kernel: it was "
+                           "configured without the CUTLASS headers (pip install nvidia-cutlass, or "
+                           "-DTRAINSCALE_CUTLASS_INCLUDE=<dir>), so only the CPU reference exists");
+#endif
+    check_cuda_backward(c, args);
+  }
+#if TRAINSCALE_HAVE_CUDA && TRAINSCALE_HAVE_CUTLASS
+  if (detail::ran_on_cuda(c, [&] {
+        switch (q.size(3)) {
+          case 64: ops::attention::attention_backward_hdim64(args, options, stream); break;
+          case 128: ops::attention::attention_backward_hdim128(args, options, stream); break;
+          default: ops::attention::attention_backward_hdim256(args, options, stream); break;
+        }
+      }))
+    return;
+#else
+  (void)stream;
+#endif
   ops::attention::attention_backward_cpu(dout, q, k, v, out, lse, dq, dk, dv, options);
 }
 
@@ -270,7 +330,7 @@ void attention_varlen_forward(const TensorView& q, const TensorView& k, const Te
 
 void attention_varlen_backward(const AttentionBackwardArgs& args, const AttentionSequences& sequences,
                                const AttentionOptions& options, cudaStream_t /*stream*/) {
-  const auto& [dout, q, k, v, out, lse, dq, dk, dv] = args;
+  const auto& [dout, q, k, v, out, lse, dq, dk, dv, workspace] = args;
   detail::OpChecker c("attention_varlen_backward");
   check_packed_qkv(c, q, k, v, options);
   check_heads_like(c, out, "out", q, "q", kPacked);
@@ -282,8 +342,9 @@ void attention_varlen_backward(const AttentionBackwardArgs& args, const Attentio
   c.distinct_elements(dk, "dk");
   check_heads_like(c, dv, "dv", v, "v", kPacked);
   c.distinct_elements(dv, "dv");
+  c.optional(workspace, "workspace");  // unused: packed sequences have only the CPU reference
   const std::int64_t count = check_sequences(c, sequences, q.size(0), k.size(0));
-  c.outputs_disjoint({{dv, "dv"}, {dk, "dk"}, {dq, "dq"}},
+  c.outputs_disjoint({{dv, "dv"}, {dk, "dk"}, {dq, "dq"}, {workspace, "workspace"}},
                      {{dout, "dout"}, {q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}, {lse, "lse"}});
   if (c.on_cuda()) throw_no_varlen_kernel(c.op());
   for_each_sequence(sequences, count, [&](std::int64_t qb, std::int64_t qe, std::int64_t kb, std::int64_t ke) {
@@ -292,6 +353,14 @@ void attention_varlen_backward(const AttentionBackwardArgs& args, const Attentio
                                            sequence_of(dq, qb, qe), sequence_of(dk, kb, ke), sequence_of(dv, kb, ke),
                                            options);
   });
+}
+
+std::size_t attention_backward_workspace_bytes(const TensorView& q) {
+  detail::OpChecker c("attention_backward_workspace_bytes");
+  c.ndim(q, "q", 4);  // the shape is all it reads
+  constexpr std::size_t kAlign = 256;
+  const std::size_t delta_bytes = static_cast<std::size_t>(q.size(0) * q.size(2) * q.size(1)) * sizeof(float);
+  return (delta_bytes + kAlign - 1) / kAlign * kAlign;
 }
 
 }  // namespace trainscale

@@ -1,6 +1,7 @@
-// Shape heuristics of the Hopper attention forward, as pure functions of the shape, so that the
-// CPU tests check them and the kernels' template arguments come from the same table
-// (attention_fwd_hdim*.cu instantiate exactly the plans forward_plan returns).
+// Shape heuristics of the attention kernels, as pure functions of the shape, so that the CPU
+// tests check them and the kernels' template arguments come from the same table
+// (attention_fwd_hdim*.cu / attention_bwd_hdim*.cu instantiate exactly the plans forward_plan /
+// backward_plan return).
 #pragma once
 
 #include <algorithm>
@@ -52,6 +53,39 @@ constexpr ForwardPlan forward_plan(std::int64_t head_dim, bool causal) {
 // Shared memory of a plan's Q tile and K/V stages, in bytes (16-bit elements).
 constexpr std::int64_t forward_tile_bytes(const ForwardPlan& p) {
   return 2LL * p.head_dim * (p.block_m + 2LL * p.stages * p.block_n);
+}
+
+// One compiled variant of the backward (attention_bwd_*.cuh): `warps` warps per CTA; the dK/dV
+// kernel takes block_m queries at a time against its block_n keys, the dQ kernel dq_block_n keys
+// at a time against its block_m queries. Both double-buffer the tiles they stream (Q and dO, or
+// K and V). The dK/dV CTA keeps its dK and dV tiles (2 * block_n * D fp32) in registers beside
+// the score and dP tiles (2 * block_m * block_n fp32): 64 x 128 keeps that at 192 floats per
+// thread for D <= 128 (256 threads); D = 256 halves the key block (64 x 64: 160 floats). The dQ
+// kernel streams two stages of K and V, which for D >= 128 fit shared memory only 64 keys wide.
+// Shared memory: D = 64 about 97 KiB (every sm_80+ GPU), D = 128 up to 161 KiB (sm_80, sm_90),
+// D = 256 up to 209 KiB (sm_90); the launcher says so on a GPU with less.
+struct BackwardPlan {
+  int head_dim = 0;  // 0: no kernel for this head dim
+  int block_m = 0;
+  int block_n = 0;
+  int dq_block_n = 0;
+  int warps = 0;
+
+  constexpr bool supported() const { return head_dim != 0; }
+  constexpr int threads() const { return 32 * warps; }
+};
+
+constexpr bool backward_head_dim_supported(std::int64_t head_dim) {
+  return head_dim == 64 || head_dim == 128 || head_dim == 256;
+}
+
+constexpr BackwardPlan backward_plan(std::int64_t head_dim) {
+  switch (head_dim) {
+    case 64: return {64, 64, 128, 128, 8};
+    case 128: return {128, 64, 128, 64, 8};
+    case 256: return {256, 64, 64, 64, 8};
+    default: return {};
+  }
 }
 
 // One unit of work of the persistent scheduler: query block m_block of head h of batch b.

@@ -1,0 +1,151 @@
+// Host side of the attention backward for one head dim: the kernel parameters, the device checks
+// and the three launches (preprocess, dK/dV, dQ; attention_bwd_kernel.cuh) on the caller's stream.
+// Included by attention_bwd_hdim*.cu, each of which instantiates its head dim's two dtypes only;
+// the mask, softcap and scale are run-time parameters of one kernel per dtype.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#include <cutlass/numeric_types.h>
+
+#include "common/cuda_check.h"
+#include "core/check.h"
+#include "ops/attention/attention_bwd_kernel.cuh"
+#include "ops/attention/attention_cuda.h"
+#include "ops/attention/attention_heuristics.h"
+#include "ops/attention/attention_internal.h"
+
+namespace trainscale::ops::attention {
+
+inline constexpr const char* kBackwardOp = "attention_backward";
+
+// The kernels need compute capability 8.0+, a kernel image for the device in this build, and the
+// head dim's shared memory (backward_plan).
+inline void require_backward_device(const void* kernel, int shared_bytes, int head_dim) {
+  int device = 0, major = 0, minor = 0;
+  detail::check_cuda(cudaGetDevice(&device), kBackwardOp, "cudaGetDevice");
+  detail::check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+                     kBackwardOp, "cudaDeviceGetAttribute");
+  detail::check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device),
+                     kBackwardOp, "cudaDeviceGetAttribute");
+  if (major < 8) {
+    detail::throw_op_error(kBackwardOp, "the CUDA attention backward needs compute capability 8.0+ (mma.sync "
+                                        "on bf16/fp16); device " + std::to_string(device) + " has " +
+                                        std::to_string(major) + "." + std::to_string(minor));
+  }
+  cudaFuncAttributes attributes{};
+  if (cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess) {
+    (void)cudaGetLastError();
+    detail::throw_op_error(kBackwardOp, "no kernel image for this GPU in this build (TRAINSCALE_CUDA_ARCHS "
+                                        "must include its architecture)");
+  }
+  const std::size_t available = detail::current_device_info().shared_memory_per_block_optin;
+  if (static_cast<std::size_t>(shared_bytes) > available) {
+    detail::throw_op_error(kBackwardOp, "head dim " + std::to_string(head_dim) + " needs " +
+                                            std::to_string(shared_bytes) +
+                                            " bytes of shared memory per block; device " +
+                                            std::to_string(device) + " offers " + std::to_string(available));
+  }
+}
+
+inline BshdTensor bshd(const TensorView& t) { return {t.data, t.strides[0], t.strides[1], t.strides[2]}; }
+
+// The options' mask in the kernels' 32-bit indices. A window side at least as long as the
+// sequence it reaches across hides nothing (the mask clamps it), so it becomes unbounded; the
+// mask's sums then stay below Sq + Sk, which attention.cc keeps below 2^31.
+inline AttentionMask<int> kernel_mask(std::int64_t q_len, std::int64_t kv_len,
+                                      const AttentionOptions& options) {
+  const AttentionMask<std::int64_t> mask = make_attention_mask<std::int64_t>(
+      q_len, kv_len, options.causal, options.window_left, options.window_right);
+  return {static_cast<int>(q_len), static_cast<int>(kv_len),
+          mask.left >= kv_len ? -1 : static_cast<int>(mask.left),
+          mask.right >= q_len ? -1 : static_cast<int>(mask.right)};
+}
+
+inline unsigned grid_of(std::int64_t ctas) {
+  if (ctas > std::numeric_limits<int>::max())
+    detail::throw_op_error(kBackwardOp, "more than 2^31 - 1 thread blocks (" + std::to_string(ctas) +
+                                            "): split the batch");
+  return static_cast<unsigned>(ctas);
+}
+
+template <class Element, int kHeadDim>
+void launch_backward(const AttentionBackwardArgs& args, const AttentionOptions& options,
+                     cudaStream_t stream) {
+  constexpr BackwardPlan plan = backward_plan(kHeadDim);
+  static_assert(plan.supported());
+  using DkdvTraits = BackwardTraits<Element, kHeadDim, plan.block_m, plan.block_n, plan.warps>;
+  using DqTraits = BackwardTraits<Element, kHeadDim, plan.block_m, plan.dq_block_n, plan.warps>;
+  static_assert(DkdvTraits::kThreads == plan.threads());
+  auto* preprocess = &attention_backward_preprocess_kernel<DqTraits>;
+  auto* dkdv = &attention_backward_dkdv_kernel<DkdvTraits>;
+  auto* dq = &attention_backward_dq_kernel<DqTraits>;
+  constexpr int kDkdvShared = DkdvTraits::kDkdvSharedBytes, kDqShared = DqTraits::kDqSharedBytes;
+  require_backward_device(reinterpret_cast<const void*>(dkdv),
+                          kDkdvShared > kDqShared ? kDkdvShared : kDqShared, kHeadDim);
+
+  const TensorView& q = args.q;
+  const std::int64_t batch = q.size(0), q_len = q.size(1), q_heads = q.size(2);
+  const std::int64_t kv_len = args.k.size(1), kv_heads = args.k.size(2);
+  if (batch == 0 || q_heads == 0) return;
+
+  BackwardParams p{};
+  p.q = bshd(q);
+  p.k = bshd(args.k);
+  p.v = bshd(args.v);
+  p.out = bshd(args.out);
+  p.dout = bshd(args.dout);
+  p.dq = bshd(args.dq);
+  p.dk = bshd(args.dk);
+  p.dv = bshd(args.dv);
+  p.lse = static_cast<const float*>(args.lse.data);
+  p.delta = static_cast<float*>(args.workspace.data);
+  p.batch = static_cast<int>(batch);
+  p.q_len = static_cast<int>(q_len);
+  p.kv_len = static_cast<int>(kv_len);
+  p.q_heads = static_cast<int>(q_heads);
+  p.kv_heads = static_cast<int>(kv_heads);
+  p.group = static_cast<int>(q_heads / kv_heads);
+  p.scale = static_cast<float>(resolved_scale(options, kHeadDim));
+  p.softcap = static_cast<float>(options.softcap);
+  p.mask = kernel_mask(q_len, kv_len, options);
+
+  if (q_len > 0) {
+    constexpr int kRowsPerBlock = 8;  // one warp per row
+    const std::int64_t rows = batch * q_heads * q_len;
+    preprocess<<<grid_of((rows + kRowsPerBlock - 1) / kRowsPerBlock), 32 * kRowsPerBlock, 0, stream>>>(p);
+    detail::check_launch(kBackwardOp);
+
+    const std::int64_t m_blocks = (q_len + plan.block_m - 1) / plan.block_m;
+    detail::check_cuda(cudaFuncSetAttribute(dq, cudaFuncAttributeMaxDynamicSharedMemorySize, kDqShared),
+                       kBackwardOp, "cudaFuncSetAttribute");
+    dq<<<grid_of(m_blocks * q_heads * batch), DqTraits::kThreads, kDqShared, stream>>>(p);
+    detail::check_launch(kBackwardOp);
+  }
+  if (kv_len > 0) {  // Sq = 0 included: the kernel writes dK = dV = 0
+    const std::int64_t n_blocks = (kv_len + plan.block_n - 1) / plan.block_n;
+    detail::check_cuda(cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, kDkdvShared),
+                       kBackwardOp, "cudaFuncSetAttribute");
+    dkdv<<<grid_of(n_blocks * kv_heads * batch), DkdvTraits::kThreads, kDkdvShared, stream>>>(p);
+    detail::check_launch(kBackwardOp);
+  }
+}
+
+// The variants of one head dim: the dtypes.
+template <int kHeadDim>
+void dispatch_backward(const AttentionBackwardArgs& args, const AttentionOptions& options,
+                       cudaStream_t stream) {
+  switch (args.q.dtype) {
+    case DType::kBFloat16: launch_backward<cutlass::bfloat16_t, kHeadDim>(args, options, stream); break;
+    case DType::kFloat16: launch_backward<cutlass::half_t, kHeadDim>(args, options, stream); break;
+    default:
+      detail::throw_op_error(kBackwardOp,
+                             std::string("no CUDA kernel for dtype ") + dtype_name(args.q.dtype));
+  }
+}
+
+}  // namespace trainscale::ops::attention
