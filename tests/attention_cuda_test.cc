@@ -40,6 +40,8 @@ struct Config {
   std::int64_t batch = 1, q_len = 1, kv_len = 1, q_heads = 1, kv_heads = 1, head_dim = 64;
   bool causal = false;
   double scale = 0.0;
+  std::int64_t window_left = -1, window_right = -1;
+  double softcap = 0.0;
   bool packed = false;     // q, k, v: head slices of one [B, S, Hq + 2 Hkv, D] buffer (Sq == Sk)
   bool with_lse = true;
   std::int64_t out_pad = 0;  // out lives in a [B, Sq, Hq, D + out_pad] buffer
@@ -51,6 +53,7 @@ struct Config {
     std::ostringstream s;
     s << dtype_name(dtype) << " B=" << batch << " Sq=" << q_len << " Sk=" << kv_len << " Hq=" << q_heads
       << " Hkv=" << kv_heads << " D=" << head_dim << (causal ? " causal" : "") << " scale=" << scale
+      << " window=(" << window_left << ", " << window_right << ") softcap=" << softcap
       << (packed ? " packed-qkv" : "") << (with_lse ? "" : " no-lse") << " out_pad=" << out_pad;
     if (nan_in) s << " NaN in " << nan_in;
     return s.str();
@@ -191,7 +194,8 @@ void check(const Config& c) {
   const TensorView v_ref = c.packed ? rebase(v, q_buf, q64) : rebase(v, v_buf, v64);
   HostTensor out_ref(DType::kFloat64, {B, c.q_len, c.q_heads, D});
   HostTensor lse_ref(DType::kFloat64, {B, c.q_heads, c.q_len});
-  AttentionOptions options{.causal = c.causal, .scale = c.scale};
+  AttentionOptions options{.causal = c.causal, .scale = c.scale, .window_left = c.window_left,
+                           .window_right = c.window_right, .softcap = c.softcap};
   attention_forward(q_ref, k_ref, v_ref, out_ref.view(), lse_ref.view(), options);
 
   // Device copies (same layouts), outputs poisoned.
@@ -283,6 +287,39 @@ TEST_P(AttentionCuda, StridedHeadsPaddedOutputNegativeScale) {
          .head_dim = p.head_dim, .causal = p.causal, .with_lse = false, .out_pad = 1});
   check({.dtype = p.dtype, .batch = 1, .q_len = 130, .kv_len = 130, .q_heads = 2, .kv_heads = 1,
          .head_dim = p.head_dim, .causal = p.causal, .scale = -0.3});
+}
+
+// Sliding windows: causal with a left side (Mistral), a band on both sides (the key blocks a
+// query block visits start past 0), one key per query, Sq != Sk both ways; rows that see no key.
+// A logit softcap of 30 at scale 1 (scores reach the cap), alone, with a window, and with a
+// negative scale.
+TEST_P(AttentionCuda, WindowAndSoftcap) {
+  TS_REQUIRE_GPU();
+  const Variant p = GetParam();
+  const std::int64_t lens[][2] = {{300, 300}, {200, 520}, {520, 200}};
+  for (const auto& [sq, sk] : lens) {
+    Config c{.dtype = p.dtype, .batch = 1, .q_len = sq, .kv_len = sk, .q_heads = 4, .kv_heads = 2,
+             .head_dim = p.head_dim, .causal = p.causal};
+    for (const auto& [left, right] : {std::pair<std::int64_t, std::int64_t>{100, -1}, {37, 0}, {0, 0}}) {
+      c.window_left = left;
+      c.window_right = right;
+      check(c);
+    }
+    if (!p.causal) {
+      c.window_left = 150;
+      c.window_right = 70;
+      check(c);
+      c.window_left = -1;
+      c.window_right = 5;
+      check(c);
+    }
+  }
+  for (double scale : {1.0, -1.0}) {
+    check({.dtype = p.dtype, .batch = 1, .q_len = 257, .kv_len = 257, .q_heads = 4, .kv_heads = 2,
+           .head_dim = p.head_dim, .causal = p.causal, .scale = scale, .softcap = 30.0});
+  }
+  check({.dtype = p.dtype, .batch = 2, .q_len = 300, .kv_len = 300, .q_heads = 2, .kv_heads = 1,
+         .head_dim = p.head_dim, .causal = p.causal, .window_left = 64, .softcap = 20.0});
 }
 
 // Many (batch, head) tiles on short sequences: more tiles than SMs, the persistent loop.

@@ -20,7 +20,7 @@ TEST(AttentionHeuristics, PlansFitAnH100) {
       SCOPED_TRACE("D=" + std::to_string(d) + (causal ? " causal" : ""));
       ASSERT_TRUE(p.supported());
       EXPECT_EQ(p.head_dim, d);
-      EXPECT_EQ(p.causal, causal);
+      EXPECT_EQ(p.masked, causal);
       EXPECT_EQ(p.block_m, 64 * p.consumer_warpgroups);
       EXPECT_EQ(p.block_n % 16, 0);
       EXPECT_LE(p.block_n, 256);  // one wgmma atom and one TMA box

@@ -7,8 +7,8 @@ Layout is BSHD: q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D] with Hq % Hkv == 0 (gr
 heads are read in place, never repeated). The forward runs the CUDA kernel (bf16 / fp16, D 64,
 128 or 256, sm_90a) or the CPU reference (any dtype, float64 included); the backward runs its
 CUDA kernels (bf16 / fp16, D 64, 128 or 256, sm_80+; the workspace is allocated by the op; not yet
-run on a GPU) or the CPU reference. Sliding windows and the logit softcap run on the CPU
-reference only so far (a CUDA forward with either raises); so do packed sequences."""
+run on a GPU) or the CPU reference. Packed sequences (attention_varlen) have only the CPU
+reference so far."""
 import sys
 import warnings
 from typing import Optional, Tuple
@@ -175,10 +175,10 @@ def hf_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
     key / value [B, Hkv, Sk, D] -> (attn_output [B, S, Hq, D], None). Runs trainscale.attention
     on BSHD views (no copies, grouped-query heads in place) when the call is plain attention:
     no mask (causal from is_causal / module.is_causal, as sdpa decides it) or a boolean mask that
-    is exactly the causal pattern; a causal sliding window (Mistral, Gemma: query i sees the
-    `sliding_window` keys up to its own) and a logit softcap (Gemma 2) run on the CPU. Anything
-    else (padding or other masks, dropout > 0, position bias, attention sinks, a different value
-    head dim, and on CUDA a window, a softcap or a dtype / head dim the kernel lacks) falls back
+    is exactly the causal pattern, also with a causal sliding window (Mistral, Gemma: query i sees
+    the `sliding_window` keys up to its own) and a logit softcap (Gemma 2). Anything else
+    (padding or other masks, dropout > 0, position bias, attention sinks, a different value head
+    dim, and on CUDA a dtype / head dim the kernel lacks) falls back
     to transformers' sdpa_attention_forward (a softcap, which sdpa lacks, to the model module's
     eager_attention_forward) with a one-time warning per reason."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -190,8 +190,6 @@ def hf_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
     window_left = sliding_window - 1 if sliding_window is not None else -1
     if dropout:
         reason = "dropout > 0 is not supported"
-    elif query.is_cuda and (softcap is not None or sliding_window is not None):
-        reason = "softcap and sliding windows are not in the CUDA kernel yet"
     elif sliding_window is not None and not (causal and sliding_window >= 1):
         reason = "a sliding window without a causal mask is not supported"
     elif kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None:

@@ -88,6 +88,13 @@ void check_16_byte_access(detail::OpChecker& c, std::initializer_list<detail::Ar
   }
 }
 
+// The kernels' mask (attention_mask.h) sums positions in 32 bits.
+void check_mask_indices(detail::OpChecker& c, const TensorView& q, const TensorView& k) {
+  if (q.size(1) + k.size(1) > std::numeric_limits<std::int32_t>::max())
+    c.fail("k", "Sq + Sk below 2^31 (the CUDA kernel's indices)",
+           "Sq = " + std::to_string(q.size(1)) + ", Sk = " + std::to_string(k.size(1)));
+}
+
 // What the CUDA forward needs beyond the contract: a dtype and head dim it has a kernel for, and
 // q, k, v as TMA reads them, and sizes that fit its 32-bit indices.
 void check_cuda_forward(detail::OpChecker& c, const TensorView& q, const TensorView& k,
@@ -102,6 +109,7 @@ void check_cuda_forward(detail::OpChecker& c, const TensorView& q, const TensorV
         c.fail(name, "dims below 2^31 (the CUDA kernel's indices)", "shape " + t.shape_str());
     }
   }
+  check_mask_indices(c, q, k);
 }
 
 // What the CUDA backward needs beyond the contract: a dtype and head dim it has a kernel for;
@@ -119,9 +127,7 @@ void check_cuda_backward(detail::OpChecker& c, const AttentionBackwardArgs& args
                        {{q, "q"}, {args.k, "k"}, {args.v, "v"}, {args.out, "out"}, {args.dout, "dout"},
                         {args.dq, "dq"}, {args.dk, "dk"}, {args.dv, "dv"}},
                        "16-byte loads and stores");
-  if (q.size(1) + args.k.size(1) > std::numeric_limits<std::int32_t>::max())
-    c.fail("k", "Sq + Sk below 2^31 (the CUDA kernel's indices)",
-           "Sq = " + std::to_string(q.size(1)) + ", Sk = " + std::to_string(args.k.size(1)));
+  check_mask_indices(c, q, args.k);
   const std::size_t needed = attention_backward_workspace_bytes(q);
   const TensorView& w = args.workspace;
   const std::size_t given = w.defined() ? static_cast<std::size_t>(w.numel()) * w.element_size() : 0;
@@ -153,12 +159,6 @@ void attention_forward(const TensorView& q, const TensorView& k, const TensorVie
                            "-DTRAINSCALE_CUTLASS_INCLUDE=<dir>), so only the CPU reference exists");
 #endif
     check_cuda_forward(c, q, k, v);
-    if (options.window_left >= 0 || (!options.causal && options.window_right >= 0))
-      c.fail("options", "no sliding window on CUDA yet (the CPU reference has it)",
-             "window " + std::to_string(options.window_left) + " / " + std::to_string(options.window_right));
-    if (options.softcap != 0.0)
-      c.fail("options.softcap", "0 on CUDA (no softcap in the CUDA kernel yet; the CPU reference has it)",
-             std::to_string(options.softcap));
     if (lse.defined()) c.dtype_in(lse, "lse", {DType::kFloat32});
   }
 #if TRAINSCALE_HAVE_CUDA && TRAINSCALE_HAVE_CUTLASS

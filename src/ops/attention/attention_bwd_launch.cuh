@@ -54,18 +54,6 @@ inline void require_backward_device(const void* kernel, int shared_bytes, int he
 
 inline BshdTensor bshd(const TensorView& t) { return {t.data, t.strides[0], t.strides[1], t.strides[2]}; }
 
-// The options' mask in the kernels' 32-bit indices. A window side at least as long as the
-// sequence it reaches across hides nothing (the mask clamps it), so it becomes unbounded; the
-// mask's sums then stay below Sq + Sk, which attention.cc keeps below 2^31.
-inline AttentionMask<int> kernel_mask(std::int64_t q_len, std::int64_t kv_len,
-                                      const AttentionOptions& options) {
-  const AttentionMask<std::int64_t> mask = make_attention_mask<std::int64_t>(
-      q_len, kv_len, options.causal, options.window_left, options.window_right);
-  return {static_cast<int>(q_len), static_cast<int>(kv_len),
-          mask.left >= kv_len ? -1 : static_cast<int>(mask.left),
-          mask.right >= q_len ? -1 : static_cast<int>(mask.right)};
-}
-
 inline unsigned grid_of(std::int64_t ctas) {
   if (ctas > std::numeric_limits<int>::max())
     detail::throw_op_error(kBackwardOp, "more than 2^31 - 1 thread blocks (" + std::to_string(ctas) +
@@ -112,7 +100,7 @@ void launch_backward(const AttentionBackwardArgs& args, const AttentionOptions& 
   p.group = static_cast<int>(q_heads / kv_heads);
   p.scale = static_cast<float>(resolved_scale(options, kHeadDim));
   p.softcap = static_cast<float>(options.softcap);
-  p.mask = kernel_mask(q_len, kv_len, options);
+  p.mask = kernel_attention_mask(q_len, kv_len, options);
 
   if (q_len > 0) {
     constexpr int kRowsPerBlock = 8;  // one warp per row

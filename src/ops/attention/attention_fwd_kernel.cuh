@@ -80,13 +80,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   uint32_t q_phase = 0;
   for (int64_t t = p.scheduler.first(); p.scheduler.valid(t); t = p.scheduler.next(t)) {
     const AttentionTile tile = p.scheduler.tile(t);
-    const int n_blocks = key_blocks(p, tile.m_block);
+    const KeyBlocks blocks = key_blocks(p, tile.m_block);
     clear(tOrO);
     OnlineSoftmax<kRows> softmax(p.scale_log2);
     storage.barrier_q.wait(q_phase);
     q_phase ^= 1;
 
-    for (int n_block = n_blocks - 1; n_block >= 0; --n_block) {
+    for (int n_block = blocks.last - 1; n_block >= blocks.first; --n_block) {
       Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
       pipeline_k.consumer_wait(read);
       detail::warpgroup_gemm</*kZeroInit=*/true>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
@@ -96,6 +96,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         CUTE_UNROLL
         for (int i = 0; i < size(tSrS); ++i) tSrS(i) = -tSrS(i);
       }
+      if (p.softcap_unscaled > 0.f) ForwardConsumer<Traits>::softcap(p, tSrS);
       Tensor s = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
       if (ForwardConsumer<Traits>::needs_mask(p, tile.m_block, n_block)) {
         ForwardConsumer<Traits>::mask(p, s, s_coords, tile.m_block, n_block);

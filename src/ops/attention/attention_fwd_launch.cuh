@@ -83,12 +83,12 @@ auto tma_view(const TensorView& t) {
                                  make_stride(stride_of(1), _1{}, stride_of(2), stride_of(0))));
 }
 
-template <class Element, int kHeadDim, bool kCausal>
+template <class Element, int kHeadDim, bool kMasked>
 void launch_forward(const TensorView& q, const TensorView& k, const TensorView& v, TensorView out,
                     TensorView lse, const AttentionOptions& options, cudaStream_t stream) {
   using namespace cute;
-  using Traits = PlanTraits<Element, kHeadDim, kCausal>;
-  constexpr ForwardPlan plan = forward_plan(kHeadDim, kCausal);
+  using Traits = PlanTraits<Element, kHeadDim, kMasked>;
+  constexpr ForwardPlan plan = forward_plan(kHeadDim, kMasked);
   static_assert(plan.block_m == Traits::kBlockM && plan.threads() == Traits::kThreads);
   auto* kernel = &attention_forward_kernel<Traits>;
   require_hopper(reinterpret_cast<const void*>(kernel));
@@ -133,6 +133,8 @@ void launch_forward(const TensorView& q, const TensorView& k, const TensorView& 
   p.abs_scale = static_cast<float>(std::fabs(scale));
   p.scale_log2 = static_cast<float>(std::fabs(scale) * M_LOG2E);
   p.negate_scores = scale < 0;
+  p.softcap_unscaled = static_cast<float>(options.softcap / std::fabs(scale));
+  p.mask = kernel_attention_mask(q_len, kv_len, options);
 
   const detail::DeviceInfo& info = detail::current_device_info();
   const int64_t kv_bytes_per_head = 2 * kv_len * kHeadDim * static_cast<int64_t>(sizeof(Element));
@@ -147,12 +149,12 @@ void launch_forward(const TensorView& q, const TensorView& k, const TensorView& 
   detail::check_launch(kForwardOp);
 }
 
-// The variants of one head dim: dtype x causal.
+// The variants of one head dim: dtype x masked (causal or a window).
 template <int kHeadDim>
 void dispatch_forward(const TensorView& q, const TensorView& k, const TensorView& v, TensorView out,
                       TensorView lse, const AttentionOptions& options, cudaStream_t stream) {
   auto run = [&]<class Element>() {
-    if (options.causal) {
+    if (attention_is_masked(options)) {
       launch_forward<Element, kHeadDim, true>(q, k, v, out, lse, options, stream);
     } else {
       launch_forward<Element, kHeadDim, false>(q, k, v, out, lse, options, stream);

@@ -7,10 +7,12 @@
 // (named barrier kQueryEmpty) that the previous tile's last QK^T GEMM is done.
 //
 // Consumers (block_m / 64 warp groups, 64 query rows each), per key block:
-//   S = Q K^T (wgmma, both from shared memory) -> release K -> mask -> online softmax (P in
-//   registers, O and the sums rescaled) -> O += P V (wgmma with P from registers) -> release V.
-// Key blocks go from the last to the first, so the blocks that need a mask (the tail past Sk and,
-// causal, those crossing the diagonal) come first.
+//   S = Q K^T (wgmma, both from shared memory) -> release K -> softcap -> mask -> online softmax
+//   (P in registers, O and the sums rescaled) -> O += P V (wgmma with P from registers) ->
+//   release V.
+// A query block visits only the key blocks its mask lets it see (attention_mask.h), from the last
+// to the first, so the blocks that need a mask (the tail past Sk and, causal, those crossing the
+// diagonal) come first.
 //
 // The loop is the plain, fully serialized form; overlapping the softmax of one block with the
 // GEMMs of the next (within a warp group, or ping-pong between the two) slots in here.
@@ -21,6 +23,7 @@
 
 #include "common/wgmma.cuh"
 #include "ops/attention/attention_fwd_traits.cuh"
+#include "ops/attention/attention_mask.h"
 #include "ops/attention/attention_softmax.cuh"
 #include "ops/attention/attention_tile_scheduler.cuh"
 
@@ -46,18 +49,27 @@ struct ForwardParams {
   float scale_log2;      // |scale| * log2(e)
   float abs_scale;       // |scale|
   bool negate_scores;    // scale < 0
+  // Softcap in the units of the unscaled (sign-adjusted) scores s: s <- cap * tanh(s / cap) with
+  // cap = softcap / |scale|, so that |scale| s becomes softcap * tanh(|scale| s / softcap). 0: off.
+  float softcap_unscaled;
+  AttentionMask<int> mask;  // read when Traits::kMasked
   StaticTileScheduler scheduler;
 };
 
-// Keys a query block sees, in blocks of block_n: [0, n_blocks).
+// The key blocks (of block_n) a query block sees: [first, last).
+struct KeyBlocks {
+  int first, last;
+};
 template <class Traits>
-__device__ __forceinline__ int key_blocks(const ForwardParams<Traits>& p, int m_block) {
-  int keys = p.kv_len;
-  if constexpr (Traits::kCausal) {
-    const int last_row = min((m_block + 1) * Traits::kBlockM, p.q_len) - 1;
-    keys = max(0, min(last_row + p.kv_len - p.q_len + 1, p.kv_len));
+__device__ __forceinline__ KeyBlocks key_blocks(const ForwardParams<Traits>& p, int m_block) {
+  int begin = 0, end = p.kv_len;
+  if constexpr (Traits::kMasked) {
+    const int first_row = m_block * Traits::kBlockM;
+    begin = p.mask.key_begin(first_row);
+    end = p.mask.key_end(min(first_row + Traits::kBlockM, p.q_len) - 1);
   }
-  return (keys + Traits::kBlockN - 1) / Traits::kBlockN;
+  if (end <= begin) return {0, 0};  // no query of the block sees a key
+  return {begin / Traits::kBlockN, (end + Traits::kBlockN - 1) / Traits::kBlockN};
 }
 
 template <class Traits>
@@ -88,7 +100,7 @@ struct ForwardProducer {
     bool first_tile = true;
     for (int64_t t = p.scheduler.first(); p.scheduler.valid(t); t = p.scheduler.next(t)) {
       const AttentionTile tile = p.scheduler.tile(t);
-      const int n_blocks = key_blocks(p, tile.m_block);
+      const KeyBlocks blocks = key_blocks(p, tile.m_block);
       const int kv_head = tile.head / p.group;
 
       Tensor gQ = local_tile(mQ(_, _, tile.head, tile.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
@@ -117,7 +129,7 @@ struct ForwardProducer {
 
       // The first K block goes out before waiting for the Q buffer, so the previous tile's tail
       // hides its latency.
-      if (n_blocks > 0 && leader) load_k(n_blocks - 1);
+      if (blocks.last > blocks.first && leader) load_k(blocks.last - 1);
       __syncwarp();  // the barrier below is warp-aligned
       if (!first_tile) {
         cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads + 32,
@@ -128,10 +140,10 @@ struct ForwardProducer {
         storage.barrier_q.arrive_and_expect_tx(Traits::kTmaBytesQ);
         copy(p.tma_q.with(reinterpret_cast<uint64_t&>(storage.barrier_q)), tQgQ, tQsQ);
       }
-      if (leader && n_blocks > 0) {
-        load_v(n_blocks - 1);
+      if (leader && blocks.last > blocks.first) {
+        load_v(blocks.last - 1);
         ++write;
-        for (int n_block = n_blocks - 2; n_block >= 0; --n_block) {
+        for (int n_block = blocks.last - 2; n_block >= blocks.first; --n_block) {
           load_k(n_block);
           load_v(n_block);
           ++write;
@@ -152,8 +164,8 @@ struct ForwardConsumer {
   using Element = typename Traits::Element;
   static constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
 
-  // Scores of keys a row does not see -> -inf: keys past Sk and, causal, keys after the diagonal
-  // (query i sees key j iff j <= i + Sk - Sq).
+  // Scores of keys a row does not see -> -inf: keys past Sk and, masked, keys outside the row's
+  // [key_begin, key_end) (attention_mask.h).
   template <class TensorS, class TensorC>
   __device__ __forceinline__ static void mask(const ForwardParams<Traits>& p, TensorS& s,
                                               const TensorC& coords, int m_block, int n_block) {
@@ -161,24 +173,39 @@ struct ForwardConsumer {
     const int row0 = m_block * kBlockM, col0 = n_block * kBlockN;
     CUTE_UNROLL
     for (int r = 0; r < size<0>(s); ++r) {
-      int limit = p.kv_len;
-      if constexpr (Traits::kCausal) {
-        limit = min(limit, row0 + get<0>(coords(r, 0)) + p.kv_len - p.q_len + 1);
+      int begin = 0, end = p.kv_len;
+      if constexpr (Traits::kMasked) {
+        const int row = row0 + get<0>(coords(r, 0));
+        begin = p.mask.key_begin(row);
+        end = p.mask.key_end(row);
       }
       CUTE_UNROLL
       for (int c = 0; c < size<1>(s); ++c) {
-        if (col0 + get<1>(coords(r, c)) >= limit) s(r, c) = -INFINITY;
+        const int col = col0 + get<1>(coords(r, c));
+        if (col < begin || col >= end) s(r, c) = -INFINITY;
       }
     }
   }
 
-  // Whether key block n_block of query block m_block holds a masked score.
+  // Whether key block n_block of query block m_block holds a masked score. The mask's key range
+  // moves right with the row, so the block's first row bounds the end and its last row the start.
   __device__ __forceinline__ static bool needs_mask(const ForwardParams<Traits>& p, int m_block,
                                                     int n_block) {
-    const int end = (n_block + 1) * kBlockN;  // one past the block's last key
+    const int begin = n_block * kBlockN, end = begin + kBlockN;  // the block's keys
     if (end > p.kv_len) return true;
-    if constexpr (Traits::kCausal) return end > m_block * kBlockM + p.kv_len - p.q_len + 1;
+    if constexpr (Traits::kMasked) {
+      const int first_row = m_block * kBlockM;
+      return p.mask.key_end(first_row) < end || p.mask.key_begin(first_row + kBlockM - 1) > begin;
+    }
     return false;
+  }
+
+  // The softcap on the unscaled scores (ForwardParams::softcap_unscaled), before the mask.
+  template <class TensorS>
+  __device__ __forceinline__ static void softcap(const ForwardParams<Traits>& p, TensorS& s) {
+    const float cap = p.softcap_unscaled, inv_cap = 1.f / cap;
+    CUTE_UNROLL
+    for (int i = 0; i < cute::size(s); ++i) s(i) = cap * fast_tanh(s(i) * inv_cap);
   }
 };
 

@@ -16,7 +16,7 @@
 
 namespace trainscale::ops::attention {
 
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kCausal_>
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kMasked_>
 struct ForwardTraits {
   using Element = Element_;  // cutlass::bfloat16_t or cutlass::half_t
   using Accum = float;
@@ -24,7 +24,7 @@ struct ForwardTraits {
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
-  static constexpr bool kCausal = kCausal_;
+  static constexpr bool kMasked = kMasked_;  // causal or a sliding window
 
   static constexpr int kConsumerWarpGroups = kBlockM / 64;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpGroups;
@@ -126,9 +126,9 @@ struct ForwardTraits {
 };
 
 // The traits of a plan.
-template <class Element, int kHeadDim, bool kCausal>
-using PlanTraits = ForwardTraits<Element, kHeadDim, forward_plan(kHeadDim, kCausal).block_m,
-                                 forward_plan(kHeadDim, kCausal).block_n,
-                                 forward_plan(kHeadDim, kCausal).stages, kCausal>;
+template <class Element, int kHeadDim, bool kMasked>
+using PlanTraits = ForwardTraits<Element, kHeadDim, forward_plan(kHeadDim, kMasked).block_m,
+                                 forward_plan(kHeadDim, kMasked).block_n,
+                                 forward_plan(kHeadDim, kMasked).stages, kMasked>;
 
 }  // namespace trainscale::ops::attention

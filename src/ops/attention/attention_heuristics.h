@@ -25,7 +25,7 @@ struct ForwardPlan {
   int block_n = 0;
   int stages = 0;
   int consumer_warpgroups = 0;
-  bool causal = false;
+  bool masked = false;  // causal or a sliding window: tiles the mask cuts
 
   constexpr bool supported() const { return head_dim != 0; }
   constexpr int threads() const { return 128 * (consumer_warpgroups + 1); }
@@ -39,13 +39,13 @@ constexpr bool forward_head_dim_supported(std::int64_t head_dim) {
 // The variant for a head dim and mask. Tiles as FlashAttention-3 picks them for H100: the score
 // tile (block_m x block_n fp32 accumulators) and the output tile (block_m x head_dim) must fit
 // the consumer warp groups' registers, and Q plus `stages` K and V tiles the 227 KiB of shared
-// memory. Non-causal head dim 128 takes wider key tiles (176: fewer softmax passes per key);
-// causal keeps 128 so the diagonal tiles waste less.
-constexpr ForwardPlan forward_plan(std::int64_t head_dim, bool causal) {
+// memory. Unmasked head dim 128 takes wider key tiles (176: fewer softmax passes per key);
+// masked (causal or a window) keeps 128 so the tiles on the mask's edges waste less.
+constexpr ForwardPlan forward_plan(std::int64_t head_dim, bool masked) {
   switch (head_dim) {
-    case 64: return {64, 192, 128, 2, 3, causal};
-    case 128: return {128, 128, causal ? 128 : 176, 2, 2, causal};
-    case 256: return {256, 128, 80, 2, 2, causal};
+    case 64: return {64, 192, 128, 2, 3, masked};
+    case 128: return {128, 128, masked ? 128 : 176, 2, 2, masked};
+    case 256: return {256, 128, 80, 2, 2, masked};
     default: return {};
   }
 }
@@ -134,7 +134,7 @@ inline TileOrder forward_tile_order(std::int64_t q_len, std::int64_t batch, std:
   order.m_blocks = static_cast<int>((q_len + plan.block_m - 1) / plan.block_m);
   order.heads = static_cast<int>(q_heads);
   order.batch = static_cast<int>(batch);
-  order.heaviest_first = plan.causal;
+  order.heaviest_first = plan.masked;
   const std::int64_t group = q_heads / std::max<std::int64_t>(kv_heads, 1);
   const std::int64_t kv_heads_fit =
       std::max<std::int64_t>(1, (l2_bytes / 2) / std::max<std::int64_t>(kv_bytes_per_head, 1));

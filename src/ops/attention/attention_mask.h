@@ -57,6 +57,22 @@ TRAINSCALE_HOST_DEVICE AttentionMask<Int> make_attention_mask(Int q_len, Int kv_
   return {q_len, kv_len, window_left, causal ? Int(0) : window_right};
 }
 
+// The options' mask in a kernel's 32-bit indices. A window side at least as long as the sequence
+// it reaches across hides nothing (the mask clamps it), so it becomes unbounded; the mask's sums
+// then stay below Sq + Sk, which the callers keep below 2^31.
+inline AttentionMask<int> kernel_attention_mask(std::int64_t q_len, std::int64_t kv_len,
+                                                const AttentionOptions& options) {
+  const AttentionMask<std::int64_t> mask = make_attention_mask<std::int64_t>(
+      q_len, kv_len, options.causal, options.window_left, options.window_right);
+  return {static_cast<int>(q_len), static_cast<int>(kv_len), mask.left >= kv_len ? -1 : static_cast<int>(mask.left),
+          mask.right >= q_len ? -1 : static_cast<int>(mask.right)};
+}
+
+// Whether the options mask anything beyond the ends of the sequences (causal or a window).
+inline bool attention_is_masked(const AttentionOptions& options) {
+  return options.causal || options.window_left >= 0 || options.window_right >= 0;
+}
+
 }  // namespace trainscale::ops::attention
 
 #undef TRAINSCALE_HOST_DEVICE
