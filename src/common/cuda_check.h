@@ -34,6 +34,8 @@ inline std::int64_t grid_for_tiles(std::int64_t items, std::int64_t per_block) {
 }
 
 struct DeviceInfo {
+  int device = 0;
+  int major = 0, minor = 0;  // compute capability
   int sm_count = 0;
   int max_threads_per_sm = 0;
   std::size_t shared_memory_per_block_optin = 0;

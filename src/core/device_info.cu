@@ -16,6 +16,9 @@ const DeviceInfo& current_device_info() {
     cudaDeviceProp prop{};
     check_cuda(cudaGetDeviceProperties(&prop, device), "device_info", "cudaGetDeviceProperties");
     DeviceInfo& info = cache[device % kMaxDevices];
+    info.device = device;
+    info.major = prop.major;
+    info.minor = prop.minor;
     info.sm_count = prop.multiProcessorCount;
     info.max_threads_per_sm = prop.maxThreadsPerMultiProcessor;
     info.shared_memory_per_block_optin = prop.sharedMemPerBlockOptin;

@@ -88,6 +88,20 @@ void check_16_byte_access(detail::OpChecker& c, std::initializer_list<detail::Ar
   }
 }
 
+// CUDA tensors need a build with CUDA and the CUTLASS headers (the attention kernels' CuTe).
+void require_attention_kernels(const detail::OpChecker& c) {
+#if !TRAINSCALE_HAVE_CUDA
+  detail::throw_no_cuda_build(c.op());
+#elif !TRAINSCALE_HAVE_CUTLASS
+  detail::throw_op_error(c.op(),
+                         "CUDA tensors given, but this build has no attention kernel: it was "
+                         "configured without the CUTLASS headers (pip install nvidia-cutlass, or "
+                         "-DTRAINSCALE_CUTLASS_INCLUDE=<dir>), so only the CPU reference exists");
+#else
+  (void)c;
+#endif
+}
+
 // The kernels' mask (attention_mask.h) sums positions in 32 bits.
 void check_mask_indices(detail::OpChecker& c, const TensorView& q, const TensorView& k) {
   if (q.size(1) + k.size(1) > std::numeric_limits<std::int32_t>::max())
@@ -150,14 +164,7 @@ void attention_forward(const TensorView& q, const TensorView& k, const TensorVie
   if (lse.defined()) check_lse(c, lse, "lse", q);
   c.outputs_disjoint({{out, "out"}, {lse, "lse"}}, {{q, "q"}, {k, "k"}, {v, "v"}});
   if (c.on_cuda()) {
-#if !TRAINSCALE_HAVE_CUDA
-    detail::throw_no_cuda_build(c.op());
-#elif !TRAINSCALE_HAVE_CUTLASS
-    detail::throw_op_error(c.op(),
-                           "CUDA tensors given, but this build has no attention kernel: it was "
-                           "configured without the CUTLASS headers (pip install nvidia-cutlass, or "
-                           "-DTRAINSCALE_CUTLASS_INCLUDE=<dir>), so only the CPU reference exists");
-#endif
+    require_attention_kernels(c);
     check_cuda_forward(c, q, k, v);
     if (lse.defined()) c.dtype_in(lse, "lse", {DType::kFloat32});
   }
@@ -194,14 +201,7 @@ void attention_backward(const AttentionBackwardArgs& args, const AttentionOption
   c.outputs_disjoint({{dv, "dv"}, {dk, "dk"}, {dq, "dq"}, {workspace, "workspace"}},
                      {{dout, "dout"}, {q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}, {lse, "lse"}});
   if (c.on_cuda()) {
-#if !TRAINSCALE_HAVE_CUDA
-    detail::throw_no_cuda_build(c.op());
-#elif !TRAINSCALE_HAVE_CUTLASS
-    detail::throw_op_error(c.op(),
-                           "CUDA tensors given, but this build has no attention kernel: it was "
-                           "configured without the CUTLASS headers (pip install nvidia-cutlass, or "
-                           "-DTRAINSCALE_CUTLASS_INCLUDE=<dir>), so only the CPU reference exists");
-#endif
+    require_attention_kernels(c);
     check_cuda_backward(c, args);
   }
 #if TRAINSCALE_HAVE_CUDA && TRAINSCALE_HAVE_CUTLASS

@@ -26,29 +26,13 @@ inline constexpr const char* kBackwardOp = "attention_backward";
 // The kernels need compute capability 8.0+, a kernel image for the device in this build, and the
 // head dim's shared memory (backward_plan).
 inline void require_backward_device(const void* kernel, int shared_bytes, int head_dim) {
-  int device = 0, major = 0, minor = 0;
-  detail::check_cuda(cudaGetDevice(&device), kBackwardOp, "cudaGetDevice");
-  detail::check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
-                     kBackwardOp, "cudaDeviceGetAttribute");
-  detail::check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device),
-                     kBackwardOp, "cudaDeviceGetAttribute");
-  if (major < 8) {
-    detail::throw_op_error(kBackwardOp, "the CUDA attention backward needs compute capability 8.0+ (mma.sync "
-                                        "on bf16/fp16); device " + std::to_string(device) + " has " +
-                                        std::to_string(major) + "." + std::to_string(minor));
-  }
-  cudaFuncAttributes attributes{};
-  if (cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess) {
-    (void)cudaGetLastError();
-    detail::throw_op_error(kBackwardOp, "no kernel image for this GPU in this build (TRAINSCALE_CUDA_ARCHS "
-                                        "must include its architecture)");
-  }
-  const std::size_t available = detail::current_device_info().shared_memory_per_block_optin;
-  if (static_cast<std::size_t>(shared_bytes) > available) {
+  require_device_for(kBackwardOp, kernel, 8, /*or_newer=*/true, "compute capability 8.0+ (mma.sync on bf16/fp16)");
+  const detail::DeviceInfo& info = detail::current_device_info();
+  if (static_cast<std::size_t>(shared_bytes) > info.shared_memory_per_block_optin) {
     detail::throw_op_error(kBackwardOp, "head dim " + std::to_string(head_dim) + " needs " +
-                                            std::to_string(shared_bytes) +
-                                            " bytes of shared memory per block; device " +
-                                            std::to_string(device) + " offers " + std::to_string(available));
+                                            std::to_string(shared_bytes) + " bytes of shared memory per block; device " +
+                                            std::to_string(info.device) + " offers " +
+                                            std::to_string(info.shared_memory_per_block_optin));
   }
 }
 

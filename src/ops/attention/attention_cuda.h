@@ -6,9 +6,31 @@
 // attention_backward_workspace_bytes.
 #pragma once
 
+#include <string>
+
+#include "common/cuda_check.h"
+#include "core/check.h"
 #include "trainscale/attention.h"
 
 namespace trainscale::ops::attention {
+
+// The current GPU runs `kernel`: its compute capability is `needs` (major exactly `major`, or at
+// least `major` when `or_newer`) and this build holds an image of the kernel for it.
+inline void require_device_for(const char* op, const void* kernel, int major, bool or_newer, const char* needs) {
+  const detail::DeviceInfo& info = detail::current_device_info();
+  if (or_newer ? info.major < major : info.major != major) {
+    detail::throw_op_error(op, std::string("the CUDA attention kernel needs ") + needs + "; device " +
+                                   std::to_string(info.device) + " has compute capability " +
+                                   std::to_string(info.major) + "." + std::to_string(info.minor) +
+                                   " (pass CPU tensors for the reference)");
+  }
+  cudaFuncAttributes attributes{};
+  if (cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess) {
+    (void)cudaGetLastError();
+    detail::throw_op_error(op, "no kernel image for this GPU in this build (TRAINSCALE_CUDA_ARCHS must "
+                               "include its architecture)");
+  }
+}
 
 void attention_forward_hdim64(const TensorView& q, const TensorView& k, const TensorView& v,
                               TensorView out, TensorView lse, const AttentionOptions& options,

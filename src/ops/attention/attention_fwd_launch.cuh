@@ -50,24 +50,7 @@ inline void require_hopper(const void* kernel) {
                          "this build has no sm_90a code (TRAINSCALE_CUDA_ARCHS must include 90a); "
                          "the CUDA attention kernel runs on Hopper only");
 #else
-  int device = 0, major = 0, minor = 0;
-  detail::check_cuda(cudaGetDevice(&device), kForwardOp, "cudaGetDevice");
-  detail::check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
-                     kForwardOp, "cudaDeviceGetAttribute");
-  detail::check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device),
-                     kForwardOp, "cudaDeviceGetAttribute");
-  if (major != 9) {
-    detail::throw_op_error(kForwardOp, "the CUDA attention kernel needs a Hopper GPU (compute "
-                                       "capability 9.0, sm_90a); device " + std::to_string(device) +
-                                       " has compute capability " + std::to_string(major) + "." +
-                                       std::to_string(minor) + " (pass CPU tensors for the reference)");
-  }
-  cudaFuncAttributes attributes{};
-  if (cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess) {
-    (void)cudaGetLastError();
-    detail::throw_op_error(kForwardOp, "no kernel image for this GPU in this build "
-                                       "(TRAINSCALE_CUDA_ARCHS must include 90a)");
-  }
+  require_device_for(kForwardOp, kernel, 9, /*or_newer=*/false, "a Hopper GPU (compute capability 9.0, sm_90a)");
 #endif
 }
 
