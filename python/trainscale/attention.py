@@ -37,6 +37,7 @@ def _(dout, q, k, v, out, lse, causal, scale, window_left=-1, window_right=-1, s
 
 def _attention_setup(ctx, inputs, output):
     q, k, v, *options = inputs  # causal, scale, and window_left, window_right, softcap when given
+    # (callers of the op may leave the last three to their defaults)
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.options = options
@@ -60,11 +61,8 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
                        softcap: float = 0.0):
     """(out, lse) of attention: lse [B, Hq, Sq] float32 (float64 for float64 inputs), the
     log-sum-exp of each query's scaled, masked scores; lse is not differentiable."""
-    scale = 0.0 if scale is None else float(scale)
-    left, right = (int(w) for w in window_size)
-    if (left, right) == (-1, -1) and not softcap:  # the short schema: what traces and saves stay plain
-        return ops.attention_forward(q, k, v, bool(causal), scale)
-    return ops.attention_forward(q, k, v, bool(causal), scale, left, right, float(softcap))
+    return ops.attention_forward(q, k, v, bool(causal), 0.0 if scale is None else float(scale),
+                                 int(window_size[0]), int(window_size[1]), float(softcap))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
