@@ -256,12 +256,64 @@ def _quack_baseline():
     return lambda op, shape, dtype: setup if _base_op(op) == "rmsnorm_forward" else None
 
 
+def _sdpa_baseline(backend):
+    """PyTorch's fused attention kernels through the aten ops F.scaled_dot_product_attention
+    dispatches to, which return (forward) and take (backward) the log-sum-exp the attention cases
+    compare: backend "flash" (FlashAttention-2; forward and backward) or "cudnn" (forward; its
+    backward is the C++ engine's cudnn baseline). bf16 / fp16 only. The cases' BSHD tensors go in
+    as [B, H, S, D] views; with GQA, k and v are repeated to the query heads once in setup (the
+    aten ops take equal head counts) and the backward's dk / dv summed back over each group
+    (timed)."""
+    def make(op, shape, dtype):
+        ops = ("attention_forward",) if backend == "cudnn" else ("attention_forward", "attention_backward")
+        if op not in ops or dtype not in ("bfloat16", "float16"):
+            return None
+        batch, q_heads, kv_heads, seq, _, causal = shape
+        causal, group = bool(causal), q_heads // kv_heads
+
+        def heads(t, name):
+            x = t[name].transpose(1, 2)
+            return x.repeat_interleave(group, dim=1) if group > 1 and name in ("k", "v") else x
+
+        def forward(q, k, v):
+            if backend == "flash":
+                return _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
+            return _aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal)
+
+        def kv_grad(g):  # [B, Hq, S, D] -> [B, S, Hkv, D]
+            if group > 1:
+                g = g.unflatten(1, (kv_heads, group)).sum(2)
+            return g.transpose(1, 2)
+
+        def setup(t):
+            q, k, v = heads(t, "q"), heads(t, "k"), heads(t, "v")
+            if op == "attention_forward":
+                def run():
+                    out, lse = forward(q, k, v)[:2]
+                    return out.transpose(1, 2), lse.reshape(batch, q_heads, seq)
+                return run
+            # The backward from the case's dout, out and lse; the rest of what the aten backward
+            # takes (sequence offsets, RNG state) from one untimed forward.
+            cum_q, cum_k, max_q, max_k, seed, offset = forward(q, k, v)[2:8]
+            dout, out, lse = heads(t, "dout"), heads(t, "out"), t["lse"]
+
+            def run():
+                dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
+                    dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset)
+                return dq.transpose(1, 2), kv_grad(dk), kv_grad(dv)
+            return run
+        return setup
+    return make
+
+
 def baselines(use_gpu):
-    """(name, make) of every baseline available here; Liger and QuACK run on GPUs only."""
+    """(name, make) of every baseline available here; Liger, QuACK and PyTorch's fused attention
+    kernels run on GPUs only."""
     out = [("torch", _torch_baseline(False)), ("torch-compile", _torch_baseline(True))]
     if use_gpu:
         out += [(name, make) for name, make in (("liger", _liger_baseline()), ("quack", _quack_baseline()))
                 if make is not None]
+        out += [("torch-sdpa-flash", _sdpa_baseline("flash")), ("torch-sdpa-cudnn", _sdpa_baseline("cudnn"))]
     return out
 
 
