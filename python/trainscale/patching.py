@@ -161,9 +161,9 @@ def _attention_skip_reason(model: nn.Module):
     if cfg is None or getattr(cfg, "model_type", None) not in _ATTENTION_MODEL_TYPES:
         return "not a Llama-family Hugging Face model"
     if any(p.device.type != "cpu" for p in model.parameters()):
-        # The CUDA forward exists, but the backward is CPU-only for now: training would fail.
-        return "parameters not on the CPU (the CUDA attention backward does not exist yet; " \
-               "attn_implementation='trainscale' still runs the CUDA forward)"
+        # The CUDA backward has not passed its GPU tests yet: patch() does not train through it.
+        return "parameters not on the CPU (the CUDA attention backward has not been verified on a GPU " \
+               "yet; attn_implementation='trainscale' runs the CUDA kernels)"
     return None
 
 
@@ -217,10 +217,9 @@ def patch(model: nn.Module, rms_norm: bool = True, swiglu: bool = True, rope: bo
     lm_head's weight, without the logits (the output's `logits` is then None), and, in Llama /
     Mistral / Qwen2 / Qwen3 models whose parameters are all on the CPU, attention ->
     trainscale.hf_attention_forward (config._attn_implementation = "trainscale"; masks other
-    than the causal one, dropout, softcap and sliding windows fall back to sdpa per call). On
-    CUDA, attention is left as it is: the CUDA attention backward does not exist yet, so
-    training would fail; load the model with attn_implementation="trainscale" for the CUDA
-    forward (inference). Returns (and with verbose prints) a report of what was swapped."""
+    than the causal (sliding-window) one and dropout fall back to sdpa per call). On CUDA,
+    attention is left as it is until the CUDA attention backward has passed its GPU tests;
+    load the model with attn_implementation="trainscale" to run the CUDA kernels. Returns (and with verbose prints) a report of what was swapped."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"trainscale.patch: argument 'model': expected a torch.nn.Module, got {type(model).__name__}")
     report = PatchReport()
