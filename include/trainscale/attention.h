@@ -1,5 +1,6 @@
-// Scaled dot-product attention: O = softmax(Q K^T * scale + mask) V, with grouped-query heads
-// and a bottom-right aligned causal mask.
+// Scaled dot-product attention: O = softmax(mask(softcap(Q K^T * scale))) V, with grouped-query
+// heads, a bottom-right aligned causal mask and sliding window, and packed variable-length
+// sequences (attention_varlen_*).
 #pragma once
 
 #include <cstddef>
@@ -27,8 +28,10 @@ struct AttentionOptions {
 // out [B, Sq, Hq, D] in q's dtype (any such strides, elements must not alias).
 // lse [B, Hq, Sq] contiguous, float32 (float64 accepted on the CPU): log-sum-exp of each
 // query's scaled, masked scores; optional (TensorView{}).
-// Causal: query i sees key j iff j <= i + (Sk - Sq). A query that sees no key (Sq > Sk, or
-// Sk == 0) gets out = 0 and lse = -inf, as in FlashAttention.
+// Causal: query i sees key j iff j <= i + (Sk - Sq); the window bounds j further. A query that
+// sees no key (Sq > Sk causal, a window past the keys, or Sk == 0) gets out = 0 and lse = -inf,
+// as in FlashAttention. The CUDA path (sm_90a) takes bf16 / fp16 with D in {64, 128, 256} and
+// q, k, v as TMA reads them (16-byte aligned, strides of 16-byte multiples).
 void attention_forward(const TensorView& q, const TensorView& k, const TensorView& v,
                        TensorView out, TensorView lse, const AttentionOptions& options = {},
                        cudaStream_t stream = nullptr);
