@@ -342,6 +342,21 @@ def test_cuda_forward_matches_sdpa(d, causal):
 
 
 @cuda
+@pytest.mark.parametrize("causal,window,softcap", WINDOW_MODES + [(False, (40, 17), 0.0), (True, (64, -1), 30.0)])
+def test_cuda_window_and_softcap_match_reference(causal, window, softcap):
+    q, k, v = make(2, 300, 300, 8, 2, 128, dtype=torch.float32, requires_grad=True)
+    dout = torch.randn(2, 300, 8, 128)
+    ref_out = reference(q, k, v, causal, None, window, softcap)[0]
+    ref_grads = torch.autograd.grad(ref_out, (q, k, v), dout)
+    qc, kc, vc = (t.detach().cuda().bfloat16().requires_grad_() for t in (q, k, v))
+    out = ts.attention(qc, kc, vc, causal=causal, window_size=window, softcap=softcap)
+    grads = torch.autograd.grad(out, (qc, kc, vc), dout.cuda().bfloat16())
+    torch.testing.assert_close(out.float().cpu(), ref_out.detach(), rtol=2e-2, atol=2e-2)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g.float().cpu(), r, rtol=3e-2, atol=3e-2 * r.abs().max().item())
+
+
+@cuda
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_cuda_backward_matches_sdpa(d, causal):
