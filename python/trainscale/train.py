@@ -373,18 +373,25 @@ def _progress(r: dict, steps: int) -> str:
 
 def train(args) -> dict:
     d = init_distributed(args)
-    finished = False
     try:
-        result = _train(args, d)
-        finished = True
-        return result
+        return _train(args, d)
     finally:
         if d.world > 1:
-            # Every rank leaves together: a rank that tears gloo's connections down while its peer is still
-            # in its last collective can abort that peer at exit. (A failed rank skips it: no hang.)
-            if finished:
-                dist.barrier()
             dist.destroy_process_group()
+
+
+def _run_worker(args):
+    """The command line under torchrun: train, wait for every rank, then leave with os._exit.
+    Tearing down the process group and the interpreter after a finished run has aborted a rank
+    now and then ("terminate called without an active exception" from a thread of the
+    distributed runtime still running at exit); the run's logs are closed by then, so nothing is
+    lost by skipping that teardown. A failing rank raises as usual."""
+    d = init_distributed(args)
+    _train(args, d)
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _train(args, d: Dist) -> dict:
@@ -506,6 +513,8 @@ def main(argv=None):
         from .train_plot import plot
         plot(args.plot, args.logs)
         return 0
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:
+        _run_worker(args)
     train(args)
     return 0
 
