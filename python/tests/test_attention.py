@@ -352,8 +352,11 @@ def test_cuda_window_and_softcap_match_reference(causal, window, softcap):
     out = ts.attention(qc, kc, vc, causal=causal, window_size=window, softcap=softcap)
     grads = torch.autograd.grad(out, (qc, kc, vc), dout.cuda().bfloat16())
     torch.testing.assert_close(out.float().cpu(), ref_out.detach(), rtol=2e-2, atol=2e-2)
+    # Absolute tolerance on the scale of the largest gradient: with window (0, 0) every query sees
+    # one key, so dQ and dK are exactly 0 and only rounding remains.
+    scale = max(r.abs().max().item() for r in ref_grads)
     for g, r in zip(grads, ref_grads):
-        torch.testing.assert_close(g.float().cpu(), r, rtol=3e-2, atol=3e-2 * r.abs().max().item())
+        torch.testing.assert_close(g.float().cpu(), r, rtol=3e-2, atol=3e-2 * scale)
 
 
 @cuda
