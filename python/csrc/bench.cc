@@ -423,6 +423,13 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("time_callable", &time_callable, py::arg("fn"), py::arg("device") = -1, py::arg("timing") = py::dict(),
         "Times fn() with the engine (CUDA events on device >= 0, the host clock on -1); returns the statistics in ms.");
+  m.def("summarize", [](const std::vector<double>& ms) {
+        if (ms.empty()) arg_error("summarize", "samples", "at least one sample");
+        tb::SampleSet samples;
+        samples.ms = ms;
+        return summary_dict(samples, "");
+      }, py::arg("samples"),
+        "The engine's statistics (median, its 95% CI noise, percentiles) of samples timed elsewhere, in ms.");
   m.def("suite_names", [] { return tb::Registry::global().suite_names(); });
   m.def("ops", &op_infos, "(name, family, shape doc) of every registered op");
   m.def("suite_configs", &suite_configs, py::arg("suites"), "(op, shape, dtype) of the suites' configs, in order");

@@ -235,3 +235,21 @@ def test_bench_muon_suite(tmp_path, capsys):
     assert {r["impl"] for r in rows} == {"cpu-ref", "torch", "torch-compile"}
     assert all(r["status"] == "ok" and r["gate"]["rel_l2"] <= bench.MUON_TOLERANCE for r in rows)
     assert rows[0]["flops"] == bench.ns_flops(96, 48) == 5 * (4 * 48 * 48 * 96 + 2 * 48 ** 3)
+
+
+def test_bench_muon_suite_two_processes(tmp_path):
+    # Under torchrun the suite times the distributed step against the one-process step (its
+    # baseline there), all ranks in lockstep; rank 0 writes the report.
+    from trainscale import bench
+    out = tmp_path / "muon2.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "trainscale.bench", "--suite", "muon", "--device", "cpu", "--impl", "cpu-ref,cpu-ref-distributed",
+               "--quiet", "--json", str(out)]
+    done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    import json
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["impl"], r["baseline"]) for r in rows] == [("cpu-ref-distributed", False), ("cpu-ref", True)]
+    assert all(r["op"] == "muon_step" and r["status"] == "ok" and r["gate"]["rel_l2"] <= bench.MUON_TOLERANCE
+               for r in rows)
+    assert all(r["ms"]["count"] == bench.MUON_LOCKSTEP_SAMPLES and "lockstep over 2 ranks" in r["timer"] for r in rows)

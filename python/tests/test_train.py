@@ -16,9 +16,11 @@ modeling_llama = pytest.importorskip("transformers.models.llama.modeling_llama")
 
 from trainscale import train as ts_train  # noqa: E402
 
-STEP_KEYS = {"type", "step", "warmup", "loss", "grad_norm", "lr", "tokens", "step_time_s", "tokens_per_s", "tflops",
+STEP_KEYS = {"type", "step", "warmup", "loss", "grad_norm", "lr", "tokens", "step_time_s", "tokens_per_s",
+             "tokens_per_s_per_process", "tflops",
              "mfu", "mfu_measured", "peak_mem_allocated_gib", "peak_mem_reserved_gib", "peak_rss_gib"}
-SUMMARY_KEYS = {"type", "timed_steps", "final_loss", "step_time_s", "tokens_per_s", "tflops", "mfu", "mfu_measured",
+SUMMARY_KEYS = {"type", "timed_steps", "final_loss", "step_time_s", "tokens_per_s", "tokens_per_s_per_process",
+                "tflops", "mfu", "mfu_measured",
                 "peak_mem_allocated_gib", "peak_mem_reserved_gib", "peak_rss_gib"}
 
 
@@ -175,10 +177,27 @@ def test_two_process_gloo_matches_one(small_run, cache, tmp_path, parallel, opti
     records = read_jsonl(log)
     assert records[0]["world_size"] == 2 and records[0]["parallel"] == parallel and records[0]["global_batch"] == 2
     steps = [r for r in records if r["type"] == "step"]
+    # Rates per process: tokens/s halved, TFLOP/s (and so MFU) per GPU.
+    for s in steps:
+        assert s["tokens_per_s_per_process"] == pytest.approx(s["tokens_per_s"] / 2)
+        assert s["tflops"] == pytest.approx(records[0]["model_flops_per_token"] * s["tokens"] / s["step_time_s"] / 2e12)
+    summary = records[-1]
+    assert summary["type"] == "summary" and summary["tokens_per_s_per_process"] == pytest.approx(summary["tokens_per_s"] / 2)
     torch.testing.assert_close(torch.tensor([r["loss"] for r in steps]), torch.tensor(losses(single)),
                                rtol=1e-5, atol=0)
     torch.testing.assert_close(torch.tensor([r["grad_norm"] for r in steps]),
                                torch.tensor([s["grad_norm"] for s in single["steps"]]), rtol=1e-4, atol=0)
+
+
+def test_train_bench_table_of_distributed_runs():
+    from trainscale import train_bench
+    run_record = {"preset": "tiny", "data": "random", "seq_len": 32, "global_batch": 2, "steps": 3, "warmup_steps": 0,
+                  "precision": "bf16", "device": "GPU", "world_size": 2, "parallel": "fsdp2", "commit": "abc",
+                  "peak_tflops": 989, "model_flops_per_token": 1e6, "reference_impl": "eager"}
+    row = {"impl": "eager", "status": "ok", "tokens_per_s": 2000.0, "tokens_per_s_per_process": 1000.0}
+    table = train_bench.markdown({"command": "c", "run": run_record, "rows": [row]})
+    assert "2 x GPU, fsdp2" in table and "| impl | tokens/s | tokens/s per GPU | step ms |" in table
+    assert "| eager | 2,000 | 1,000 |" in table
 
 
 def test_train_bench_table(cache, tmp_path, monkeypatch):

@@ -12,7 +12,10 @@ The flce suite (fused linear cross-entropy, forward and backward through autogra
 here in Python rather than by the engine's cases: it also reports each implementation's peak
 memory, and its gate is a float32 reference on sampled rows (section "flce" below). So is the
 muon suite (Newton-Schulz against eager and torch.compile, a Muon step over the 2-D parameters
-of 4 Llama-3-8B decoder layers against torch.optim.Muon; section "muon").
+of 4 Llama-3-8B decoder layers against torch.optim.Muon; section "muon"). Under torchrun the
+muon suite times the Muon step of one process against the distributed one
+(trainscale-distributed: each rank orthogonalizes its share, then all-gathers), every rank in
+lockstep; rank 0 reports.
 """
 import argparse
 import contextlib
@@ -20,6 +23,7 @@ import gc
 import inspect
 import json
 import math
+import os
 import sys
 import time
 
@@ -481,6 +485,46 @@ def _time_row(row, run, device, timing, gemm_tflops):
                        "throttled": stats["throttled"], "throttle_reasons": ""})
 
 
+MUON_LOCKSTEP_WARMUP = 3
+MUON_LOCKSTEP_SAMPLES = 20
+
+
+def _time_row_lockstep(row, run, device, gemm_tflops):
+    """Times run() on every rank of torch.distributed the same number of times (the engine's
+    adaptive stopping rule could stop the ranks at different counts, and a collective inside
+    run() would then wait forever): MUON_LOCKSTEP_WARMUP untimed calls, then
+    MUON_LOCKSTEP_SAMPLES samples, each started together after a barrier; a sample is this
+    rank's time for the call (CUDA events on a GPU). The engine's statistics on rank 0's samples."""
+    import torch.distributed as dist
+    cuda = device.type == "cuda"
+    for _ in range(MUON_LOCKSTEP_WARMUP):
+        run()
+    samples = []
+    for _ in range(MUON_LOCKSTEP_SAMPLES):
+        if cuda:
+            torch.cuda.synchronize(device)
+        dist.barrier()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            run()
+            samples.append(1e3 * (time.perf_counter() - t0))
+    stats = _C.summarize(samples)
+    ms = stats["median"]
+    row.update(timer=("cuda-events" if cuda else "host") + f", lockstep over {dist.get_world_size()} ranks",
+               stop_reason="fixed count",
+               ms={k: stats[k] for k in ("count", "median", "mean", "std", "min", "max", "p5", "p95", "p99",
+                                         "rel_noise")},
+               gbps=row["bytes"] / ms / 1e6, tflops=row["flops"] / ms / 1e9,
+               pct_roofline=100 * row["flops"] / ms / 1e9 / gemm_tflops if gemm_tflops else None)
+
+
 def flce_configs(use_gpu, configs=()):
     """The suite's (T, H, V) here, only those named in configs ("TxHxV") when given."""
     shapes = FLCE_SHAPES if use_gpu else FLCE_CPU_SHAPES
@@ -597,9 +641,10 @@ def _rel_l2(got, want):
     return math.inf if math.isnan(rel) else rel
 
 
-def _muon_implementations(use_gpu):
+def _muon_implementations(use_gpu, distributed=False):
     """(op, name, is ours, make) per implementation; newton_schulz: make() -> fn(g); muon_step:
-    make(params) -> optimizer."""
+    make(params) -> optimizer; with distributed (torch.distributed initialized) also ours over
+    every rank."""
     from .optim import Muon, newton_schulz
 
     def compiled():
@@ -607,8 +652,13 @@ def _muon_implementations(use_gpu):
         return torch.compile(ns_eager, dynamic=False)
     ours = "trainscale" if use_gpu else "cpu-ref"
     out = [("newton_schulz", ours, True, lambda: newton_schulz), ("newton_schulz", "torch", False, lambda: ns_eager),
-           ("newton_schulz", "torch-compile", False, compiled),
-           ("muon_step", ours, True, lambda params: Muon(params, lr=0.02, weight_decay=0.1))]
+           ("newton_schulz", "torch-compile", False, compiled)]
+    if distributed:
+        # The distributed step is ours here and the one-process step its baseline, so that the
+        # report's speedup column is the distributed gain.
+        out.append(("muon_step", f"{ours}-distributed", True,
+                    lambda params: Muon(params, lr=0.02, weight_decay=0.1, distributed=True)))
+    out.append(("muon_step", ours, not distributed, lambda params: Muon(params, lr=0.02, weight_decay=0.1)))
     if hasattr(torch.optim, "Muon"):
         out.append(("muon_step", "torch-muon", False, lambda params: torch.optim.Muon(params, lr=0.02, weight_decay=0.1)))
     return out
@@ -658,8 +708,10 @@ def _muon_case(op, shapes, device, generator):
 def run_muon(result, configs, impls, device, timing, seed, progress):
     """Appends the muon suite's rows (result: the JSON document of docs/bench-json.md): each
     implementation gated on its first call against the float32 reference, then timed."""
+    import torch.distributed as dist
+    distributed = dist.is_available() and dist.is_initialized()
     gemm_tflops = (result.get("roofline") or {}).get("gemm_bf16_tflops")
-    available = [i for i in _muon_implementations(device.type == "cuda") if not impls or i[1] in impls]
+    available = [i for i in _muon_implementations(device.type == "cuda", distributed) if not impls or i[1] in impls]
     generator = torch.Generator(device=device).manual_seed(seed)
     started = time.monotonic()
     elem = torch.tensor([], dtype=MUON_DTYPE).element_size()
@@ -683,7 +735,10 @@ def run_muon(result, configs, impls, device, timing, seed, progress):
                     rel = _rel_l2(first(), ref)
                     row["gate"].update(rel_l2=rel)
                     if not rel <= MUON_TOLERANCE:
+                        # Every rank gates the same inputs, so all of them skip the timing together.
                         row.update(status="failed", message=f"relative L2 error {rel:.3g} > tolerance {MUON_TOLERANCE:g}")
+                    elif distributed:
+                        _time_row_lockstep(row, run, device, gemm_tflops)
                     else:
                         _time_row(row, run, device, timing, gemm_tflops)
     except KeyboardInterrupt:
@@ -849,17 +904,45 @@ def _main_muon(p, args, use_gpu, timing, command_line):
     known_ops = {"newton_schulz", "muon_step"}
     if any(op not in known_ops for op in ops):
         p.error(f"--ops: the {MUON_SUITE} suite has {', '.join(sorted(known_ops))}")
-    known = {name for _, name, _, _ in _muon_implementations(use_gpu)}
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+    known = {name for _, name, _, _ in _muon_implementations(use_gpu, distributed)}
     if any(impl not in known for impl in impls):
         p.error(f"--impl: the {MUON_SUITE} suite has {', '.join(sorted(known))} here")
     dtypes, configs = _csv_list(args.dtype), _csv_list(args.configs)
     wanted = not dtypes or any(d in ("bf16", "bfloat16") for d in dtypes)
-    selected = [c for c in muon_configs(use_gpu) if wanted and (not ops or c[0] in ops) and (not configs or c[1] in configs)]
+    selected = [c for c in muon_configs(use_gpu) if wanted and (not ops or c[0] in ops) and (not configs or c[1] in configs)
+                and (not distributed or c[0] == "muon_step")]  # Newton-Schulz has no distributed form
     if args.list:
         for op, dims, _ in selected:
             print(f"{op} {dims} bfloat16")
         return 0
+    if distributed:
+        _run_distributed_muon(args, use_gpu, selected, impls, timing, command_line)
     return _run_python_suite(MUON_SUITE, run_muon, selected, impls, args, use_gpu, timing, command_line)
+
+
+def _run_distributed_muon(args, use_gpu, selected, impls, timing, command_line):
+    """The muon suite under torchrun: NCCL on GPUs (one per rank, the LOCAL_RANK-th), gloo on the
+    CPU. Rank 0 reports as _run_python_suite does; every rank then leaves with os._exit (as
+    trainscale.train's workers do: tearing the process group down after a finished run has
+    aborted a rank now and then)."""
+    import torch.distributed as dist
+    if use_gpu:
+        args.gpu = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(args.gpu)
+    dist.init_process_group("nccl" if use_gpu else "gloo")
+    rank = dist.get_rank()
+    if rank != 0:
+        args.json = args.csv = args.md = args.plot = None
+        args.no_roofline = args.quiet = True
+        with contextlib.redirect_stdout(open(os.devnull, "w")):
+            status = _run_python_suite(MUON_SUITE, run_muon, selected, impls, args, use_gpu, timing, command_line)
+    else:
+        status = _run_python_suite(MUON_SUITE, run_muon, selected, impls, args, use_gpu, timing, command_line)
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _finite(obj):

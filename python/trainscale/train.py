@@ -344,8 +344,9 @@ def _peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / _GIB  # Linux: KiB
 
 
-def summarize(steps: list, warmup: int) -> dict:
-    """Means over the steps after the warm-up; final_loss: the mean of the last five losses."""
+def summarize(steps: list, warmup: int, world: int = 1) -> dict:
+    """Means over the steps after the warm-up (world: the number of processes); final_loss: the
+    mean of the last five losses."""
     timed = [s for s in steps if s["step"] > warmup]
     out = {"timed_steps": len(timed), "final_loss": sum(s["loss"] for s in steps[-5:]) / len(steps[-5:])}
     keys = ("step_time_s", "tokens_per_s", "tflops", "mfu", "mfu_measured")
@@ -354,6 +355,7 @@ def summarize(steps: list, warmup: int) -> dict:
         out[key] = sum(values) / len(values) if values else None
     if timed:  # tokens/s of the whole timed span (not the mean of per-step rates)
         out["tokens_per_s"] = sum(s["tokens"] for s in timed) / sum(s["step_time_s"] for s in timed)
+    out["tokens_per_s_per_process"] = out["tokens_per_s"] / world if out["tokens_per_s"] is not None else None
     last = steps[-1]
     for key in ("peak_mem_allocated_gib", "peak_mem_reserved_gib", "peak_rss_gib"):
         out[key] = last[key]
@@ -483,10 +485,11 @@ def _train(args, d: Dist) -> dict:
         (loss_value,) = [v / d.world for v in _reduce([loss_value], d, dist.ReduceOp.SUM)]
         step_time, mem_alloc_max, mem_reserved_max, rss = _reduce(
             [step_time, mem_alloc or 0.0, mem_reserved or 0.0, _peak_rss_gib()], d, dist.ReduceOp.MAX)
-        tflops = flops_per_token * tokens_per_step / step_time / 1e12
+        tflops = flops_per_token * tokens_per_step / step_time / 1e12 / d.world  # per GPU (process)
         r = {"type": "step", "step": step, "warmup": step <= args.warmup_steps, "loss": loss_value,
              "grad_norm": grad_norm, "lr": lr, "tokens": tokens_per_step, "step_time_s": step_time,
-             "tokens_per_s": tokens_per_step / step_time, "tflops": tflops, "mfu": tflops / args.peak_tflops,
+             "tokens_per_s": tokens_per_step / step_time, "tokens_per_s_per_process": tokens_per_step / step_time / d.world,
+             "tflops": tflops, "mfu": tflops / args.peak_tflops,
              "mfu_measured": tflops / args.measured_peak_tflops if args.measured_peak_tflops else None,
              "peak_mem_allocated_gib": mem_alloc_max if mem_alloc is not None else None,
              "peak_mem_reserved_gib": mem_reserved_max if mem_reserved is not None else None,
@@ -498,7 +501,7 @@ def _train(args, d: Dist) -> dict:
                 print(_progress(r, args.steps), flush=True)
         if not math.isfinite(loss_value):
             raise SystemExit(f"step {step}: the loss is {loss_value}; stopping")
-    summary = summarize(records, args.warmup_steps)
+    summary = summarize(records, args.warmup_steps, d.world)
     if d.main:
         log.close(summary)
         if not args.quiet:

@@ -7,7 +7,9 @@ the last five steps).
     python -m trainscale.train_bench --out-dir runs --impls eager,compile,liger,trainscale \\
         --preset llama3-8b-4layers --data random --seq-len 8192 --steps 30 --warmup-steps 5
 
-Arguments other than --out-dir and --impls go to trainscale.train. Writes
+Arguments other than --out-dir, --impls and --nproc-per-node go to trainscale.train; with
+--nproc-per-node N > 1 each run is `torchrun --standalone --nproc-per-node N -m trainscale.train`
+(add --parallel fsdp2 or ddp), and the table adds tokens/s per GPU. Writes
 <out-dir>/<impl>.jsonl (each run's log), <out-dir>/<impl>.out (its terminal output),
 <out-dir>/train-bench.json and .md (the table) and <out-dir>/train-bench.png (--plot of the
 runs). An implementation that fails (e.g. liger without Liger-Kernel) gets a row with its
@@ -56,14 +58,18 @@ def _cell(key: str, fmt: str, row: dict) -> str:
 
 def markdown(result: dict) -> str:
     run = result["run"]
+    world = run.get("world_size") or 1
+    columns = _COLUMNS if world == 1 else \
+        _COLUMNS[:2] + (("tokens_per_s_per_process", "tokens/s per GPU", "{:,.0f}"),) + _COLUMNS[2:]
+    placement = f"{run['device']}" if world == 1 else f"{world} x {run['device']}, {run['parallel']}"
     lines = [f"# trainscale.train: {run['preset']}, {run['data']} data, seq {run['seq_len']}, global batch "
              f"{run['global_batch']}, {run['steps']} steps ({run['warmup_steps']} warm-up), {run['precision']}, "
-             f"{run['device']}", "", f"Commit `{run.get('commit') or 'unknown'}`.", "",
+             f"{placement}", "", f"Commit `{run.get('commit') or 'unknown'}`.", "",
              f"`{result['command']}`", "",
-             "| " + " | ".join(title for _, title, _ in _COLUMNS) + " |",
-             "|" + "---|" * len(_COLUMNS)]
+             "| " + " | ".join(title for _, title, _ in columns) + " |",
+             "|" + "---|" * len(columns)]
     for row in result["rows"]:
-        lines.append("| " + " | ".join(_cell(key, fmt, row) for key, _, fmt in _COLUMNS) + " |")
+        lines.append("| " + " | ".join(_cell(key, fmt, row) for key, _, fmt in columns) + " |")
     measured = run.get("measured_peak_tflops")
     lines += ["", f"max loss gap: the largest difference between the row's loss and {run['reference_impl']}'s, "
                   f"both averaged over the same windows of {LOSS_WINDOW} steps.",
@@ -91,6 +97,7 @@ def main(argv=None):
                                 allow_abbrev=False)
     p.add_argument("--out-dir", required=True)
     p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, of {', '.join(IMPLS)}")
+    p.add_argument("--nproc-per-node", type=int, default=1, help="processes (GPUs) per run, through torchrun")
     args, train_args = p.parse_known_args(argv)
     impls = [s for s in args.impls.split(",") if s]
     unknown = [s for s in impls if s not in IMPLS]
@@ -106,7 +113,9 @@ def main(argv=None):
         log = os.path.join(args.out_dir, f"{impl}.jsonl")
         if os.path.exists(log):
             os.remove(log)  # a stale log must not pass for this run's
-        command = [sys.executable, "-m", "trainscale.train", *train_args, "--impl", impl, "--jsonl", log]
+        launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc_per_node)] \
+            if args.nproc_per_node > 1 else []
+        command = [sys.executable, *launcher, "-m", "trainscale.train", *train_args, "--impl", impl, "--jsonl", log]
         print(f"[train_bench] {impl}: {' '.join(command[1:])}", flush=True)
         with open(os.path.join(args.out_dir, f"{impl}.out"), "w") as out:
             rc = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT).returncode
