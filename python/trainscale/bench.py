@@ -489,12 +489,13 @@ MUON_LOCKSTEP_WARMUP = 3
 MUON_LOCKSTEP_SAMPLES = 20
 
 
-def _time_row_lockstep(row, run, device, gemm_tflops):
+def _time_row_lockstep(row, run, device, gemm_tflops, gpus):
     """Times run() on every rank of torch.distributed the same number of times (the engine's
     adaptive stopping rule could stop the ranks at different counts, and a collective inside
     run() would then wait forever): MUON_LOCKSTEP_WARMUP untimed calls, then
     MUON_LOCKSTEP_SAMPLES samples, each started together after a barrier; a sample is this
-    rank's time for the call (CUDA events on a GPU). The engine's statistics on rank 0's samples."""
+    rank's time for the call (CUDA events on a GPU). The engine's statistics on rank 0's samples;
+    the % of roofline is against the GEMM peak of the `gpus` GPUs the call runs on."""
     import torch.distributed as dist
     cuda = device.type == "cuda"
     for _ in range(MUON_LOCKSTEP_WARMUP):
@@ -522,7 +523,7 @@ def _time_row_lockstep(row, run, device, gemm_tflops):
                ms={k: stats[k] for k in ("count", "median", "mean", "std", "min", "max", "p5", "p95", "p99",
                                          "rel_noise")},
                gbps=row["bytes"] / ms / 1e6, tflops=row["flops"] / ms / 1e9,
-               pct_roofline=100 * row["flops"] / ms / 1e9 / gemm_tflops if gemm_tflops else None)
+               pct_roofline=100 * row["flops"] / ms / 1e9 / (gemm_tflops * gpus) if gemm_tflops else None)
 
 
 def flce_configs(use_gpu, configs=()):
@@ -738,7 +739,8 @@ def run_muon(result, configs, impls, device, timing, seed, progress):
                         # Every rank gates the same inputs, so all of them skip the timing together.
                         row.update(status="failed", message=f"relative L2 error {rel:.3g} > tolerance {MUON_TOLERANCE:g}")
                     elif distributed:
-                        _time_row_lockstep(row, run, device, gemm_tflops)
+                        gpus = dist.get_world_size() if name.endswith("-distributed") else 1
+                        _time_row_lockstep(row, run, device, gemm_tflops, gpus)
                     else:
                         _time_row(row, run, device, timing, gemm_tflops)
     except KeyboardInterrupt:

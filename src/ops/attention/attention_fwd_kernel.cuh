@@ -76,7 +76,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor o = make_tensor(tOrO.data(), accumulator_rowcol(tOrO.layout()));
   constexpr int kRows = decltype(size<0>(o))::value;
 
-  typename Traits::PipelineState read;
+  // K and V advance separately: with the overlap below, V of the previous key block is still
+  // being read while K of the next one is.
+  typename Traits::PipelineState read_k, read_v;
   uint32_t q_phase = 0;
   for (int64_t t = p.scheduler.first(); p.scheduler.valid(t); t = p.scheduler.next(t)) {
     const AttentionTile tile = p.scheduler.tile(t);
@@ -86,29 +88,59 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     storage.barrier_q.wait(q_phase);
     q_phase ^= 1;
 
-    for (int n_block = blocks.last - 1; n_block >= blocks.first; --n_block) {
-      Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
-      pipeline_k.consumer_wait(read);
-      detail::warpgroup_gemm</*kZeroInit=*/true>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
-      pipeline_k.consumer_release(read);
-
+    Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    Tensor s = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
+    float rescale[kRows];
+    // Scores of key block n_block -> probabilities (sign, softcap, mask, online softmax).
+    auto scores_to_probabilities = [&](int n_block) {
       if (p.negate_scores) {
         CUTE_UNROLL
         for (int i = 0; i < size(tSrS); ++i) tSrS(i) = -tSrS(i);
       }
       if (p.softcap_unscaled > 0.f) ForwardConsumer<Traits>::softcap(p, tSrS);
-      Tensor s = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
       if (ForwardConsumer<Traits>::needs_mask(p, tile.m_block, n_block)) {
         ForwardConsumer<Traits>::mask(p, s, s_coords, tile.m_block, n_block);
       }
-      softmax.update(s, o);
-
-      Tensor p_regs = convert_fragment<Element>(tSrS);
+      softmax.update(s, rescale);
+    };
+    auto scores_of = [&](auto wait) {  // S = Q K^T of the next K stage; wait: batches left in flight
+      pipeline_k.consumer_wait(read_k);
+      detail::warpgroup_gemm</*kZeroInit=*/true, decltype(wait)::value>(mma_qk, tSrQ,
+                                                                        tSrK(_, _, _, read_k.index()), tSrS);
+    };
+    auto accumulate_output = [&](auto& p_regs, auto wait) {  // O += P V of the next V stage
       Tensor tOrP = make_tensor(p_regs.data(), accumulator_as_a_operand(tSrS.layout()));
-      pipeline_v.consumer_wait(read);
-      detail::warpgroup_gemm</*kZeroInit=*/false>(mma_pv, tOrP, tOrV(_, _, _, read.index()), tOrO);
-      pipeline_v.consumer_release(read);
-      ++read;
+      pipeline_v.consumer_wait(read_v);
+      detail::warpgroup_gemm</*kZeroInit=*/false, decltype(wait)::value>(mma_pv, tOrP,
+                                                                         tOrV(_, _, _, read_v.index()), tOrO);
+    };
+    auto release_k = [&] { pipeline_k.consumer_release(read_k); ++read_k; };
+    auto release_v = [&] { pipeline_v.consumer_release(read_v); ++read_v; };
+
+    // Intra-warp-group overlap: while the tensor cores compute S of key block n and O += P V of
+    // block n + 1 (both issued before either is waited on), the warp group waits only for S, runs
+    // the softmax of block n on it, then waits for the P V product before rescaling O. The first
+    // block's softmax and the last block's P V run alone.
+    if (blocks.last > blocks.first) {
+      scores_of(cute::Int<0>{});
+      release_k();
+      scores_to_probabilities(blocks.last - 1);  // O is still zero: no rescale
+      auto p_regs = convert_fragment<Element>(tSrS);
+      for (int n_block = blocks.last - 2; n_block >= blocks.first; --n_block) {
+        scores_of(cute::Int<-1>{});
+        accumulate_output(p_regs, cute::Int<-1>{});
+        warpgroup_wait<1>();  // S landed; P V may still run
+        warpgroup_fence_operand(tSrS);
+        release_k();
+        scores_to_probabilities(n_block);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tOrO);
+        release_v();
+        OnlineSoftmax<kRows>::rescale_output(o, rescale);
+        p_regs = convert_fragment<Element>(tSrS);
+      }
+      accumulate_output(p_regs, cute::Int<0>{});
+      release_v();
     }
     // Every GEMM reading this tile's Q is done: the producer may load the next one.
     if (p.scheduler.valid(p.scheduler.next(t))) {

@@ -8,14 +8,12 @@
 //
 // Consumers (block_m / 64 warp groups, 64 query rows each), per key block:
 //   S = Q K^T (wgmma, both from shared memory) -> release K -> softcap -> mask -> online softmax
-//   (P in registers, O and the sums rescaled) -> O += P V (wgmma with P from registers) ->
-//   release V.
+//   (P in registers, the sums rescaled) -> O += P V (wgmma with P from registers) -> release V,
+// with the P V product of one block in flight while the softmax of the next runs (the consumer
+// loop in attention_fwd_kernel.cuh).
 // A query block visits only the key blocks its mask lets it see (attention_mask.h), from the last
 // to the first, so the blocks that need a mask (the tail past Sk and, causal, those crossing the
 // diagonal) come first.
-//
-// The loop is the plain, fully serialized form; overlapping the softmax of one block with the
-// GEMMs of the next (within a warp group, or ping-pong between the two) slots in here.
 #pragma once
 
 #include <cute/tensor.hpp>

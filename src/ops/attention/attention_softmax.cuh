@@ -88,10 +88,12 @@ struct OnlineSoftmax {
   }
 
   // One key block: scores `s` (rows x cols, masked entries -inf) become probabilities relative
-  // to the new running maximum, and the output rows `o` and sums are rescaled to it. A NaN score
-  // does not enter the maximum (fmaxf) but turns its probability, the sum and the output NaN.
-  template <class TensorS, class TensorO>
-  __device__ __forceinline__ void update(TensorS& s, TensorO& o) {
+  // to the new running maximum; the sums are rescaled to it, and `rescale` receives the factor
+  // the output rows must be multiplied by (rescale_output), which the caller applies once no
+  // product still writes them. A NaN score does not enter the maximum (fmaxf) but turns its
+  // probability, the sum and the output NaN.
+  template <class TensorS>
+  __device__ __forceinline__ void update(TensorS& s, float (&rescale)[kRows]) {
     using namespace cute;
     static_assert(decltype(size<0>(s))::value == kRows);
 #pragma unroll
@@ -102,7 +104,7 @@ struct OnlineSoftmax {
       m = quad_max(m);
       // All -inf so far (every key masked): subtract 0 so that 2^(-inf - 0) = 0, not NaN.
       const float m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
-      const float rescale = fast_exp2(row_max[r] * scale_log2 - m_scaled);
+      rescale[r] = fast_exp2(row_max[r] * scale_log2 - m_scaled);
       row_max[r] = m;
       float sum = 0.f;
 #pragma unroll
@@ -111,9 +113,17 @@ struct OnlineSoftmax {
         s(r, c) = p;
         sum += p;
       }
-      row_sum[r] = row_sum[r] * rescale + sum;
+      row_sum[r] = row_sum[r] * rescale[r] + sum;
+    }
+  }
+
+  template <class TensorO>
+  __device__ __forceinline__ static void rescale_output(TensorO& o, const float (&rescale)[kRows]) {
+    using namespace cute;
 #pragma unroll
-      for (int c = 0; c < size<1>(o); ++c) o(r, c) *= rescale;
+    for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+      for (int c = 0; c < size<1>(o); ++c) o(r, c) *= rescale[r];
     }
   }
 
