@@ -117,25 +117,34 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     auto release_k = [&] { pipeline_k.consumer_release(read_k); ++read_k; };
     auto release_v = [&] { pipeline_v.consumer_release(read_v); ++read_v; };
 
-    // Intra-warp-group overlap: while the tensor cores compute S of key block n and O += P V of
-    // block n + 1 (both issued before either is waited on), the warp group waits only for S, runs
-    // the softmax of block n on it, then waits for the P V product before rescaling O. The first
-    // block's softmax and the last block's P V run alone.
+    // Block n computes O = O * rescale_n + P_n V_n. With Traits::kOverlap, while the tensor
+    // cores compute S of key block n and O += P V of block n + 1 (both issued before either is
+    // waited on), the warp group waits only for S, runs the softmax of block n on it, then waits
+    // for the P V product before rescaling O; without it, each product completes before the next
+    // step. Either way the first block's softmax and the last block's P V run alone.
     if (blocks.last > blocks.first) {
       scores_of(cute::Int<0>{});
       release_k();
       scores_to_probabilities(blocks.last - 1);  // O is still zero: no rescale
       auto p_regs = convert_fragment<Element>(tSrS);
       for (int n_block = blocks.last - 2; n_block >= blocks.first; --n_block) {
-        scores_of(cute::Int<-1>{});
-        accumulate_output(p_regs, cute::Int<-1>{});
-        warpgroup_wait<1>();  // S landed; P V may still run
-        warpgroup_fence_operand(tSrS);
-        release_k();
-        scores_to_probabilities(n_block);
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(tOrO);
-        release_v();
+        if constexpr (Traits::kOverlap) {
+          scores_of(cute::Int<-1>{});
+          accumulate_output(p_regs, cute::Int<-1>{});
+          warpgroup_wait<1>();  // S landed; P V may still run
+          warpgroup_fence_operand(tSrS);
+          release_k();
+          scores_to_probabilities(n_block);
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(tOrO);
+          release_v();
+        } else {
+          accumulate_output(p_regs, cute::Int<0>{});
+          release_v();
+          scores_of(cute::Int<0>{});
+          release_k();
+          scores_to_probabilities(n_block);
+        }
         OnlineSoftmax<kRows>::rescale_output(o, rescale);
         p_regs = convert_fragment<Element>(tSrS);
       }

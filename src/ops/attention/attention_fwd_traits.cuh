@@ -16,7 +16,8 @@
 
 namespace trainscale::ops::attention {
 
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kMasked_>
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kMasked_,
+          bool kOverlap_>
 struct ForwardTraits {
   using Element = Element_;  // cutlass::bfloat16_t or cutlass::half_t
   using Accum = float;
@@ -24,7 +25,8 @@ struct ForwardTraits {
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
-  static constexpr bool kMasked = kMasked_;  // causal or a sliding window
+  static constexpr bool kMasked = kMasked_;    // causal or a sliding window
+  static constexpr bool kOverlap = kOverlap_;  // ForwardPlan::overlap
 
   static constexpr int kConsumerWarpGroups = kBlockM / 64;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpGroups;
@@ -129,6 +131,7 @@ struct ForwardTraits {
 template <class Element, int kHeadDim, bool kMasked>
 using PlanTraits = ForwardTraits<Element, kHeadDim, forward_plan(kHeadDim, kMasked).block_m,
                                  forward_plan(kHeadDim, kMasked).block_n,
-                                 forward_plan(kHeadDim, kMasked).stages, kMasked>;
+                                 forward_plan(kHeadDim, kMasked).stages, kMasked,
+                                 forward_plan(kHeadDim, kMasked).overlap>;
 
 }  // namespace trainscale::ops::attention

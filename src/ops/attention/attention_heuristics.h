@@ -26,6 +26,9 @@ struct ForwardPlan {
   int stages = 0;
   int consumer_warpgroups = 0;
   bool masked = false;  // causal or a sliding window: tiles the mask cuts
+  // The softmax of one key block runs while the tensor cores multiply the next block's scores and
+  // the previous block's P V (attention_fwd_kernel.cuh); costs the registers of a second score tile.
+  bool overlap = false;
 
   constexpr bool supported() const { return head_dim != 0; }
   constexpr int threads() const { return 128 * (consumer_warpgroups + 1); }
@@ -40,12 +43,14 @@ constexpr bool forward_head_dim_supported(std::int64_t head_dim) {
 // tile (block_m x block_n fp32 accumulators) and the output tile (block_m x head_dim) must fit
 // the consumer warp groups' registers, and Q plus `stages` K and V tiles the 227 KiB of shared
 // memory. Unmasked head dim 128 takes wider key tiles (176: fewer softmax passes per key);
-// masked (causal or a window) keeps 128 so the tiles on the mask's edges waste less.
+// masked (causal or a window) keeps 128 so the tiles on the mask's edges waste less. Head dim 64
+// runs without the softmax overlap: its three consumer warp groups (160 registers each) spill
+// with it, and measured 2-10 % slower (docs/perf/attention.md).
 constexpr ForwardPlan forward_plan(std::int64_t head_dim, bool masked) {
   switch (head_dim) {
-    case 64: return {64, 192, 128, 2, 3, masked};
-    case 128: return {128, 128, masked ? 128 : 176, 2, 2, masked};
-    case 256: return {256, 128, 80, 2, 2, masked};
+    case 64: return {64, 192, 128, 2, 3, masked, false};
+    case 128: return {128, 128, masked ? 128 : 176, 2, 2, masked, true};
+    case 256: return {256, 128, 80, 2, 2, masked, true};
     default: return {};
   }
 }
