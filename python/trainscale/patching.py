@@ -161,9 +161,10 @@ def _attention_skip_reason(model: nn.Module):
     if cfg is None or getattr(cfg, "model_type", None) not in _ATTENTION_MODEL_TYPES:
         return "not a Llama-family Hugging Face model"
     if any(p.device.type != "cpu" for p in model.parameters()):
-        # The CUDA backward has not passed its GPU tests yet: patch() does not train through it.
-        return "parameters not on the CPU (the CUDA attention backward has not been verified on a GPU " \
-               "yet; attn_implementation='trainscale' runs the CUDA kernels)"
+        # patch() swaps in what is faster: on CUDA our backward is about 4x slower than PyTorch
+        # SDPA's (cuDNN / flash), which outweighs our forward (docs/perf/attention.md).
+        return "parameters not on the CPU (the CUDA attention backward is slower than PyTorch SDPA's; " \
+               "attn_implementation='trainscale' runs the CUDA kernels)"
     return None
 
 
@@ -218,8 +219,9 @@ def patch(model: nn.Module, rms_norm: bool = True, swiglu: bool = True, rope: bo
     Mistral / Qwen2 / Qwen3 models whose parameters are all on the CPU, attention ->
     trainscale.hf_attention_forward (config._attn_implementation = "trainscale"; masks other
     than the causal (sliding-window) one and dropout fall back to sdpa per call). On CUDA,
-    attention is left as it is until the CUDA attention backward has passed its GPU tests;
-    load the model with attn_implementation="trainscale" to run the CUDA kernels. Returns (and with verbose prints) a report of what was swapped."""
+    attention is left as it is, since training through our attention backward is slower than
+    through PyTorch SDPA's; load the model with attn_implementation="trainscale" to run the CUDA
+    kernels. Returns (and with verbose prints) a report of what was swapped."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"trainscale.patch: argument 'model': expected a torch.nn.Module, got {type(model).__name__}")
     report = PatchReport()
