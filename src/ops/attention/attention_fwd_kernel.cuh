@@ -114,7 +114,20 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       detail::warpgroup_gemm</*kZeroInit=*/false, decltype(wait)::value>(mma_pv, tOrP,
                                                                          tOrV(_, _, _, read_v.index()), tOrO);
     };
-    auto release_k = [&] { pipeline_k.consumer_release(read_k); ++read_k; };
+    // Once the tile's last Q K^T product is done, the producer may load the next tile's Q: it
+    // then lands while this tile's last softmax, P V product and epilogue run.
+    const bool next_tile = p.scheduler.valid(p.scheduler.next(t));
+    auto release_q = [&] {
+      if (next_tile) {
+        cutlass::arch::NamedBarrier::arrive(Traits::kConsumerThreads + 32,
+                                            static_cast<uint32_t>(ForwardBarrier::kQueryEmpty));
+      }
+    };
+    auto release_k = [&](int n_block) {  // after the Q K^T product of key block n_block
+      pipeline_k.consumer_release(read_k);
+      ++read_k;
+      if (n_block == blocks.first) release_q();
+    };
     auto release_v = [&] { pipeline_v.consumer_release(read_v); ++read_v; };
 
     // Block n computes O = O * rescale_n + P_n V_n. With Traits::kOverlap, while the tensor
@@ -124,7 +137,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // step. Either way the first block's softmax and the last block's P V run alone.
     if (blocks.last > blocks.first) {
       scores_of(cute::Int<0>{});
-      release_k();
+      release_k(blocks.last - 1);
       scores_to_probabilities(blocks.last - 1);  // O is still zero: no rescale
       auto p_regs = convert_fragment<Element>(tSrS);
       for (int n_block = blocks.last - 2; n_block >= blocks.first; --n_block) {
@@ -133,7 +146,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           accumulate_output(p_regs, cute::Int<-1>{});
           warpgroup_wait<1>();  // S landed; P V may still run
           warpgroup_fence_operand(tSrS);
-          release_k();
+          release_k(n_block);
           scores_to_probabilities(n_block);
           warpgroup_wait<0>();
           warpgroup_fence_operand(tOrO);
@@ -142,7 +155,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           accumulate_output(p_regs, cute::Int<0>{});
           release_v();
           scores_of(cute::Int<0>{});
-          release_k();
+          release_k(n_block);
           scores_to_probabilities(n_block);
         }
         OnlineSoftmax<kRows>::rescale_output(o, rescale);
@@ -151,11 +164,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       accumulate_output(p_regs, cute::Int<0>{});
       release_v();
     }
-    // Every GEMM reading this tile's Q is done: the producer may load the next one.
-    if (p.scheduler.valid(p.scheduler.next(t))) {
-      cutlass::arch::NamedBarrier::arrive(Traits::kConsumerThreads + 32,
-                                          static_cast<uint32_t>(ForwardBarrier::kQueryEmpty));
-    }
+    if (blocks.last == blocks.first) release_q();  // no key block: Q was never read
     float lse[kRows];
     softmax.finalize(o, p.abs_scale, lse);
     ForwardEpilogue<Traits>::store(p, tile, o, o_coords, lse);
