@@ -919,7 +919,7 @@ def _main_muon(p, args, use_gpu, timing, command_line):
             print(f"{op} {dims} bfloat16")
         return 0
     if distributed:
-        _run_distributed_muon(args, use_gpu, selected, impls, timing, command_line)
+        _run_distributed_muon(args, use_gpu, selected, impls, timing, command_line)  # does not return
     return _run_python_suite(MUON_SUITE, run_muon, selected, impls, args, use_gpu, timing, command_line)
 
 
