@@ -108,8 +108,8 @@ def main():
         assert all(torch.equal(gathered[0], v) for v in gathered), f"{name}: ranks disagree after a real step"
     if rank == 0:
         print(f"OK {args.parallel} {args.device}", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    from trainscale._distributed import exit_worker
+    exit_worker(0)
 
 
 if __name__ == "__main__":

@@ -925,10 +925,10 @@ def _main_muon(p, args, use_gpu, timing, command_line):
 
 def _run_distributed_muon(args, use_gpu, selected, impls, timing, command_line):
     """The muon suite under torchrun: NCCL on GPUs (one per rank, the LOCAL_RANK-th), gloo on the
-    CPU. Rank 0 reports as _run_python_suite does; every rank then leaves with os._exit (as
-    trainscale.train's workers do: tearing the process group down after a finished run has
-    aborted a rank now and then)."""
+    CPU. Rank 0 reports as _run_python_suite does; every rank then leaves through exit_worker."""
     import torch.distributed as dist
+
+    from ._distributed import exit_worker
     if use_gpu:
         args.gpu = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(args.gpu)
@@ -941,10 +941,7 @@ def _run_distributed_muon(args, use_gpu, selected, impls, timing, command_line):
             status = _run_python_suite(MUON_SUITE, run_muon, selected, impls, args, use_gpu, timing, command_line)
     else:
         status = _run_python_suite(MUON_SUITE, run_muon, selected, impls, args, use_gpu, timing, command_line)
-    dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    exit_worker(status)
 
 
 def _finite(obj):

@@ -383,17 +383,12 @@ def train(args) -> dict:
 
 
 def _run_worker(args):
-    """The command line under torchrun: train, wait for every rank, then leave with os._exit.
-    Tearing down the process group and the interpreter after a finished run has aborted a rank
-    now and then ("terminate called without an active exception" from a thread of the
-    distributed runtime still running at exit); the run's logs are closed by then, so nothing is
-    lost by skipping that teardown. A failing rank raises as usual."""
+    """The command line under torchrun: train, then leave through exit_worker (no process-group
+    teardown; the run's logs are closed by then)."""
+    from ._distributed import exit_worker
     d = init_distributed(args)
     _train(args, d)
-    dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_worker(0)
 
 
 def _train(args, d: Dist) -> dict:
