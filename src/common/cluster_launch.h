@@ -45,11 +45,43 @@ inline cudaLaunchConfig_t cluster_config(std::int64_t grid, int block, int clust
 // The largest portable cluster; larger ones need cudaFuncAttributeNonPortableClusterSizeAllowed.
 inline constexpr int kPortableClusterSize = 8;
 
+// Raises `kernel`'s dynamic shared-memory limit to `smem` where that is above the default 48 KiB.
+template <class... Params>
+void allow_dynamic_smem(void (*kernel)(Params...), std::size_t smem, std::string_view op) {
+  if (smem <= 48 * 1024) return;
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  static_cast<int>(smem)),
+             op, "cudaFuncSetAttribute (dynamic shared memory)");
+}
+
+// Blocks of `block` threads with `smem` bytes of dynamic shared memory of `kernel` resident at
+// once on the whole current device (0: none fits); raises the kernel's dynamic shared-memory
+// limit to `smem`. Asked once per device and configuration.
+template <class... Params>
+int max_resident_blocks(void (*kernel)(Params...), int block, std::size_t smem, std::string_view op) {
+  using Key = std::tuple<int, void (*)(Params...), int, std::size_t>;
+  static std::mutex mutex;
+  static std::map<Key, int> cache;
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), op, "cudaGetDevice");
+  const Key key{device, kernel, block, smem};
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (const auto it = cache.find(key); it != cache.end()) return it->second;
+  allow_dynamic_smem(kernel, smem, op);
+  int per_sm = 0, sms = 0;
+  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, block, smem), op,
+             "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), op,
+             "cudaDeviceGetAttribute");
+  cache.emplace(key, per_sm * sms);
+  return per_sm * sms;
+}
+
 // Clusters of `cluster` blocks of `kernel` resident at once on the current device (0: the
 // configuration does not fit it; sizes beyond the portable 8 are asked for, and a device or
 // driver that refuses them counts as fitting none). Asked once per device and configuration:
-// the occupancy query costs microseconds of host time per launch otherwise. The kernel's
-// dynamic shared-memory limit must already allow `smem`.
+// the occupancy query costs microseconds of host time per launch otherwise. Raises the
+// kernel's dynamic shared-memory limit to `smem`.
 template <class... Params>
 int max_active_clusters(void (*kernel)(Params...), int block, int cluster, std::size_t smem,
                         std::string_view op) {
@@ -61,6 +93,7 @@ int max_active_clusters(void (*kernel)(Params...), int block, int cluster, std::
   const Key key{device, kernel, block, cluster, smem};
   const std::lock_guard<std::mutex> lock(mutex);
   if (const auto it = cache.find(key); it != cache.end()) return it->second;
+  allow_dynamic_smem(kernel, smem, op);
   int count = 0;
   const bool non_portable = cluster > kPortableClusterSize;
   if (non_portable && cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed,

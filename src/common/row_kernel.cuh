@@ -8,6 +8,12 @@
 // may end after it. A slot wholly inside the row moves as one 16-byte access; the elements of
 // a partial slot move one by one, and only those inside the row are touched. A second tensor
 // whose rows sit at the same offset mod 16 bytes moves by vectors too, otherwise by elements.
+//
+// Rows stream through a ring in shared memory: a persistent grid, each thread copying (cp.async)
+// its whole slots of the next rows while it reduces and writes this one, so HBM reads continue
+// through a row's reductions and stores. Loading straight into registers left a block with no
+// reads in flight from its last load to its next row, and long rows (one 1024-thread block per
+// SM) with none on the whole SM.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -20,6 +26,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "common/async_copy.cuh"
 #include "common/cluster_launch.h"
 #include "common/row_config.h"
 #include "common/cuda_check.h"
@@ -53,39 +60,37 @@ auto with_row_config(const RowConfig& c, Fn&& fn) {
   }
 }
 
-// Row groups (a block's rows, or a cluster's one row) each cluster takes in turn: one per
-// cluster paid every cluster's launch and first cluster barrier once per row (the norms' kRows,
-// H100: 4 groups 2925 vs 1 group 2768 GB/s at rmsnorm 32768x65536).
-inline constexpr std::int64_t kClusterRowGroups = 4;
+// Bytes of the row ring (RowTile::staged) of a block of `threads` per row and `vecs` slots per
+// thread holding `buffers` copies of them (stages times tensors).
+constexpr std::size_t row_ring_bytes(int threads, int vecs, int buffers) {
+  return static_cast<std::size_t>(buffers) * vecs * 16 * row_block_threads(threads);
+}
 
-// Launches `kernel` (compiled for `threads` per row and `cluster` blocks per row) over `rows`
-// rows. False, launching nothing, where such a cluster cannot be resident on the device.
+// Launches `kernel` (compiled for `threads` per row and `cluster` blocks per row, with a row ring
+// of `ring_buffers` buffers) over `rows` rows on a persistent grid: as many blocks (clusters) as
+// are resident at once, at most one per row group. False, launching nothing, where such a block
+// or cluster cannot be resident on the device.
 template <class... Params, class... Args>
-bool launch_row_kernel(void (*kernel)(Params...), int threads, int cluster, std::int64_t rows,
-                       cudaStream_t stream, std::string_view op, Args&&... args) {
+bool launch_row_kernel(void (*kernel)(Params...), int threads, int vecs, int cluster,
+                       int ring_buffers, std::int64_t rows, cudaStream_t stream,
+                       std::string_view op, Args&&... args) {
   const int block = row_block_threads(threads);
+  const std::size_t smem = row_ring_bytes(threads, vecs, ring_buffers);
   const std::int64_t rows_per_block = block / threads;
   const std::int64_t groups = (rows + rows_per_block - 1) / rows_per_block;
-  if (cluster == 1) {
-    const auto grid = std::min<std::int64_t>(groups, std::numeric_limits<int>::max());
-    kernel<<<static_cast<unsigned>(grid), block, 0, stream>>>(std::forward<Args>(args)...);
-    check_launch(op);
-    return true;
-  }
-  if (max_active_clusters(kernel, block, cluster, 0, op) == 0) return false;
-  const std::int64_t clusters =
-      std::min<std::int64_t>((groups + kClusterRowGroups - 1) / kClusterRowGroups,
-                             std::numeric_limits<int>::max() / cluster);
-  launch_in_clusters(kernel, clusters * cluster, block, cluster, 0, stream, op,
-                     std::forward<Args>(args)...);
+  const std::int64_t resident = cluster == 1 ? max_resident_blocks(kernel, block, smem, op)
+                                             : max_active_clusters(kernel, block, cluster, smem, op);
+  if (resident == 0) return false;
+  const std::int64_t grid = std::min(groups, resident) * cluster;
+  launch_in_clusters(kernel, grid, block, cluster, smem, stream, op, std::forward<Args>(args)...);
   return true;
 }
 
 // Launches the row kernel for rows of T: make_kernel(threads, vecs, cluster) returns the kernel
 // compiled for the split row_config(slots, kMinThreads) picks for `cols` elements whose largest
-// shift is max_shift (rows_max_shift); args.slots is set. Throws for rows no split holds, or
-// whose cluster of 16 blocks cannot be resident.
-template <class T, int kMinThreads, class MakeKernel, class Args>
+// shift is max_shift (rows_max_shift), with a row ring of kRingBuffers buffers; args.slots is
+// set. Throws for rows no split holds, or whose cluster of 16 blocks cannot be resident.
+template <class T, int kMinThreads, int kRingBuffers, class MakeKernel, class Args>
 void launch_rows(std::string_view op, std::int64_t rows, std::int64_t cols, int max_shift,
                  cudaStream_t stream, MakeKernel&& make_kernel, Args& args) {
   if (rows == 0) return;
@@ -96,8 +101,8 @@ void launch_rows(std::string_view op, std::int64_t rows, std::int64_t cols, int 
   const bool launched =
       config.threads > 0 &&
       with_row_config<kMinThreads>(config, [&](auto threads, auto vecs, auto cluster) {
-        return launch_row_kernel(make_kernel(threads, vecs, cluster), threads, cluster, rows,
-                                 stream, op, args);
+        return launch_row_kernel(make_kernel(threads, vecs, cluster), threads, vecs, cluster,
+                                 kRingBuffers, rows, stream, op, args);
       });
   if (launched) return;
   throw_op_error(op, "rows of " + std::to_string(cols) +
@@ -224,15 +229,44 @@ struct RowTile {
   static __device__ __forceinline__ int column(const Share& s, int i, int shift, int n) {
     return owns(s, i) ? slot(s, i) * V - shift : n;
   }
-  // The thread's slots of `row` (shift: row_shift(row)); elements outside the row, slots the
+  // The ring in dynamic shared memory (row_ring_bytes): kBuffers buffers (stages times tensors)
+  // of the thread's kVecs slots, laid out [buffer][slot i][thread] so that a warp's 16-byte
+  // accesses are consecutive. The thread's slot 0 of `buffer`; slot i is kBlock further.
+  static __device__ __forceinline__ uint4* staged(int buffer) {
+    extern __shared__ uint4 row_ring[];
+    return row_ring + buffer * kVecs * kBlock + threadIdx.x;
+  }
+  // Whether the slot at column c moves by a vector: wholly inside the row, and at 16 bytes in
+  // this tensor (`vectors`: its rows share the phase of the rows the slots are cut along).
+  static __device__ __forceinline__ bool whole(int c, int n, bool vectors) {
+    return vectors && c >= 0 && c + V <= n;
+  }
+  // Starts copying the thread's whole slots of `row` into the ring at `to` (staged()); partial
+  // slots are read by take().
+  static __device__ __forceinline__ void fetch(const T* row, const Share& s, int shift, int n,
+                                               bool vectors, uint4* to) {
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      const int c = slot(s, i) * V - shift;
+      if (owns(s, i) && whole(c, n, vectors)) cp_async_16(to + i * kBlock, row + c);
+    }
+  }
+  // The thread's slots of `row` (shift: row_shift(row)), whole ones from the ring at `from`
+  // (fetched, landed), partial ones from global memory; elements outside the row, slots the
   // thread does not own and every slot of a row past the last (valid false) hold `pad`.
-  static __device__ __forceinline__ void load(const T* row, const Share& s, int shift, int n,
-                                              bool valid, T pad, Vec<T, V> (&held)[kVecs]) {
+  static __device__ __forceinline__ void take(const T* row, const Share& s, int shift, int n,
+                                              bool valid, bool vectors, T pad, const uint4* from,
+                                              Vec<T, V> (&held)[kVecs]) {
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       const int c = slot(s, i) * V - shift;
       if (valid && owns(s, i)) {
-        held[i] = load_slot<T, V>(row, c, n, c >= 0 && c + V <= n, pad);
+        if (whole(c, n, vectors)) {
+          const uint4 raw = from[i * kBlock];
+          memcpy(&held[i], &raw, sizeof(raw));
+        } else {
+          held[i] = load_slot<T, V>(row, c, n, false, pad);
+        }
       } else {
 #pragma unroll
         for (int j = 0; j < V; ++j) held[i].v[j] = pad;
@@ -244,16 +278,39 @@ struct RowTile {
     return lane() == 0 && (kCluster == 1 || blockIdx.x % kCluster == 0);
   }
 
-  // Calls body(row, valid) for each row of the block's row groups: valid false past the last
-  // row (the thread still joins the reductions).
-  template <class Body>
-  static __device__ __forceinline__ void for_each_row(std::int64_t rows, Body&& body) {
-    const std::int64_t group = blockIdx.x / kCluster;
-    const std::int64_t groups = gridDim.x / kCluster;
-    for (std::int64_t base = group * kRowsPerBlock; base < rows; base += groups * kRowsPerBlock) {
-      const std::int64_t row = base + threadIdx.x / kThreads;
-      body(row, row < rows);
+  // Calls body(row, valid, stage, refill) for each row of the block's row groups (valid false
+  // past the last row: the thread still joins the reductions), the rows streaming through a
+  // ring of kStages stages: fetch(row, stage) starts the copies of a row (one that exists) into
+  // `stage`; when body runs, its row's copies (the thread's own) have landed in `stage`. body
+  // calls refill() once, after it used the values it read from the stage: refill starts the
+  // copies of the row kStages groups on into that stage. A thread's copies and reads of the
+  // ring are its own, so cp.async.wait_group orders them without a barrier.
+  template <int kStages, class Fetch, class Body>
+  static __device__ __forceinline__ void for_each_row(std::int64_t rows, Fetch&& fetch,
+                                                      Body&& body) {
+    static_assert(kStages >= 1);
+    const std::int64_t stride = static_cast<std::int64_t>(gridDim.x / kCluster) * kRowsPerBlock;
+    const std::int64_t first_base = static_cast<std::int64_t>(blockIdx.x / kCluster) * kRowsPerBlock;
+    const int in_group = static_cast<int>(threadIdx.x) / kThreads;
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      const std::int64_t row = first_base + s * stride + in_group;
+      if (row < rows) fetch(row, s);
+      cp_async_commit();
     }
+    int stage = 0;
+    for (std::int64_t base = first_base; base < rows; base += stride) {
+      const std::int64_t row = base + in_group;
+      cp_async_wait<kStages - 1>();
+      const auto refill = [&] {
+        const std::int64_t next = row + kStages * stride;
+        if (next < rows) fetch(next, stage);
+        cp_async_commit();
+      };
+      body(row, row < rows, stage, refill);
+      stage = stage + 1 == kStages ? 0 : stage + 1;
+    }
+    cp_async_wait<0>();
   }
 
   __device__ __forceinline__ void start() {

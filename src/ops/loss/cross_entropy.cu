@@ -119,6 +119,9 @@ __device__ __forceinline__ int target_column(std::int64_t target, std::int64_t i
   return target >= 0 && target < n ? static_cast<int>(target) : kBadTarget;
 }
 
+// Rows in flight per thread beyond the one it works on (common/row_kernel.cuh's ring).
+constexpr int kForwardStages = 2;
+
 template <class T, bool kSoftcap, int kThreads, int kVecs, int kCluster>
 __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
                                   detail::kRowMaxThreads / detail::row_block_threads(kThreads))
@@ -134,15 +137,23 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
   // kMean's gradient scale, read once: a load per row would wait on it before the writes.
   const float scale = a.valid_rows ? 1.f / static_cast<float>(*a.valid_rows) : 1.f;
   int reduced = 0;
-  Tile::for_each_row(a.rows, [&](std::int64_t row, bool valid) {
-    const T* x_row = static_cast<const T*>(a.logits) + row * a.logits_stride;
+  const auto x_row_of = [&](std::int64_t row) {
+    return static_cast<const T*>(a.logits) + row * a.logits_stride;
+  };
+  const auto fetch = [&](std::int64_t row, int stage) {
+    const T* x_row = x_row_of(row);
+    Tile::fetch(x_row, share, detail::row_shift(x_row), n, true, Tile::staged(stage));
+  };
+  Tile::template for_each_row<kForwardStages>(a.rows, fetch, [&](std::int64_t row, bool valid,
+                                                                 int stage, auto&& refill) {
+    const T* x_row = x_row_of(row);
     const int shift = detail::row_shift(x_row);
     const int t_col = valid ? target_column(a.targets[row], o.ignore_index, n) : kIgnoredRow;
     // Elements outside the row load as -inf: no effect on the maximum, exp 0 in the sum (with
     // the softcap, which maps them to -c, they are tested for instead).
     const T pad = detail::from_float<T>(-kInf);
     detail::Vec<T, V> held[kVecs];
-    Tile::load(x_row, share, shift, n, valid, pad, held);
+    Tile::take(x_row, share, shift, n, valid, true, pad, Tile::staged(stage), held);
     const auto logit = [&](float raw, int col) {
       if constexpr (kSoftcap) {
         return detail::in_row(col, n) ? softcapped<true>(raw, o) : -kInf;
@@ -152,6 +163,7 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
     };
     // The softcap is increasing: the maximum of the raw logits, softcapped.
     const float m = softcapped<kSoftcap>(detail::held_max(held), o);
+    refill();  // every value taken from the stage went into m
     // Summed against 0 when the thread has no finite maximum (see softmax_forward.cu).
     const float pivot = m == -kInf ? 0.f : m;
     detail::reconvert_after(held);
@@ -403,7 +415,7 @@ void cross_entropy_forward_cuda(const TensorView& logits, const TensorView& targ
     using T = typename decltype(tag)::type;
     // A warp per row at least: vocabularies are long, and fewer configurations compile.
     constexpr int kMinThreads = 32;
-    detail::launch_rows<T, kMinThreads>(
+    detail::launch_rows<T, kMinThreads, kForwardStages>(
         op, r.rows, r.cols, detail::rows_max_shift(logits.data, r.row_stride, sizeof(T)), stream,
         [&](auto threads, auto vecs, auto cluster) {
           constexpr int kThreads = decltype(threads)::value;

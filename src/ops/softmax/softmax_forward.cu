@@ -27,6 +27,9 @@ struct ForwardArgs {
 template <class T>
 using Exp = std::conditional_t<std::is_same_v<T, float>, float, __half>;
 
+// Rows in flight per thread beyond the one it works on (common/row_kernel.cuh's ring).
+constexpr int kStages = 2;
+
 template <class T, int kThreads, int kVecs, int kCluster>
 __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
                                   detail::kRowMaxThreads / detail::row_block_threads(kThreads))
@@ -39,17 +42,24 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
   const typename Tile::Share share = Tile::share(a.slots);
   const int n = a.cols;
   int reduced = 0;
-  Tile::for_each_row(a.rows, [&](std::int64_t row, bool valid) {
-    const T* x_row = static_cast<const T*>(a.x) + row * a.x_stride;
+  const auto x_row_of = [&](std::int64_t row) { return static_cast<const T*>(a.x) + row * a.x_stride; };
+  const auto fetch = [&](std::int64_t row, int stage) {
+    const T* x_row = x_row_of(row);
+    Tile::fetch(x_row, share, detail::row_shift(x_row), n, true, Tile::staged(stage));
+  };
+  Tile::template for_each_row<kStages>(a.rows, fetch, [&](std::int64_t row, bool valid, int stage,
+                                                          auto&& refill) {
+    const T* x_row = x_row_of(row);
     const int shift = detail::row_shift(x_row);
     // Elements outside the row load as -inf: no effect on the maximum, exp 0 in the sum.
     const T pad = detail::from_float<T>(-kInf);
     detail::Vec<T, V> held[kVecs];  // x, then the thread's exponentials as Exp<T>
-    Tile::load(x_row, share, shift, n, valid, pad, held);
+    Tile::take(x_row, share, shift, n, valid, true, pad, Tile::staged(stage), held);
     // The thread's maximum (NaN skipped), then its exponentials against it; a thread without
     // finite elements takes them against 0 so that its -inf give 0 (no -inf - -inf), and NaN
     // stays NaN.
     const float m = detail::held_max(held);
+    refill();  // every value taken from the stage went into m
     const float pivot = m == -kInf ? 0.f : m;
     float s = 0.f;
 #pragma unroll
@@ -97,7 +107,7 @@ void softmax_forward_cuda(const TensorView& x, TensorView y, cudaStream_t stream
                 static_cast<int>(xr.cols), 0};
   detail::dispatch_activation_dtype(x.dtype, op, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    detail::launch_rows<T, 1>(op, xr.rows, xr.cols, detail::rows_max_shift(x.data, xr.row_stride, sizeof(T)),
+    detail::launch_rows<T, 1, kStages>(op, xr.rows, xr.cols, detail::rows_max_shift(x.data, xr.row_stride, sizeof(T)),
                            stream, [](auto threads, auto vecs, auto cluster) {
                              return softmax_forward_kernel<T, decltype(threads)::value,
                                                            decltype(vecs)::value,
