@@ -120,7 +120,7 @@ __device__ __forceinline__ int target_column(std::int64_t target, std::int64_t i
 }
 
 // Rows in flight per thread beyond the one it works on (common/row_kernel.cuh's ring).
-constexpr int kForwardStages = 2;
+constexpr int kForwardStages = 3;
 
 template <class T, bool kSoftcap, int kThreads, int kVecs, int kCluster>
 __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
   };
   const auto fetch = [&](std::int64_t row, int stage) {
     const T* x_row = x_row_of(row);
-    Tile::fetch(x_row, share, detail::row_shift(x_row), n, true, Tile::staged(stage));
+    Tile::fetch(x_row, share, detail::row_shift(x_row), n, true, Tile::template staged<kForwardStages>(stage));
   };
   Tile::template for_each_row<kForwardStages>(a.rows, fetch, [&](std::int64_t row, bool valid,
                                                                  int stage, auto&& refill) {
@@ -153,7 +153,7 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
     // the softcap, which maps them to -c, they are tested for instead).
     const T pad = detail::from_float<T>(-kInf);
     detail::Vec<T, V> held[kVecs];
-    Tile::take(x_row, share, shift, n, valid, true, pad, Tile::staged(stage), held);
+    Tile::take(x_row, share, shift, n, valid, true, pad, Tile::template staged<kForwardStages>(stage), held);
     const auto logit = [&](float raw, int col) {
       if constexpr (kSoftcap) {
         return detail::in_row(col, n) ? softcapped<true>(raw, o) : -kInf;
@@ -415,7 +415,7 @@ void cross_entropy_forward_cuda(const TensorView& logits, const TensorView& targ
     using T = typename decltype(tag)::type;
     // A warp per row at least: vocabularies are long, and fewer configurations compile.
     constexpr int kMinThreads = 32;
-    detail::launch_rows<T, kMinThreads, kForwardStages>(
+    detail::launch_rows<T, kMinThreads>(
         op, r.rows, r.cols, detail::rows_max_shift(logits.data, r.row_stride, sizeof(T)), stream,
         [&](auto threads, auto vecs, auto cluster) {
           constexpr int kThreads = decltype(threads)::value;
@@ -425,7 +425,7 @@ void cross_entropy_forward_cuda(const TensorView& logits, const TensorView& targ
                      ? cross_entropy_forward_kernel<T, true, kThreads, kVecs, kCluster>
                      : cross_entropy_forward_kernel<T, false, kThreads, kVecs, kCluster>;
         },
-        a);
+        [](int) { return kForwardStages; }, a);
   });
   if (!per_row) {
     reduce_row_losses_cuda(scratch.rows, targets, options.ignore_index,

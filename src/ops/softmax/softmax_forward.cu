@@ -28,7 +28,7 @@ template <class T>
 using Exp = std::conditional_t<std::is_same_v<T, float>, float, __half>;
 
 // Rows in flight per thread beyond the one it works on (common/row_kernel.cuh's ring).
-constexpr int kStages = 2;
+constexpr int kStages = 3;
 
 template <class T, int kThreads, int kVecs, int kCluster>
 __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
   const auto x_row_of = [&](std::int64_t row) { return static_cast<const T*>(a.x) + row * a.x_stride; };
   const auto fetch = [&](std::int64_t row, int stage) {
     const T* x_row = x_row_of(row);
-    Tile::fetch(x_row, share, detail::row_shift(x_row), n, true, Tile::staged(stage));
+    Tile::fetch(x_row, share, detail::row_shift(x_row), n, true, Tile::template staged<kStages>(stage));
   };
   Tile::template for_each_row<kStages>(a.rows, fetch, [&](std::int64_t row, bool valid, int stage,
                                                           auto&& refill) {
@@ -54,7 +54,7 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
     // Elements outside the row load as -inf: no effect on the maximum, exp 0 in the sum.
     const T pad = detail::from_float<T>(-kInf);
     detail::Vec<T, V> held[kVecs];  // x, then the thread's exponentials as Exp<T>
-    Tile::take(x_row, share, shift, n, valid, true, pad, Tile::staged(stage), held);
+    Tile::take(x_row, share, shift, n, valid, true, pad, Tile::template staged<kStages>(stage), held);
     // The thread's maximum (NaN skipped), then its exponentials against it; a thread without
     // finite elements takes them against 0 so that its -inf give 0 (no -inf - -inf), and NaN
     // stays NaN.
@@ -107,12 +107,13 @@ void softmax_forward_cuda(const TensorView& x, TensorView y, cudaStream_t stream
                 static_cast<int>(xr.cols), 0};
   detail::dispatch_activation_dtype(x.dtype, op, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    detail::launch_rows<T, 1, kStages>(op, xr.rows, xr.cols, detail::rows_max_shift(x.data, xr.row_stride, sizeof(T)),
-                           stream, [](auto threads, auto vecs, auto cluster) {
-                             return softmax_forward_kernel<T, decltype(threads)::value,
-                                                           decltype(vecs)::value,
-                                                           decltype(cluster)::value>;
-                           }, a);
+    detail::launch_rows<T, 1>(
+        op, xr.rows, xr.cols, detail::rows_max_shift(x.data, xr.row_stride, sizeof(T)), stream,
+        [](auto threads, auto vecs, auto cluster) {
+          return softmax_forward_kernel<T, decltype(threads)::value, decltype(vecs)::value,
+                                        decltype(cluster)::value>;
+        },
+        [](int) { return kStages; }, a);
   });
 }
 
