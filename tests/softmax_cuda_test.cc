@@ -72,12 +72,13 @@ TEST(SoftmaxCuda, ForwardInPlace) {
 
 // Rows of specials: NaN anywhere or +inf or no finite element make the row NaN; -inf entries
 // give 0. Each row is long enough to span threads (and, at 40000, a cluster) that hold only
-// -inf, only finite values, or both.
+// -inf, only finite values, or both; the last row's finite values sit so far below 0 that
+// exp(-max) overflows float.
 TEST(SoftmaxCuda, ForwardNanInfRows) {
   TS_REQUIRE_GPU();
   for (DType dt : kDtypes) {
     for (std::int64_t n : {5, 300, 40000}) {
-      const Layout l{6, n, 0, false};
+      const Layout l{7, n, 0, false};
       SCOPED_TRACE(test::describe(dt, l));
       Values x = test::random_inputs(dt, l.rows * n, 0, -4, 4, false);
       auto at = [&](std::int64_t r, std::int64_t j) -> double& { return x[r * n + j]; };
@@ -87,6 +88,7 @@ TEST(SoftmaxCuda, ForwardNanInfRows) {
       for (std::int64_t j = 0; j < n / 2 + 1; ++j) at(3, j) = -kInf;  // the first half -inf
       at(4, 0) = -kInf;
       for (std::int64_t j = 0; j < n; ++j) at(5, j) = j % 3 == 0 ? 30.0 : -kInf;
+      for (std::int64_t j = 0; j < n; ++j) at(6, j) = j % 97 == 0 ? -200.0 : -kInf;
       StridedDeviceBuffer d_x(dt, l, &x), d_y(dt, l);
       softmax_forward(d_x.view(), d_y.view());
       EXPECT_TRUE(test::matches_reference(d_y.values(), reference_forward(dt, x, l), test::tolerance(dt)));

@@ -45,10 +45,11 @@ inline cudaLaunchConfig_t cluster_config(std::int64_t grid, int block, int clust
 // The largest portable cluster; larger ones need cudaFuncAttributeNonPortableClusterSizeAllowed.
 inline constexpr int kPortableClusterSize = 8;
 
-// Raises `kernel`'s dynamic shared-memory limit to `smem` where that is above the default 48 KiB.
+// Raises `kernel`'s dynamic shared-memory limit to `smem` (the default 48 KiB also counts the
+// kernel's static shared memory).
 template <class... Params>
 void allow_dynamic_smem(void (*kernel)(Params...), std::size_t smem, std::string_view op) {
-  if (smem <= 48 * 1024) return;
+  if (smem == 0) return;
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   static_cast<int>(smem)),
              op, "cudaFuncSetAttribute (dynamic shared memory)");

@@ -187,6 +187,11 @@ __device__ __forceinline__ float held_max(const Vec<T, V> (&held)[kVecs]) {
   return m;
 }
 
+// What a row kernel keeps exponentials in (0, 1] as, in the registers of the held row: the
+// storage width of T (fp16 for 16-bit types, which holds them to 2^-11).
+template <class T>
+using ExpStorage = std::conditional_t<std::is_same_v<T, float>, float, __half>;
+
 // Hides the held slots' values from the compiler at this point, so that what a pass over them
 // converted to float (and softcapped) is converted again by the next pass, rather than kept
 // live between the passes as floats: for 16-bit types that doubled the registers of the held

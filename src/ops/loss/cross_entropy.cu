@@ -1,8 +1,10 @@
 // Cross-entropy kernels. The forward holds a row of logits in registers (common/row_kernel.cuh,
 // a cluster of blocks for long vocabularies) and reduces four statistics in one pass: the
 // online-softmax pair (max, sum of exp) and the plain sums of the logits (label smoothing) and
-// of the target's logit. The gradient, when asked, is written from the held logits in the same
-// pass, so the logits are read once and the gradient written once (over the logits in place).
+// of the target's logit. The gradient, when asked, is written from the held row in the same
+// pass, so the logits are read once and the gradient written once (over the logits in place):
+// without the softcap the sum's exponentials are kept in place of the logits (one exponential
+// per logit), with it the logits themselves (the softcap's slope needs them).
 // The backward from a saved lse needs no reduction: a plain streaming kernel.
 //
 // Reductions over rows: kMean / kSum losses are written per row to a scratch buffer and then
@@ -23,6 +25,8 @@ namespace trainscale::ops::loss {
 namespace {
 
 using detail::kLog2e;
+template <class T>
+using Exp = detail::ExpStorage<T>;
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -120,7 +124,7 @@ __device__ __forceinline__ int target_column(std::int64_t target, std::int64_t i
 }
 
 // Rows in flight per thread beyond the one it works on (common/row_kernel.cuh's ring).
-constexpr int kForwardStages = 3;
+constexpr int kForwardStages = 2;
 
 template <class T, bool kSoftcap, int kThreads, int kVecs, int kCluster>
 __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
@@ -166,7 +170,7 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
     refill();  // every value taken from the stage went into m
     // Summed against 0 when the thread has no finite maximum (see softmax_forward.cu).
     const float pivot = m == -kInf ? 0.f : m;
-    detail::reconvert_after(held);
+    if constexpr (kSoftcap) detail::reconvert_after(held);
     float stats[4] = {m, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
@@ -174,13 +178,18 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
       const int c = Tile::column(share, i, shift, n);
       float v[V];
       detail::to_floats(held[i], v);
+      detail::Vec<Exp<T>, V> e;
 #pragma unroll
       for (int j = 0; j < V; ++j) {
         const float x = logit(v[j], c + j);
-        stats[1] += detail::exp_minus(x, pivot);
+        const float ex = detail::exp_minus(x, pivot);
+        stats[1] += ex;
         if (c + j == t_col) stats[3] = x;
         if (detail::in_row(c + j, n)) stats[2] += x;  // skips the padding
+        e.v[j] = detail::from_float<Exp<T>>(ex);
       }
+      // Without the softcap the gradient needs only the exponentials: kept in place of x.
+      if constexpr (!kSoftcap) memcpy(&held[i], &e, sizeof(e));
     }
     tile.reduce(stats, reduced);
     if (!valid) return;
@@ -202,18 +211,42 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
       if (a.lse) a.lse[row * a.lse_stride] = lse;
     }
     if (a.grad == nullptr) return;
-    detail::reconvert_after(held);
     T* g_row = static_cast<T*>(a.grad) + row * a.grad_stride;
     const bool g_vectors = detail::row_shift(g_row) == shift;
     const float prob_weight = 1.f + 2.f * o.z_loss * lse;
     const float smooth = o.smoothing / static_cast<float>(n);
     const float row_scale = t_col == kBadTarget ? kNaN : scale;
+    if constexpr (kSoftcap) {
+      detail::reconvert_after(held);
 #pragma unroll
-    for (int i = 0; i < kVecs; ++i) {
-      if (!Tile::owns(share, i)) continue;
-      const int c = Tile::slot(share, i) * V - shift;
-      store_gradient<T, V, kSoftcap>(g_row, c, n, g_vectors, held[i], ignored, lse, t_col, prob_weight,
-                                     smooth, row_scale, o);
+      for (int i = 0; i < kVecs; ++i) {
+        if (!Tile::owns(share, i)) continue;
+        const int c = Tile::slot(share, i) * V - shift;
+        store_gradient<T, V, true>(g_row, c, n, g_vectors, held[i], ignored, lse, t_col,
+                                   prob_weight, smooth, row_scale, o);
+      }
+    } else {
+      // p = e exp(pivot - lse), one multiply where exp(x - lse) took a second exponential per
+      // logit. A thread holding only -inf (e = 0) takes 0 (NaN with a NaN lse), not exp(0 - lse),
+      // which overflows where lse is below -88.
+      const float factor =
+          (m == -kInf ? (lse == lse ? 0.f : kNaN) : detail::exp_minus(pivot, lse)) * prob_weight;
+#pragma unroll
+      for (int i = 0; i < kVecs; ++i) {
+        if (!Tile::owns(share, i)) continue;
+        const int c = Tile::slot(share, i) * V - shift;
+        detail::Vec<Exp<T>, V> e;
+        memcpy(&e, &held[i], sizeof(e));
+        float g[V];
+        detail::to_floats(e, g);
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          g[j] = g[j] * factor - smooth;
+          if (c + j == t_col) g[j] -= 1.f - o.smoothing;
+          g[j] = ignored ? 0.f : g[j] * row_scale;
+        }
+        detail::store_slot<T, V>(g_row, c, n, g_vectors && c >= 0 && c + V <= n, g);
+      }
     }
   });
 }

@@ -5,7 +5,6 @@
 // values in (0, 1] it holds to 2^-11; float for float32), so the output is one multiply per
 // element: one exp per element, where recomputing exp(x - max) took a second one.
 #include <limits>
-#include <type_traits>
 
 #include "common/row_kernel.cuh"
 #include "ops/softmax/softmax_cuda.h"
@@ -23,12 +22,8 @@ struct ForwardArgs {
   int slots;  // 16-byte slots of the longest row
 };
 
-// What the exponentials are kept as: the storage width of T.
-template <class T>
-using Exp = std::conditional_t<std::is_same_v<T, float>, float, __half>;
-
 // Rows in flight per thread beyond the one it works on (common/row_kernel.cuh's ring).
-constexpr int kStages = 3;
+constexpr int kStages = 2;
 
 template <class T, int kThreads, int kVecs, int kCluster>
 __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
@@ -53,7 +48,7 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
     const int shift = detail::row_shift(x_row);
     // Elements outside the row load as -inf: no effect on the maximum, exp 0 in the sum.
     const T pad = detail::from_float<T>(-kInf);
-    detail::Vec<T, V> held[kVecs];  // x, then the thread's exponentials as Exp<T>
+    detail::Vec<T, V> held[kVecs];  // x, then the thread's exponentials as detail::ExpStorage<T>
     Tile::take(x_row, share, shift, n, valid, true, pad, Tile::template staged<kStages>(stage), held);
     // The thread's maximum (NaN skipped), then its exponentials against it; a thread without
     // finite elements takes them against 0 so that its -inf give 0 (no -inf - -inf), and NaN
@@ -66,12 +61,12 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
     for (int i = 0; i < kVecs; ++i) {
       float v[V];
       detail::to_floats(held[i], v);
-      detail::Vec<Exp<T>, V> e;
+      detail::Vec<detail::ExpStorage<T>, V> e;
 #pragma unroll
       for (int j = 0; j < V; ++j) {
         v[j] = detail::exp_minus(v[j], pivot);
         s += v[j];
-        e.v[j] = detail::from_float<Exp<T>>(v[j]);
+        e.v[j] = detail::from_float<detail::ExpStorage<T>>(v[j]);
       }
       memcpy(&held[i], &e, sizeof(e));
     }
@@ -79,15 +74,16 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
     tile.reduce(stats, reduced);
     if (!valid) return;
     // y = e * exp(pivot - max) / sum. No finite maximum (all -inf, or +inf): the factor is NaN
-    // (0 / 0, or a NaN sum), as in torch.
-    const float factor = (pivot == stats[0] ? 1.f : detail::exp_minus(pivot, stats[0])) / stats[1];
+    // (0 / 0, or a NaN sum), as in torch. A thread holding only -inf (e = 0) takes 0 / sum, not
+    // exp(0 - max), which overflows to inf (0 * inf = NaN) where the maximum is below -88.
+    const float factor = (m == -kInf ? 0.f : detail::online_rescale(pivot, stats[0])) / stats[1];
     T* y_row = static_cast<T*>(a.y) + row * a.y_stride;
     const bool y_vectors = detail::same_phase(x_row, y_row);
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       if (!Tile::owns(share, i)) continue;
       const int c = Tile::slot(share, i) * V - shift;
-      detail::Vec<Exp<T>, V> e;
+      detail::Vec<detail::ExpStorage<T>, V> e;
       memcpy(&e, &held[i], sizeof(e));
       float v[V];
       detail::to_floats(e, v);
