@@ -60,6 +60,11 @@ auto with_row_config(const RowConfig& c, Fn&& fn) {
   }
 }
 
+// Stages of the row ring of a kernel that streams one tensor: rows in flight per thread beyond
+// the one it works on. Three for blocks of up to 256 threads (48 KiB each), two for the
+// 1024-thread blocks of longer rows (128 KiB).
+constexpr int row_ring_stages(int threads) { return row_block_threads(threads) > 256 ? 2 : 3; }
+
 // Bytes of the row ring (RowTile::staged) of a block of `threads` per row and `vecs` slots per
 // thread holding `buffers` copies of them (stages times tensors).
 constexpr std::size_t row_ring_bytes(int threads, int vecs, int buffers) {

@@ -123,8 +123,6 @@ __device__ __forceinline__ int target_column(std::int64_t target, std::int64_t i
   return target >= 0 && target < n ? static_cast<int>(target) : kBadTarget;
 }
 
-// Rows in flight per thread beyond the one it works on (common/row_kernel.cuh's ring).
-constexpr int kForwardStages = 2;
 
 template <class T, bool kSoftcap, int kThreads, int kVecs, int kCluster>
 __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
@@ -133,6 +131,7 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
   // (max, sum of exp(x - max), sum of x, x[target]) of the softcapped logits.
   using Tile = detail::RowTile<T, kThreads, kVecs, kCluster, detail::OnlineSoftmaxOp, 4>;
   constexpr int V = Tile::V;
+  constexpr int kForwardStages = detail::row_ring_stages(kThreads);
   __shared__ Tile tile;
   tile.start();
   const typename Tile::Share share = Tile::share(a.slots);
@@ -458,7 +457,7 @@ void cross_entropy_forward_cuda(const TensorView& logits, const TensorView& targ
                      ? cross_entropy_forward_kernel<T, true, kThreads, kVecs, kCluster>
                      : cross_entropy_forward_kernel<T, false, kThreads, kVecs, kCluster>;
         },
-        [](int) { return kForwardStages; }, a);
+        detail::row_ring_stages, a);
   });
   if (!per_row) {
     reduce_row_losses_cuda(scratch.rows, targets, options.ignore_index,

@@ -22,8 +22,6 @@ struct ForwardArgs {
   int slots;  // 16-byte slots of the longest row
 };
 
-// Rows in flight per thread beyond the one it works on (common/row_kernel.cuh's ring).
-constexpr int kStages = 2;
 
 template <class T, int kThreads, int kVecs, int kCluster>
 __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
@@ -31,6 +29,7 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
     softmax_forward_kernel(ForwardArgs a) {
   using Tile = detail::RowTile<T, kThreads, kVecs, kCluster, detail::OnlineSoftmaxOp, 2>;
   constexpr int V = Tile::V;
+  constexpr int kStages = detail::row_ring_stages(kThreads);
   constexpr float kInf = std::numeric_limits<float>::infinity();
   __shared__ Tile tile;
   tile.start();
@@ -109,7 +108,7 @@ void softmax_forward_cuda(const TensorView& x, TensorView y, cudaStream_t stream
           return softmax_forward_kernel<T, decltype(threads)::value, decltype(vecs)::value,
                                         decltype(cluster)::value>;
         },
-        [](int) { return kStages; }, a);
+        detail::row_ring_stages, a);
   });
 }
 
