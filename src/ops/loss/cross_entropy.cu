@@ -131,7 +131,7 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
   // (max, sum of exp(x - max), sum of x, x[target]) of the softcapped logits.
   using Tile = detail::RowTile<T, kThreads, kVecs, kCluster, detail::OnlineSoftmaxOp, 4>;
   constexpr int V = Tile::V;
-  constexpr int kForwardStages = detail::row_ring_stages(kThreads);
+  constexpr int kForwardStages = detail::kRowRingStages;
   __shared__ Tile tile;
   tile.start();
   const typename Tile::Share share = Tile::share(a.slots);
@@ -457,7 +457,7 @@ void cross_entropy_forward_cuda(const TensorView& logits, const TensorView& targ
                      ? cross_entropy_forward_kernel<T, true, kThreads, kVecs, kCluster>
                      : cross_entropy_forward_kernel<T, false, kThreads, kVecs, kCluster>;
         },
-        detail::row_ring_stages, a);
+        [](int) { return detail::kRowRingStages; }, a);
   });
   if (!per_row) {
     reduce_row_losses_cuda(scratch.rows, targets, options.ignore_index,

@@ -29,7 +29,7 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
     softmax_forward_kernel(ForwardArgs a) {
   using Tile = detail::RowTile<T, kThreads, kVecs, kCluster, detail::OnlineSoftmaxOp, 2>;
   constexpr int V = Tile::V;
-  constexpr int kStages = detail::row_ring_stages(kThreads);
+  constexpr int kStages = detail::kRowRingStages;
   constexpr float kInf = std::numeric_limits<float>::infinity();
   __shared__ Tile tile;
   tile.start();
@@ -108,7 +108,7 @@ void softmax_forward_cuda(const TensorView& x, TensorView y, cudaStream_t stream
           return softmax_forward_kernel<T, decltype(threads)::value, decltype(vecs)::value,
                                         decltype(cluster)::value>;
         },
-        detail::row_ring_stages, a);
+        [](int) { return detail::kRowRingStages; }, a);
   });
 }
 
