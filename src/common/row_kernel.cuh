@@ -285,6 +285,18 @@ struct RowTile {
       if (owns(s, i) && whole(c, n, vectors)) cp_async_16(to + i * kBlock, row + c);
     }
   }
+  // The thread's slot i (first column c) of `row`: from the ring at `from` when it is whole and
+  // there is a ring, else from global memory (load_slot).
+  static __device__ __forceinline__ Vec<T, V> take_slot(const T* row, int c, int n, bool whole,
+                                                        T pad, const uint4* from, int i) {
+    if (from != nullptr && whole) {
+      const uint4 raw = from[i * kBlock];
+      Vec<T, V> out;
+      memcpy(&out, &raw, sizeof(raw));
+      return out;
+    }
+    return load_slot<T, V>(row, c, n, whole, pad);
+  }
   // The thread's slots of `row` (shift: row_shift(row)), whole ones from the ring at `from`
   // (fetched, landed) or, without a ring (null), from global memory like partial ones; elements
   // outside the row, slots the thread does not own and every slot of a row past the last (valid
@@ -296,12 +308,7 @@ struct RowTile {
     for (int i = 0; i < kVecs; ++i) {
       const int c = slot(s, i) * V - shift;
       if (valid && owns(s, i)) {
-        if (from != nullptr && whole(c, n, vectors)) {
-          const uint4 raw = from[i * kBlock];
-          memcpy(&held[i], &raw, sizeof(raw));
-        } else {
-          held[i] = load_slot<T, V>(row, c, n, whole(c, n, vectors), pad);
-        }
+        held[i] = take_slot(row, c, n, whole(c, n, vectors), pad, from, i);
       } else {
 #pragma unroll
         for (int j = 0; j < V; ++j) held[i].v[j] = pad;

@@ -18,37 +18,55 @@ struct BackwardArgs {
   int slots;  // 16-byte slots of dy's longest row
 };
 
+// Rows in flight per thread beyond the one it works on (common/row_kernel.cuh's ring), each as
+// dy and y: two for blocks of up to 256 threads (64 KiB each); longer rows load straight into
+// registers (a ring of one stage measured 3-24 % slower there, and two do not fit 1024 threads).
+constexpr int backward_stages(int threads) {
+  return detail::row_block_threads(threads) > 256 ? 0 : 2;
+}
+
 template <class T, int kThreads, int kVecs, int kCluster>
 __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
                                   detail::kRowMaxThreads / detail::row_block_threads(kThreads))
     softmax_backward_kernel(BackwardArgs a) {
   using Tile = detail::RowTile<T, kThreads, kVecs, kCluster, detail::SumOp, 1>;
   constexpr int V = Tile::V;
+  constexpr int kStages = backward_stages(kThreads);
   __shared__ Tile tile;
   tile.start();
   const typename Tile::Share share = Tile::share(a.slots);
   const int n = a.cols;
   int reduced = 0;
-  // No ring (kStages 0), rows loaded straight into registers: holding dy and y, a ring of one
-  // stage measured 3-24 % slower (bf16, N 512 to 65536; H100) and one of two spilled at 16-bit
-  // types.
-  Tile::template for_each_row<0>(a.rows, [](std::int64_t, int) {}, [&](std::int64_t row, bool valid,
-                                                                   int, auto&&) {
-    // Slots are cut along dy's row; y and dx move by vectors where they share its phase.
-    const T* dy_row = static_cast<const T*>(a.dy) + row * a.dy_stride;
-    const T* y_row = static_cast<const T*>(a.y) + row * a.y_stride;
+  // Slots are cut along dy's row; y and dx move by vectors where they share its phase.
+  const auto dy_row_of = [&](std::int64_t row) { return static_cast<const T*>(a.dy) + row * a.dy_stride; };
+  const auto y_row_of = [&](std::int64_t row) { return static_cast<const T*>(a.y) + row * a.y_stride; };
+  // Ring buffers: dy of stage s in 2 s, y in 2 s + 1.
+  const auto fetch = [&](std::int64_t row, int stage) {
+    const T* dy_row = dy_row_of(row);
+    const T* y_row = y_row_of(row);
+    const int shift = detail::row_shift(dy_row);
+    Tile::fetch(dy_row, share, shift, n, true, Tile::template staged<kStages>(2 * stage));
+    Tile::fetch(y_row, share, shift, n, detail::same_phase(dy_row, y_row),
+                Tile::template staged<kStages>(2 * stage + 1));
+  };
+  Tile::template for_each_row<kStages>(a.rows, fetch, [&](std::int64_t row, bool valid, int stage,
+                                                          auto&& refill) {
+    const T* dy_row = dy_row_of(row);
+    const T* y_row = y_row_of(row);
     const int shift = detail::row_shift(dy_row);
     const bool y_vectors = detail::same_phase(dy_row, y_row);
+    const uint4* dy_staged = Tile::template staged<kStages>(2 * stage);
+    const uint4* y_staged = Tile::template staged<kStages>(2 * stage + 1);
+    // Elements outside the row load as 0 and add nothing.
     detail::Vec<T, V> dy_held[kVecs], y_held[kVecs];
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       const int c = Tile::slot(share, i) * V - shift;
       if (!valid || !Tile::owns(share, i)) continue;
       const bool inside = c >= 0 && c + V <= n;
-      dy_held[i] = detail::load_slot<T, V>(dy_row, c, n, inside);
-      y_held[i] = detail::load_slot<T, V>(y_row, c, n, inside && y_vectors);
+      dy_held[i] = Tile::take_slot(dy_row, c, n, inside, T(0.f), dy_staged, i);
+      y_held[i] = Tile::take_slot(y_row, c, n, inside && y_vectors, T(0.f), y_staged, i);
     }
-    // Elements outside the row load as 0 and add nothing.
     float dot[1] = {0.f};
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
@@ -59,6 +77,7 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
 #pragma unroll
       for (int j = 0; j < V; ++j) dot[0] = fmaf(g[j], p[j], dot[0]);
     }
+    refill();  // every value taken from the stage went into dot
     tile.reduce(dot, reduced);
     if (!valid) return;
     T* dx_row = static_cast<T*>(a.dx) + row * a.dx_stride;
@@ -93,7 +112,7 @@ void softmax_backward_cuda(const TensorView& dy, const TensorView& y, TensorView
           return softmax_backward_kernel<T, decltype(threads)::value, decltype(vecs)::value,
                                          decltype(cluster)::value>;
         },
-        [](int) { return 0; }, a);
+        [](int threads) { return 2 * backward_stages(threads); }, a);
   });
 }
 
