@@ -19,11 +19,11 @@ struct BackwardArgs {
 };
 
 // Rows in flight per thread beyond the one it works on (common/row_kernel.cuh's ring), each as
-// dy and y: two for blocks of up to 256 threads (64 KiB each); longer rows load straight into
-// registers (a ring of one stage measured 3-24 % slower there, and two do not fit 1024 threads).
-constexpr int backward_stages(int threads) {
-  return detail::row_block_threads(threads) > 256 ? 0 : 2;
-}
+// dy and y: two for rows of up to a warp (bf16 N <= 1024; 64 KiB per 256-thread block, 9-12 %
+// faster there on an H100). Longer rows load straight into registers: two stages measured the
+// same at N 2048 and 5-8 % slower at 4096-8192, one stage 3-24 % slower, and 1024-thread blocks
+// have no room for two.
+constexpr int backward_stages(int threads) { return threads <= 32 ? 2 : 0; }
 
 template <class T, int kThreads, int kVecs, int kCluster>
 __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
