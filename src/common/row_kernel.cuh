@@ -286,16 +286,16 @@ struct RowTile {
     }
   }
   // The thread's slot i (first column c) of `row`: from the ring at `from` when it is whole and
-  // there is a ring, else from global memory (load_slot).
-  static __device__ __forceinline__ Vec<T, V> take_slot(const T* row, int c, int n, bool whole,
-                                                        T pad, const uint4* from, int i) {
+  // there is a ring, else from global memory (load_slot). take() for callers that loop over the
+  // slots themselves; take() spells it out, which kept the cross-entropy kernels' code as before.
+  static __device__ __forceinline__ void take_slot(const T* row, int c, int n, bool whole, T pad,
+                                                   const uint4* from, int i, Vec<T, V>& out) {
     if (from != nullptr && whole) {
       const uint4 raw = from[i * kBlock];
-      Vec<T, V> out;
       memcpy(&out, &raw, sizeof(raw));
-      return out;
+    } else {
+      out = load_slot<T, V>(row, c, n, whole, pad);
     }
-    return load_slot<T, V>(row, c, n, whole, pad);
   }
   // The thread's slots of `row` (shift: row_shift(row)), whole ones from the ring at `from`
   // (fetched, landed) or, without a ring (null), from global memory like partial ones; elements
@@ -308,7 +308,12 @@ struct RowTile {
     for (int i = 0; i < kVecs; ++i) {
       const int c = slot(s, i) * V - shift;
       if (valid && owns(s, i)) {
-        held[i] = take_slot(row, c, n, whole(c, n, vectors), pad, from, i);
+        if (from != nullptr && whole(c, n, vectors)) {
+          const uint4 raw = from[i * kBlock];
+          memcpy(&held[i], &raw, sizeof(raw));
+        } else {
+          held[i] = load_slot<T, V>(row, c, n, whole(c, n, vectors), pad);
+        }
       } else {
 #pragma unroll
         for (int j = 0; j < V; ++j) held[i].v[j] = pad;

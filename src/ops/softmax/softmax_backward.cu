@@ -64,8 +64,8 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
       const int c = Tile::slot(share, i) * V - shift;
       if (!valid || !Tile::owns(share, i)) continue;
       const bool inside = c >= 0 && c + V <= n;
-      dy_held[i] = Tile::take_slot(dy_row, c, n, inside, T(0.f), dy_staged, i);
-      y_held[i] = Tile::take_slot(y_row, c, n, inside && y_vectors, T(0.f), y_staged, i);
+      Tile::take_slot(dy_row, c, n, inside, T(0.f), dy_staged, i, dy_held[i]);
+      Tile::take_slot(y_row, c, n, inside && y_vectors, T(0.f), y_staged, i, y_held[i]);
     }
     float dot[1] = {0.f};
 #pragma unroll
