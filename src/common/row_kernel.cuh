@@ -286,8 +286,9 @@ struct RowTile {
     }
   }
   // The thread's slot i (first column c) of `row`: from the ring at `from` when it is whole and
-  // there is a ring, else from global memory (load_slot). take() for callers that loop over the
-  // slots themselves; take() spells it out, which kept the cross-entropy kernels' code as before.
+  // there is a ring, else from global memory (load_slot); for kernels that loop over their slots
+  // themselves. take() writes the same out in its loop: calling this changed the code generated
+  // for the cross-entropy forward.
   static __device__ __forceinline__ void take_slot(const T* row, int c, int n, bool whole, T pad,
                                                    const uint4* from, int i, Vec<T, V>& out) {
     if (from != nullptr && whole) {

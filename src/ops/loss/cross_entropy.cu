@@ -123,7 +123,6 @@ __device__ __forceinline__ int target_column(std::int64_t target, std::int64_t i
   return target >= 0 && target < n ? static_cast<int>(target) : kBadTarget;
 }
 
-
 template <class T, bool kSoftcap, int kThreads, int kVecs, int kCluster>
 __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
                                   detail::kRowMaxThreads / detail::row_block_threads(kThreads))
@@ -145,7 +144,8 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
   };
   const auto fetch = [&](std::int64_t row, int stage) {
     const T* x_row = x_row_of(row);
-    Tile::fetch(x_row, share, detail::row_shift(x_row), n, true, Tile::template staged<kForwardStages>(stage));
+    Tile::fetch(x_row, share, detail::row_shift(x_row), n, true,
+                Tile::template staged<kForwardStages>(stage));
   };
   Tile::template for_each_row<kForwardStages>(a.rows, fetch, [&](std::int64_t row, bool valid,
                                                                  int stage, auto&& refill) {
@@ -156,7 +156,8 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
     // the softcap, which maps them to -c, they are tested for instead).
     const T pad = detail::from_float<T>(-kInf);
     detail::Vec<T, V> held[kVecs];
-    Tile::take(x_row, share, shift, n, valid, true, pad, Tile::template staged<kForwardStages>(stage), held);
+    Tile::take(x_row, share, shift, n, valid, true, pad,
+               Tile::template staged<kForwardStages>(stage), held);
     const auto logit = [&](float raw, int col) {
       if constexpr (kSoftcap) {
         return detail::in_row(col, n) ? softcapped<true>(raw, o) : -kInf;

@@ -38,8 +38,12 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
   const int n = a.cols;
   int reduced = 0;
   // Slots are cut along dy's row; y and dx move by vectors where they share its phase.
-  const auto dy_row_of = [&](std::int64_t row) { return static_cast<const T*>(a.dy) + row * a.dy_stride; };
-  const auto y_row_of = [&](std::int64_t row) { return static_cast<const T*>(a.y) + row * a.y_stride; };
+  const auto dy_row_of = [&](std::int64_t row) {
+    return static_cast<const T*>(a.dy) + row * a.dy_stride;
+  };
+  const auto y_row_of = [&](std::int64_t row) {
+    return static_cast<const T*>(a.y) + row * a.y_stride;
+  };
   // Ring buffers: dy of stage s in 2 s, y in 2 s + 1.
   const auto fetch = [&](std::int64_t row, int stage) {
     const T* dy_row = dy_row_of(row);

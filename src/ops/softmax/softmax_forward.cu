@@ -36,10 +36,13 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
   const typename Tile::Share share = Tile::share(a.slots);
   const int n = a.cols;
   int reduced = 0;
-  const auto x_row_of = [&](std::int64_t row) { return static_cast<const T*>(a.x) + row * a.x_stride; };
+  const auto x_row_of = [&](std::int64_t row) {
+    return static_cast<const T*>(a.x) + row * a.x_stride;
+  };
   const auto fetch = [&](std::int64_t row, int stage) {
     const T* x_row = x_row_of(row);
-    Tile::fetch(x_row, share, detail::row_shift(x_row), n, true, Tile::template staged<kStages>(stage));
+    Tile::fetch(x_row, share, detail::row_shift(x_row), n, true,
+                Tile::template staged<kStages>(stage));
   };
   Tile::template for_each_row<kStages>(a.rows, fetch, [&](std::int64_t row, bool valid, int stage,
                                                           auto&& refill) {
@@ -48,7 +51,8 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
     // Elements outside the row load as -inf: no effect on the maximum, exp 0 in the sum.
     const T pad = detail::from_float<T>(-kInf);
     detail::Vec<T, V> held[kVecs];  // x, then the thread's exponentials as detail::ExpStorage<T>
-    Tile::take(x_row, share, shift, n, valid, true, pad, Tile::template staged<kStages>(stage), held);
+    Tile::take(x_row, share, shift, n, valid, true, pad, Tile::template staged<kStages>(stage),
+               held);
     // The thread's maximum (NaN skipped), then its exponentials against it; a thread without
     // finite elements takes them against 0 so that its -inf give 0 (no -inf - -inf), and NaN
     // stays NaN.
