@@ -285,6 +285,16 @@ struct RowTile {
       if (owns(s, i) && whole(c, n, vectors)) cp_async_16(to + i * kBlock, row + c);
     }
   }
+  // for_each_row's fetch for a kernel that streams one tensor, whose rows lie at `base` every
+  // `stride` elements.
+  template <int kStages>
+  static __device__ __forceinline__ auto fetch_rows(const T* base, std::int64_t stride,
+                                                    const Share& s, int n) {
+    return [=](std::int64_t row, int stage) {
+      const T* r = base + row * stride;
+      fetch(r, s, row_shift(r), n, true, staged<kStages>(stage));
+    };
+  }
   // The thread's slot i (first column c) of `row`: from the ring at `from` when it is whole and
   // there is a ring, else from global memory (load_slot); for kernels that loop over their slots
   // themselves. take() writes the same out in its loop: calling this changed the code generated

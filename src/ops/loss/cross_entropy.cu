@@ -139,17 +139,11 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
   // kMean's gradient scale, read once: a load per row would wait on it before the writes.
   const float scale = a.valid_rows ? 1.f / static_cast<float>(*a.valid_rows) : 1.f;
   int reduced = 0;
-  const auto x_row_of = [&](std::int64_t row) {
-    return static_cast<const T*>(a.logits) + row * a.logits_stride;
-  };
-  const auto fetch = [&](std::int64_t row, int stage) {
-    const T* x_row = x_row_of(row);
-    Tile::fetch(x_row, share, detail::row_shift(x_row), n, true,
-                Tile::template staged<kForwardStages>(stage));
-  };
+  const T* logits = static_cast<const T*>(a.logits);
+  const auto fetch = Tile::template fetch_rows<kForwardStages>(logits, a.logits_stride, share, n);
   Tile::template for_each_row<kForwardStages>(a.rows, fetch, [&](std::int64_t row, bool valid,
                                                                  int stage, auto&& refill) {
-    const T* x_row = x_row_of(row);
+    const T* x_row = logits + row * a.logits_stride;
     const int shift = detail::row_shift(x_row);
     const int t_col = valid ? target_column(a.targets[row], o.ignore_index, n) : kIgnoredRow;
     // Elements outside the row load as -inf: no effect on the maximum, exp 0 in the sum (with

@@ -36,17 +36,11 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
   const typename Tile::Share share = Tile::share(a.slots);
   const int n = a.cols;
   int reduced = 0;
-  const auto x_row_of = [&](std::int64_t row) {
-    return static_cast<const T*>(a.x) + row * a.x_stride;
-  };
-  const auto fetch = [&](std::int64_t row, int stage) {
-    const T* x_row = x_row_of(row);
-    Tile::fetch(x_row, share, detail::row_shift(x_row), n, true,
-                Tile::template staged<kStages>(stage));
-  };
+  const T* x = static_cast<const T*>(a.x);
+  const auto fetch = Tile::template fetch_rows<kStages>(x, a.x_stride, share, n);
   Tile::template for_each_row<kStages>(a.rows, fetch, [&](std::int64_t row, bool valid, int stage,
                                                           auto&& refill) {
-    const T* x_row = x_row_of(row);
+    const T* x_row = x + row * a.x_stride;
     const int shift = detail::row_shift(x_row);
     // Elements outside the row load as -inf: no effect on the maximum, exp 0 in the sum.
     const T pad = detail::from_float<T>(-kInf);
