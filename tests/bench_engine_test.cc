@@ -114,6 +114,7 @@ TEST_F(EngineFixture, CorrectImplementationIsGatedAndTimed) {
   EXPECT_EQ(r.timer, "host");
   EXPECT_GE(r.ms.count, 1);
   EXPECT_GT(r.gbps, 0);
+  EXPECT_EQ(r.bytes_read, 8 * 16 * 4);  // x read, y written
   EXPECT_EQ(r.rel_l2, 0);
   EXPECT_EQ(r.rows_checked, 8);
   EXPECT_EQ(r.peak_memory_bytes, 8 * 16 * 4);
@@ -270,6 +271,26 @@ TEST(BenchEngine, ColdInputSets) {
   EXPECT_EQ(cold_input_sets(1 << 20, kL2, 40), 40);    // never more sets than launches
   EXPECT_EQ(cold_input_sets(200 << 20, kL2, 8), 2);    // one other set already flushes it
   EXPECT_EQ(cold_input_sets(1, kL2, 200), 200);
+}
+
+// DRAM's ceiling follows the row's read share: the copy's up to 1:1, then the measured mixes.
+TEST(BenchEngine, MemoryCeilingFollowsTheReadShare) {
+  Roofline r;
+  r.copy_gbps = 3000;
+  r.read2_write1_gbps = 3090;
+  r.read_gbps = 3120;
+  r.gemm_bf16_tflops = 800;
+  EXPECT_DOUBLE_EQ(memory_ceiling_gbps(r, 0.2), 3000);  // write-heavy: the copy's
+  EXPECT_DOUBLE_EQ(memory_ceiling_gbps(r, 0.5), 3000);
+  EXPECT_NEAR(memory_ceiling_gbps(r, 0.6), 3054, 1e-9);  // 3 reads per 2 writes
+  EXPECT_NEAR(memory_ceiling_gbps(r, 2.0 / 3.0), 3090, 1e-9);
+  EXPECT_NEAR(memory_ceiling_gbps(r, 1.0), 3120, 1e-9);
+  // 3060 GB/s at two reads per write is 99 % of its ceiling, not 102 % of the copy's.
+  EXPECT_NEAR(*percent_of_roofline(r, Bound::kMemory, 3059.1, 0, 2.0 / 3.0), 99.0, 1e-9);
+  EXPECT_NEAR(*percent_of_roofline(r, Bound::kCompute, 0, 400, 2.0 / 3.0), 50.0, 1e-9);
+  r.read2_write1_gbps = 0;  // a cache from before that ceiling was measured
+  EXPECT_DOUBLE_EQ(memory_ceiling_gbps(r, 0.9), 3000);
+  EXPECT_FALSE(percent_of_roofline(std::nullopt, Bound::kMemory, 1000, 0, 0.5).has_value());
 }
 
 // Opt-in implementations (forced kernel variants) run only when the selection names them, are

@@ -53,8 +53,8 @@ RunResult sample_run() {
   run.env.git_commit = "abc123";
   run.env.seed = 42;
   run.env.command_line = "trainscale-bench --suite smoke";
-  run.roofline = Roofline{"NVIDIA H100 80GB HBM3", "580.1", 3000, 2935, 782, 2.5, 4ll << 30, 2ll << 30, 8192,
-                          "2026-11-21T00:00:00Z", "measured"};
+  run.roofline = Roofline{"NVIDIA H100 80GB HBM3", "580.1", 3000, 3090, 3060, 782, 2.5, 4ll << 30, 2ll << 30,
+                          3ll << 30, 8192, "2026-11-21T00:00:00Z", "measured"};
   run.rows = {timed_row("rmsnorm_forward", "trainscale", false, 1.0), timed_row("rmsnorm_forward", "cudnn", true, 2.0),
               timed_row("softmax_forward", "trainscale", false, 1.0), timed_row("softmax_forward", "cudnn", true, 8.0)};
   run.rows[0].rows_checked = 512;
@@ -107,13 +107,14 @@ TEST(BenchJson, MatchesTheDocumentedSchema) {
                           "warmup_min", "flush_l2", "rotate", "batch", "max_throttle_retakes"}) {
     EXPECT_TRUE(j.at("meta").at("timing").contains(key)) << key;
   }
-  for (const char* key : {"gpu", "driver", "copy_gbps", "read_gbps", "gemm_bf16_tflops", "empty_kernel_us", "copy_bytes",
-                          "read_bytes", "gemm_n", "measured_at", "source"}) {
+  for (const char* key : {"gpu", "driver", "copy_gbps", "read_gbps", "read2_write1_gbps", "gemm_bf16_tflops",
+                          "empty_kernel_us", "copy_bytes", "read_bytes", "read2_write1_bytes", "gemm_n", "measured_at",
+                          "source"}) {
     EXPECT_TRUE(j.at("roofline").contains(key)) << key;
   }
   const nlohmann::json& row = j.at("rows").at(0);
   for (const char* key : {"case", "op", "family", "shape", "dtype", "impl", "baseline", "device", "status", "message",
-                          "timer", "batch", "cold", "rotate", "ms", "stop_reason", "bytes", "flops", "bound", "gbps",
+                          "timer", "batch", "cold", "rotate", "ms", "stop_reason", "bytes", "bytes_read", "flops", "bound", "gbps",
                           "tflops", "pct_roofline", "gate", "peak_memory_bytes", "extra_memory_bytes", "clocks"}) {
     EXPECT_TRUE(row.contains(key)) << key;
   }

@@ -47,10 +47,20 @@ int cold_input_sets(std::int64_t set_bytes, std::int64_t l2_bytes, int batch) {
   return static_cast<int>(std::min<std::int64_t>(batch, others + 1));
 }
 
+double memory_ceiling_gbps(const Roofline& roofline, double read_share) {
+  const double s = std::clamp(read_share, 0.0, 1.0);
+  const auto between = [s](double s0, double g0, double s1, double g1) { return g0 + (g1 - g0) * (s - s0) / (s1 - s0); };
+  // A ceiling not measured (an older cache) leaves the copy's.
+  if (s <= 0.5 || roofline.read2_write1_gbps <= 0) return roofline.copy_gbps;
+  if (s <= 2.0 / 3.0) return between(0.5, roofline.copy_gbps, 2.0 / 3.0, roofline.read2_write1_gbps);
+  return between(2.0 / 3.0, roofline.read2_write1_gbps, 1.0, std::max(roofline.read_gbps, roofline.read2_write1_gbps));
+}
+
 std::optional<double> percent_of_roofline(const std::optional<Roofline>& roofline, Bound bound, double gbps,
-                                          double tflops) {
+                                          double tflops, double read_share) {
   if (!roofline) return std::nullopt;
-  const double ceiling = bound == Bound::kMemory ? roofline->copy_gbps : roofline->gemm_bf16_tflops;
+  const double ceiling =
+      bound == Bound::kMemory ? memory_ceiling_gbps(*roofline, read_share) : roofline->gemm_bf16_tflops;
   if (ceiling <= 0) return std::nullopt;
   return 100.0 * (bound == Bound::kMemory ? gbps : tflops) / ceiling;
 }
@@ -120,6 +130,7 @@ Row base_row(const Case& c, const Implementation& impl, const RunOptions& option
   row.baseline = impl.baseline;
   row.device = impl.on_gpu ? "cuda" : "cpu";
   row.bytes = c.bytes;
+  row.bytes_read = std::min(c.bytes, c.bytes_read());
   row.flops = c.flops;
   row.bound = c.bound;
   row.rotate = options.timing.rotate;
@@ -139,7 +150,8 @@ void fill_timing(Row& row, const SampleSet& samples, const std::optional<Rooflin
     row.gbps = row.bytes / seconds / 1e9;
     row.tflops = row.flops / seconds / 1e12;
   }
-  row.pct_roofline = percent_of_roofline(roofline, row.bound, row.gbps, row.tflops);
+  row.pct_roofline = percent_of_roofline(roofline, row.bound, row.gbps, row.tflops,
+                                         row.bytes > 0 ? row.bytes_read / row.bytes : 0.5);
   if (samples.reason == StopReason::kInterrupted) {
     row.status = Status::kInterrupted;
     row.message = "interrupted after " + std::to_string(samples.ms.size()) + " samples";

@@ -56,8 +56,15 @@ std::uint64_t case_seed(std::uint64_t seed, const std::string& case_name);
 // twice the L2's bytes (at most `batch` sets).
 int cold_input_sets(std::int64_t set_bytes, std::int64_t l2_bytes, int batch);
 
-// % of the measured ceiling `bound` selects (nullopt without a roofline).
+// DRAM's ceiling for a kernel whose bytes are `read_share` reads (the rest writes): the copy's
+// up to one read per write, then linear in the share between the measured mixes (copy at 1/2,
+// two reads per write at 2/3, reads alone at 1). Reads outrun writes, so a read-heavy kernel can
+// pass the copy's bandwidth from DRAM alone.
+double memory_ceiling_gbps(const Roofline& roofline, double read_share);
+
+// % of the measured ceiling `bound` (and, memory-bound, the read share) selects; nullopt without
+// a roofline.
 std::optional<double> percent_of_roofline(const std::optional<Roofline>& roofline, Bound bound, double gbps,
-                                          double tflops);
+                                          double tflops, double read_share);
 
 }  // namespace trainscale::bench

@@ -35,6 +35,15 @@ __global__ void copy_kernel(int4* dst, const int4* src, std::size_t n) {
   }
 }
 
+// Two reads per write: the mix of most memory-bound backward passes and of quantization.
+__global__ void read2_write1_kernel(int4* dst, const int4* a, const int4* b, std::size_t n) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n; i += stride) {
+    const int4 x = a[i], y = b[i];
+    dst[i] = make_int4(x.x ^ y.x, x.y ^ y.y, x.z ^ y.z, x.w ^ y.w);
+  }
+}
+
 __global__ void read_kernel(const int4* __restrict__ src, std::size_t n, int* sink) {
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
   int acc = 0;
@@ -90,6 +99,14 @@ void launch_copy(void* dst, const void* src, std::size_t bytes, cudaStream_t str
   const auto grid = detail::grid_for_tiles(static_cast<std::int64_t>(n), kBlock);
   copy_kernel<<<static_cast<unsigned>(grid), kBlock, 0, stream>>>(static_cast<int4*>(dst), static_cast<const int4*>(src), n);
   cuda_check(cudaGetLastError(), "copy kernel launch");
+}
+
+void launch_read2_write1(void* dst, const void* a, const void* b, std::size_t bytes, cudaStream_t stream) {
+  const std::size_t n = bytes / sizeof(int4);
+  const auto grid = detail::grid_for_tiles(static_cast<std::int64_t>(n), kBlock);
+  read2_write1_kernel<<<static_cast<unsigned>(grid), kBlock, 0, stream>>>(
+      static_cast<int4*>(dst), static_cast<const int4*>(a), static_cast<const int4*>(b), n);
+  cuda_check(cudaGetLastError(), "read2-write1 kernel launch");
 }
 
 void launch_read(const void* src, std::size_t bytes, void* sink, cudaStream_t stream) {

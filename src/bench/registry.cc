@@ -22,13 +22,28 @@ std::string Case::shape_str() const { return bench::shape_str(shape); }
 
 std::string Case::name() const { return op + " " + shape_str() + " " + dtype_name(dtype); }
 
+namespace {
+
+std::int64_t spec_bytes(const TensorSpec& t) {
+  std::int64_t n = 1;
+  for (std::int64_t d : t.shape) n *= d;
+  return n * static_cast<std::int64_t>(dtype_size(t.dtype));
+}
+
+}  // namespace
+
+double Case::bytes_read() const {
+  double bytes = 0;
+  for (const TensorSpec& t : tensors) {
+    if (has_input_data(t.role)) bytes += static_cast<double>(spec_bytes(t));
+  }
+  return bytes;
+}
+
 std::int64_t Case::scratch_bytes() const {
   std::int64_t bytes = 0;
   for (const TensorSpec& t : tensors) {
-    if (t.role != Role::kScratch) continue;
-    std::int64_t n = 1;
-    for (std::int64_t d : t.shape) n *= d;
-    bytes += n * static_cast<std::int64_t>(dtype_size(t.dtype));
+    if (t.role == Role::kScratch) bytes += spec_bytes(t);
   }
   return bytes;
 }

@@ -190,6 +190,7 @@ struct Case {
   std::string shape_str() const;  // "32768x4096"
   std::string name() const;       // "rmsnorm_forward 32768x4096 bfloat16"
   std::int64_t scratch_bytes() const;  // of its Role::kScratch tensors
+  double bytes_read() const;           // of its inputs and in-place tensors, each once
 };
 
 // Builds an op's case for one config; throws Unsupported for a shape or dtype it lacks.

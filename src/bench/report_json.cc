@@ -149,6 +149,7 @@ json to_json(const Row& r) {
           {"ms", to_json(r.ms)},
           {"stop_reason", r.stop_reason},
           {"bytes", r.bytes},
+          {"bytes_read", r.bytes_read},
           {"flops", r.flops},
           {"bound", bound_name(r.bound)},
           {"gbps", r.gbps},
@@ -191,6 +192,7 @@ Row row_from_json(const json& j) {
   if (j.contains("ms")) r.ms = summary_from_json(j.at("ms"));
   r.stop_reason = j.value("stop_reason", "");
   r.bytes = number(j, "bytes");
+  r.bytes_read = number(j, "bytes_read");
   r.flops = number(j, "flops");
   r.bound = j.value("bound", "memory") == std::string("compute") ? Bound::kCompute : Bound::kMemory;
   r.gbps = number(j, "gbps");
@@ -222,10 +224,12 @@ json to_json(const Roofline& r) {
           {"driver", r.driver},
           {"copy_gbps", r.copy_gbps},
           {"read_gbps", r.read_gbps},
+          {"read2_write1_gbps", r.read2_write1_gbps},
           {"gemm_bf16_tflops", r.gemm_bf16_tflops},
           {"empty_kernel_us", r.empty_kernel_us},
           {"copy_bytes", r.copy_bytes},
           {"read_bytes", r.read_bytes},
+          {"read2_write1_bytes", r.read2_write1_bytes},
           {"gemm_n", r.gemm_n},
           {"measured_at", r.measured_at},
           {"source", r.source}};
@@ -237,10 +241,12 @@ Roofline roofline_from_json(const json& j) {
   r.driver = j.value("driver", "");
   r.copy_gbps = j.at("copy_gbps").get<double>();
   r.read_gbps = j.at("read_gbps").get<double>();
+  r.read2_write1_gbps = j.value("read2_write1_gbps", 0.0);
   r.gemm_bf16_tflops = j.at("gemm_bf16_tflops").get<double>();
   r.empty_kernel_us = j.value("empty_kernel_us", 0.0);
   r.copy_bytes = j.value("copy_bytes", std::int64_t{0});
   r.read_bytes = j.value("read_bytes", std::int64_t{0});
+  r.read2_write1_bytes = j.value("read2_write1_bytes", std::int64_t{0});
   r.gemm_n = j.value("gemm_n", std::int64_t{0});
   r.measured_at = j.value("measured_at", "");
   r.source = j.value("source", "");

@@ -69,7 +69,7 @@ std::vector<std::string> summary_lines(const RunResult& result) {
     if (r.baseline || r.status != Status::kOk || !r.pct_roofline) continue;
     if (!pct.contains(r.op)) ops.push_back(r.op);
     pct[r.op].push_back(*r.pct_roofline);
-    unit[r.op] = r.bound == Bound::kMemory ? "copy" : "bf16 GEMM";
+    unit[r.op] = r.bound == Bound::kMemory ? "DRAM bandwidth" : "bf16 GEMM";
   }
   for (const std::string& op : ops) {
     std::vector<double>& v = pct[op];

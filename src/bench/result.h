@@ -51,9 +51,10 @@ struct Row {
 
   // Work and rates at the median
   double bytes = 0, flops = 0;
+  double bytes_read = 0;  // the part of `bytes` that is read; the memory ceiling depends on the mix
   Bound bound = Bound::kMemory;
   double gbps = 0, tflops = 0;
-  std::optional<double> pct_roofline;  // of the ceiling `bound` selects
+  std::optional<double> pct_roofline;  // of the ceiling `bound` and the read share select
 
   // Gate
   double rel_l2 = 0, max_abs_err = 0, tolerance = 0;
@@ -81,9 +82,10 @@ struct Roofline {
   std::string gpu, driver;
   double copy_gbps = 0;       // bytes read + written / time
   double read_gbps = 0;
+  double read2_write1_gbps = 0;  // two bytes read per byte written
   double gemm_bf16_tflops = 0;  // cuBLASLt, 2*n^3 / time
   double empty_kernel_us = 0;   // an empty kernel timed as rows are; 0: not measured
-  std::int64_t copy_bytes = 0, read_bytes = 0;  // buffer sizes used
+  std::int64_t copy_bytes = 0, read_bytes = 0, read2_write1_bytes = 0;  // bytes moved per launch
   std::int64_t gemm_n = 0;
   std::string measured_at;  // UTC ISO
   std::string source;       // "measured" or the cache file it came from
