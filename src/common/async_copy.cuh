@@ -29,12 +29,6 @@ __device__ __forceinline__ void cp_async_4_zfill(void* shared_dst, const void* g
                : "memory");
 }
 
-// One 8-byte word the same way.
-__device__ __forceinline__ void cp_async_8(void* shared_dst, const void* global_src) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(shared_dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(global_src) : "memory");
-}
-
 // Closes the thread's copies issued since the last commit into one group.
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;" ::: "memory");

@@ -39,18 +39,6 @@ struct Targets {
     return is_64 ? static_cast<const std::int64_t*>(data)[i * stride]
                  : static_cast<const std::int32_t*>(data)[i * stride];
   }
-  // Starts copying target i into `slot` (8 bytes of shared memory); the same thread reads it
-  // with from_slot once cp_async_wait covers the copy.
-  __device__ __forceinline__ void fetch(std::int64_t i, std::int64_t* slot) const {
-    if (is_64) {
-      detail::cp_async_8(slot, static_cast<const std::int64_t*>(data) + i * stride);
-    } else {
-      detail::cp_async_4_zfill(slot, static_cast<const std::int32_t*>(data) + i * stride, true);
-    }
-  }
-  __device__ __forceinline__ std::int64_t from_slot(const std::int64_t* slot) const {
-    return is_64 ? *slot : *reinterpret_cast<const std::int32_t*>(slot);
-  }
 };
 
 // The options as the kernels use them.
@@ -152,25 +140,12 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
   const float scale = a.valid_rows ? 1.f / static_cast<float>(*a.valid_rows) : 1.f;
   int reduced = 0;
   const T* logits = static_cast<const T*>(a.logits);
-  // The targets ride the ring with their rows (lane 0 of each warp copies its row's), so a row
-  // does not wait on a load of its target after its logits have arrived. A row spans whole warps
-  // (kThreads >= 32).
-  static_assert(kThreads >= 32);
-  __shared__ std::int64_t target_ring[kForwardStages][Tile::kBlock / 32];
-  std::int64_t* const target_slots = &target_ring[0][threadIdx.x / 32];
-  const auto fetch_logits = Tile::template fetch_rows<kForwardStages>(logits, a.logits_stride, share, n);
-  const auto fetch = [&](std::int64_t row, int stage) {
-    fetch_logits(row, stage);
-    if (threadIdx.x % 32 == 0) a.targets.fetch(row, target_slots + stage * (Tile::kBlock / 32));
-  };
+  const auto fetch = Tile::template fetch_rows<kForwardStages>(logits, a.logits_stride, share, n);
   Tile::template for_each_row<kForwardStages>(a.rows, fetch, [&](std::int64_t row, bool valid,
                                                                  int stage, auto&& refill) {
     const T* x_row = logits + row * a.logits_stride;
     const int shift = detail::row_shift(x_row);
-    std::int64_t target = 0;
-    if (valid && threadIdx.x % 32 == 0) target = a.targets.from_slot(target_slots + stage * (Tile::kBlock / 32));
-    target = __shfl_sync(0xffffffffu, target, 0);
-    const int t_col = valid ? target_column(target, o.ignore_index, n) : kIgnoredRow;
+    const int t_col = valid ? target_column(a.targets[row], o.ignore_index, n) : kIgnoredRow;
     // Elements outside the row load as -inf: no effect on the maximum, exp 0 in the sum (with
     // the softcap, which maps them to -c, they are tested for instead).
     const T pad = detail::from_float<T>(-kInf);
