@@ -49,7 +49,9 @@ int cold_input_sets(std::int64_t set_bytes, std::int64_t l2_bytes, int batch) {
 
 double memory_ceiling_gbps(const Roofline& roofline, double read_share) {
   const double s = std::clamp(read_share, 0.0, 1.0);
-  const auto between = [s](double s0, double g0, double s1, double g1) { return g0 + (g1 - g0) * (s - s0) / (s1 - s0); };
+  const auto between = [s](double s0, double g0, double s1, double g1) {
+    return g0 + (g1 - g0) * (s - s0) / (s1 - s0);
+  };
   // A ceiling not measured (an older cache) leaves the copy's.
   if (s <= 0.5 || roofline.read2_write1_gbps <= 0) return roofline.copy_gbps;
   if (s <= 2.0 / 3.0) return between(0.5, roofline.copy_gbps, 2.0 / 3.0, roofline.read2_write1_gbps);

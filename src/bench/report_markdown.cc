@@ -32,8 +32,8 @@ void write_environment(std::ostream& out, const RunResult& r) {
   if (r.roofline) {
     out << "| Roofline | copy " << format_fixed(r.roofline->copy_gbps, 0) << " GB/s, read "
         << format_fixed(r.roofline->read_gbps, 0) << " GB/s, 2 reads per write "
-        << format_fixed(r.roofline->read2_write1_gbps, 0) << " GB/s, bf16 GEMM " << format_fixed(r.roofline->gemm_bf16_tflops, 1)
-        << " TFLOP/s";
+        << format_fixed(r.roofline->read2_write1_gbps, 0) << " GB/s, bf16 GEMM "
+        << format_fixed(r.roofline->gemm_bf16_tflops, 1) << " TFLOP/s";
     if (r.roofline->empty_kernel_us > 0) {
       out << ", empty kernel " << format_fixed(r.roofline->empty_kernel_us, 2) << " us";
     }
