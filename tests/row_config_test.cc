@@ -25,6 +25,19 @@ TEST(RowConfig, ThreadsGrowWithTheRowThenClusters) {
   EXPECT_EQ(row_config(1, 32).vecs, 4);
 }
 
+// Fewer slots per thread (more threads) and a cap on the threads, for kernels that pick the split
+// by ranges of the row length.
+TEST(RowConfig, SlotsPerThreadAndThreadCap) {
+  EXPECT_EQ(row_config(129, 128, 2, 512).threads, 128);
+  EXPECT_EQ(row_config(129, 128, 2, 512).vecs, 2);
+  EXPECT_EQ(row_config(1024, 128, 2, 512).threads, 512);
+  EXPECT_EQ(row_config(1025, 128, 2, 512).threads, 0);  // beyond the cap: no split
+  EXPECT_EQ(row_config(128, 1, 4, 32).threads, 32);
+  EXPECT_EQ(row_config(129, 1, 4, 32).threads, 0);
+  EXPECT_EQ(row_config(1025, 512).threads, 512);  // the default slots per thread
+  EXPECT_EQ(row_config(4097, 512).cluster, 2);
+}
+
 TEST(RowConfig, SlotsCountTheFirstRowsShift) {
   // bf16: 8 per slot. 8194 elements starting on 16 bytes span 1025 slots; shifted, up to 1026.
   EXPECT_EQ(row_slots(8194, 8, 0), 1025);

@@ -39,21 +39,25 @@ inline int rows_max_shift(const void* data, std::int64_t stride, std::size_t ele
 }
 
 // The split of a row of `slots` slots, a pure function of its length:
-//   up to 2 slots: 1 or 2 threads of one slot each; then 4 slots per thread and as few threads
-//   as cover the row (at least min_threads), up to 1024 (bf16 N = 32768, fp32 16384) in one
-//   block; longer rows: clusters of 2, 4, 8 or 16 blocks of 1024 threads (bf16 N <= 262144 and
-//   fp32 131072 in the portable 8; 16 where the device lets such a cluster be resident).
+//   up to 2 slots: 1 or 2 threads of one slot each; then `vecs` slots per thread (4 by default)
+//   and as few threads as cover the row (at least min_threads), up to 1024 (bf16 N = 32768,
+//   fp32 16384 with 4 slots each) in one block; longer rows: clusters of 2, 4, 8 or 16 blocks of
+//   1024 threads of 4 slots (bf16 N <= 262144 and fp32 131072 in the portable 8; 16 where the
+//   device lets such a cluster be resident). Rows that need more than max_threads threads, or a
+//   cluster where max_threads is below 1024, are not supported (threads 0).
 // The norms' register kernels split rows alike (kRows: 1024-thread blocks in clusters of 2 to
 // 8); the first softmax kernels, with clusters of 512-thread blocks, ran 1604-1864 GB/s from
 // N = 32768 on an H200 where N = 8192 took 2416 (bf16).
-inline RowConfig row_config(std::int64_t slots, int min_threads) {
+inline RowConfig row_config(std::int64_t slots, int min_threads, int vecs = kRowVecs,
+                            int max_threads = kRowMaxThreads) {
   if (slots <= 2 && min_threads <= 2) {
     const int t = static_cast<int>(std::max<std::int64_t>(slots, min_threads));
     return {t < 1 ? 1 : t, 1, 1};
   }
   int threads = std::max(4, min_threads);
-  while (threads < kRowMaxThreads && threads * kRowVecs < slots) threads *= 2;
-  if (threads * kRowVecs >= slots) return {threads, kRowVecs, 1};
+  while (threads < max_threads && threads * vecs < slots) threads *= 2;
+  if (threads * vecs >= slots) return {threads, vecs, 1};
+  if (max_threads < kRowMaxThreads) return {};
   for (int cluster = 2; cluster <= kRowMaxCluster; cluster *= 2) {
     if (std::int64_t{kRowMaxThreads} * kRowVecs * cluster >= slots)
       return {kRowMaxThreads, kRowVecs, cluster};

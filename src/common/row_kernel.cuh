@@ -37,16 +37,27 @@
 namespace trainscale::detail {
 
 // Calls fn(threads, vecs, cluster) (std::integral_constant each) for a configuration
-// row_config can return with this kMinThreads; only those are compiled.
-template <int kMinThreads, int kThreads = (kMinThreads < 1 ? 1 : kMinThreads), class Fn>
+// row_config(slots, kMinThreads, kVecs, kMaxThreads) can return; only those are compiled.
+// Other slot counts than kRowVecs are for blocks of fewer than kRowMaxThreads threads only
+// (1024-thread blocks and clusters take kRowVecs).
+template <int kMinThreads, int kVecs = kRowVecs, int kMaxThreads = kRowMaxThreads,
+          int kThreads = (kMinThreads < 1 ? 1 : kMinThreads), class Fn>
 auto with_row_config(const RowConfig& c, Fn&& fn) {
   using std::integral_constant;
+  static_assert(kVecs == kRowVecs || kMaxThreads < kRowMaxThreads);
   if constexpr (kThreads < kRowMaxThreads) {
     if (c.cluster == 1 && c.threads == kThreads) {
-      return fn(integral_constant<int, kThreads>{}, integral_constant<int, (kThreads < 4 ? 1 : kRowVecs)>{},
+      return fn(integral_constant<int, kThreads>{}, integral_constant<int, (kThreads < 4 ? 1 : kVecs)>{},
                 integral_constant<int, 1>{});
     }
-    return with_row_config<kMinThreads, kThreads * 2>(c, std::forward<Fn>(fn));
+    if constexpr (kThreads * 2 <= kMaxThreads) {
+      return with_row_config<kMinThreads, kVecs, kMaxThreads, kThreads * 2>(c, std::forward<Fn>(fn));
+    } else {
+      // Past the widest compiled split: row_config returns none of these (the caller checked).
+      using Result = decltype(fn(integral_constant<int, kThreads>{},
+                                 integral_constant<int, (kThreads < 4 ? 1 : kVecs)>{}, integral_constant<int, 1>{}));
+      return Result{};
+    }
   } else {
     using Widest = integral_constant<int, kRowMaxThreads>;
     using Vecs = integral_constant<int, kRowVecs>;
@@ -108,11 +119,13 @@ bool launch_row_kernel(void (*kernel)(Params...), int threads, int vecs, int clu
 }
 
 // Launches the row kernel for rows of T: make_kernel(threads, vecs, cluster) returns the kernel
-// compiled for the split row_config(slots, kMinThreads) picks for `cols` elements whose largest
+// compiled for the split row_config(slots, kMinThreads, kVecs, kMaxThreads) picks for `cols`
+// elements (the caller keeps rows within what kMaxThreads holds) whose largest
 // shift is max_shift (rows_max_shift), with a row ring of ring_buffers(threads) buffers;
 // args.slots is set. Throws for rows no split holds, or whose cluster of 16 blocks cannot be
 // resident.
-template <class T, int kMinThreads, class MakeKernel, class RingBuffers, class Args>
+template <class T, int kMinThreads, int kVecs = kRowVecs, int kMaxThreads = kRowMaxThreads,
+          class MakeKernel, class RingBuffers, class Args>
 void launch_rows(std::string_view op, std::int64_t rows, std::int64_t cols, int max_shift,
                  cudaStream_t stream, MakeKernel&& make_kernel, RingBuffers&& ring_buffers,
                  Args& args) {
@@ -120,10 +133,10 @@ void launch_rows(std::string_view op, std::int64_t rows, std::int64_t cols, int 
   constexpr int V = kVec16<T>;
   const std::int64_t slots = row_slots(cols, V, max_shift);
   args.slots = static_cast<int>(std::min<std::int64_t>(slots, 1 << 30));
-  const RowConfig config = row_config(slots, kMinThreads);
+  const RowConfig config = row_config(slots, kMinThreads, kVecs, kMaxThreads);
   const bool launched =
       config.threads > 0 &&
-      with_row_config<kMinThreads>(config, [&](auto threads, auto vecs, auto cluster) {
+      with_row_config<kMinThreads, kVecs, kMaxThreads>(config, [&](auto threads, auto vecs, auto cluster) {
         return launch_row_kernel(make_kernel(threads, vecs, cluster), threads, vecs, cluster,
                                  ring_buffers(threads), rows, stream, op, args);
       });

@@ -23,11 +23,21 @@ struct BackwardArgs {
 // faster there on an H100). Longer rows load straight into registers: two stages measured the
 // same at N 2048 and 5-8 % slower at 4096-8192, one stage 3-24 % slower, and 1024-thread blocks
 // have no room for two.
-constexpr int backward_stages(int threads) { return threads <= 32 ? 2 : 0; }
+constexpr int kRingMaxThreads = 32;  // rows of up to kRingMaxThreads * kRowVecs = 128 slots
+constexpr int backward_stages(int threads) { return threads <= kRingMaxThreads ? 2 : 0; }
+
+// Rows of 129 to 1024 slots (bf16 N 1025-8192) take 2 slots per thread, twice the threads, at
+// 40 registers: 1536 threads per SM, not 1024, hide the loads of a kernel that holds its row
+// (H100, bf16 32768 rows: 8-13 % faster at N 2048-8192; at N 16384 the 1024-thread block of 2
+// slots was 11 % slower than 512 threads of 4).
+constexpr int kDenseVecs = 2, kDenseMinThreads = 128, kDenseMaxThreads = 512;
+constexpr int backward_sm_threads(int vecs, int cluster) {
+  return vecs == kDenseVecs && cluster == 1 ? 1536 : detail::kRowMaxThreads;
+}
 
 template <class T, int kThreads, int kVecs, int kCluster>
 __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
-                                  detail::kRowMaxThreads / detail::row_block_threads(kThreads))
+                                  backward_sm_threads(kVecs, kCluster) / detail::row_block_threads(kThreads))
     softmax_backward_kernel(BackwardArgs a) {
   using Tile = detail::RowTile<T, kThreads, kVecs, kCluster, detail::SumOp, 1>;
   constexpr int V = Tile::V;
@@ -110,13 +120,23 @@ void softmax_backward_cuda(const TensorView& dy, const TensorView& y, TensorView
                  detail::row_layout(dx).row_stride, r.rows, static_cast<int>(r.cols), 0};
   detail::dispatch_activation_dtype(dy.dtype, op, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    detail::launch_rows<T, 1>(
-        op, r.rows, r.cols, detail::rows_max_shift(dy.data, r.row_stride, sizeof(T)), stream,
-        [](auto threads, auto vecs, auto cluster) {
-          return softmax_backward_kernel<T, decltype(threads)::value, decltype(vecs)::value,
-                                         decltype(cluster)::value>;
-        },
-        [](int threads) { return 2 * backward_stages(threads); }, a);
+    const int max_shift = detail::rows_max_shift(dy.data, r.row_stride, sizeof(T));
+    const std::int64_t slots = detail::row_slots(r.cols, detail::kVec16<T>, max_shift);
+    const auto kernel = [](auto threads, auto vecs, auto cluster) {
+      return softmax_backward_kernel<T, decltype(threads)::value, decltype(vecs)::value,
+                                     decltype(cluster)::value>;
+    };
+    const auto stages = [](int threads) { return 2 * backward_stages(threads); };
+    // Three ranges of the row length, each compiling only the splits it uses.
+    if (slots <= kRingMaxThreads * detail::kRowVecs) {
+      detail::launch_rows<T, 1, detail::kRowVecs, kRingMaxThreads>(op, r.rows, r.cols, max_shift,
+                                                                    stream, kernel, stages, a);
+    } else if (slots <= kDenseMaxThreads * kDenseVecs) {
+      detail::launch_rows<T, kDenseMinThreads, kDenseVecs, kDenseMaxThreads>(
+          op, r.rows, r.cols, max_shift, stream, kernel, stages, a);
+    } else {
+      detail::launch_rows<T, kDenseMaxThreads>(op, r.rows, r.cols, max_shift, stream, kernel, stages, a);
+    }
   });
 }
 
