@@ -26,10 +26,10 @@ struct BackwardArgs {
 constexpr int kRingMaxThreads = 32;  // rows of up to kRingMaxThreads * kRowVecs = 128 slots
 constexpr int backward_stages(int threads) { return threads <= kRingMaxThreads ? 2 : 0; }
 
-// Rows of 129 to 1024 slots (bf16 N 1025-8192) take 2 slots per thread, twice the threads, at
-// 40 registers: 1536 threads per SM, not 1024, hide the loads of a kernel that holds its row
-// (H100, bf16 32768 rows: 8-13 % faster at N 2048-8192; at N 16384 the 1024-thread block of 2
-// slots was 11 % slower than 512 threads of 4).
+// Rows of 129 to 1024 slots (bf16 N 1025-8192) take 2 slots per thread on twice the threads,
+// at 40 registers: 1536 threads per SM instead of 1024 hide more of the loads of a kernel that
+// holds its row. Longer rows keep 4 slots per thread: a 1024-thread block of 2 was slower
+// (docs/perf/softmax.md).
 constexpr int kDenseVecs = 2, kDenseMinThreads = 128, kDenseMaxThreads = 512;
 constexpr int backward_sm_threads(int vecs, int cluster) {
   return vecs == kDenseVecs && cluster == 1 ? 1536 : detail::kRowMaxThreads;
