@@ -619,12 +619,19 @@ TEST_P(AttentionBackwardCuda, NaNInQueryPropagates) {
   check_backward(c);
 }
 
-// Same inputs, same bits: every gradient element is summed by one thread block in one order.
+// options.deterministic: same inputs, same bits (the Hopper kernel adds dQ's partials in key-block
+// order; the other paths always sum in one order), and still the reference's result, with a
+// sliding window too (the order counts the key blocks each query block waits for).
 TEST_P(AttentionBackwardCuda, Deterministic) {
   TS_REQUIRE_GPU();
   const Variant p = GetParam();
   const BackwardConfig c{.dtype = p.dtype, .batch = 1, .q_len = 300, .kv_len = 300, .q_heads = 8,
-                         .kv_heads = 2, .head_dim = p.head_dim, .options = {.causal = p.causal}};
+                         .kv_heads = 2, .head_dim = p.head_dim,
+                         .options = {.causal = p.causal, .deterministic = true}};
+  check_backward(c);
+  check_backward({.dtype = p.dtype, .batch = 2, .q_len = 700, .kv_len = 650, .q_heads = 4, .kv_heads = 4,
+                  .head_dim = p.head_dim,
+                  .options = {.causal = p.causal, .window_left = 200, .deterministic = true}});
   const BackwardProblem pr(c);
   DeviceBackward first(pr, false), second(pr, false);
   first.run(c.options);
@@ -647,7 +654,9 @@ TEST(AttentionBackwardCudaErrors, WorkspaceMissingOrSmall) {
   const BackwardProblem pr(c);
   DeviceBackward dev(pr, false);
   const std::string needed = "at least " + std::to_string(attention_backward_workspace_bytes(pr.q)) + " bytes";
-  EXPECT_EQ(attention_backward_workspace_bytes(pr.q), 1792u);  // 4 * 100 floats, to a multiple of 256
+  // D 64 has the Hopper kernel's parts: Sq 100 -> 128 rows of 4 heads: delta and lse * log2(e)
+  // (2048 bytes each), 4 counters (256 after alignment), dQ 4 * 128 * 64 floats (131072).
+  EXPECT_EQ(attention_backward_workspace_bytes(pr.q), 2048u + 2048u + 256u + 131072u);
   AttentionBackwardArgs args = dev.args;
   args.workspace = TensorView{};
   TS_EXPECT_ERROR(attention_backward(args), "attention_backward", "'workspace'", needed.c_str(), "0 bytes");

@@ -122,5 +122,24 @@ TEST(AttentionHeuristics, SectionsHoldWhatFitsInL2) {
   EXPECT_EQ(forward_grid(0, 132), 1);
 }
 
+// The backward's workspace: row terms padded to whole query blocks; the Hopper kernel's lse, dQ
+// accumulator and counters only for the head dims it has; every part 256-byte aligned.
+TEST(AttentionHeuristics, BackwardWorkspaceParts) {
+  const BackwardWorkspace w = backward_workspace(2, 3, 65, 128);  // 2 query blocks of 64
+  EXPECT_EQ(w.m_blocks, 2);
+  EXPECT_EQ(w.stats_len, 128);
+  EXPECT_EQ(w.delta, 0u);
+  EXPECT_EQ(w.lse_log2, 3072u);                 // 6 * 128 floats
+  EXPECT_EQ(w.dq_semaphore, 6144u);
+  EXPECT_EQ(w.dq_accum, 6144u + 256u);          // 12 counters, aligned
+  EXPECT_EQ(w.bytes, 6400u + 6u * 128 * 128 * 4);
+  for (std::size_t offset : {w.lse_log2, w.dq_semaphore, w.dq_accum, w.bytes}) EXPECT_EQ(offset % 256, 0u);
+  const BackwardWorkspace d256 = backward_workspace(2, 3, 65, 256);  // sm_80 kernels only: delta
+  EXPECT_FALSE(backward_sm90_plan(256).supported());
+  EXPECT_EQ(d256.stats_len, 65);
+  EXPECT_EQ(d256.bytes, 1792u);  // 6 * 65 floats, to a multiple of 256
+  EXPECT_EQ(backward_workspace(1, 1, 0, 64).bytes, 0u);
+}
+
 }  // namespace
 }  // namespace trainscale::ops::attention

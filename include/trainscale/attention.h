@@ -20,6 +20,10 @@ struct AttentionOptions {
   std::int64_t window_right = -1;
   // Logit softcap: scores s = scale * q.k become softcap * tanh(s / softcap); 0 = off, else > 0.
   double softcap = 0.0;
+  // Backward only: the same bits every run. The Hopper kernel (D 64 / 128) then adds the dQ
+  // partials of the key blocks in a fixed order instead of as they arrive; every other path is
+  // deterministic either way.
+  bool deterministic = false;
 };
 
 // q [B, Sq, Hq, D]; k and v [B, Sk, Hkv, D] with Hq % Hkv == 0 (query head h reads kv head
@@ -42,12 +46,15 @@ void attention_forward(const TensorView& q, const TensorView& k, const TensorVie
 // dout and out like the forward's out, lse as the forward wrote it (both required: the
 // backward recomputes P = exp(S - lse) and D_i = rowsum(dout * out) as a kernel does).
 // dq like q; dk, dv like k, v (all three required, written in full).
-// workspace: the CUDA path's scratch (the fp32 row terms D_i), at least
-// attention_backward_workspace_bytes(q) bytes, contiguous and 256-byte aligned, disjoint from
-// every other argument; required on CUDA, ignored on the CPU and may be absent there.
-// On CUDA every output element is written by one thread block in one fixed order: the same
-// bits every run (no atomics). The CUDA path takes bf16 / fp16 with D in {64, 128, 256}, and
-// every [B, S, H, D] tensor 16-byte aligned with strides of 16-byte multiples (dims of size 1
+// workspace: the CUDA path's scratch (the fp32 row terms D_i and, on Hopper, dQ's fp32
+// accumulator), at least attention_backward_workspace_bytes(q) bytes, contiguous and 256-byte
+// aligned, disjoint from every other argument, contents ignored; required on CUDA, ignored on
+// the CPU and may be absent there.
+// On a Hopper GPU (sm_90a build) with D 64 or 128, dQ is summed over key blocks in fp32 as the
+// blocks finish, so its last bits may differ between runs unless options.deterministic; dK and dV
+// are always summed in one order. Elsewhere (sm_80+, D 256) every output element is written by
+// one thread block in one fixed order. The CUDA path takes bf16 / fp16 with D in {64, 128, 256},
+// and every [B, S, H, D] tensor 16-byte aligned with strides of 16-byte multiples (dims of size 1
 // excepted); it needs compute capability 8.0+.
 struct AttentionBackwardArgs {
   TensorView dout;
@@ -64,7 +71,8 @@ struct AttentionBackwardArgs {
 void attention_backward(const AttentionBackwardArgs& args, const AttentionOptions& options = {},
                         cudaStream_t stream = nullptr);
 // Bytes of workspace attention_backward's CUDA path needs for q's shape (only the shape is
-// read): an fp32 [B, Hq, Sq] array rounded up to a multiple of 256.
+// read): fp32 [B, Hq, Sq'] row terms, and for D 64 / 128 also fp32 [B, Hq, Sq', D] for dQ and
+// [B, Hq, Sq' / 64] counters, Sq' being Sq rounded up to a multiple of 64.
 std::size_t attention_backward_workspace_bytes(const TensorView& q);
 
 // Variable-length (packed) sequences, FlashAttention's varlen layout: q [Tq, Hq, D] and k / v

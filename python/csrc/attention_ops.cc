@@ -9,10 +9,12 @@
 namespace trainscale::binding {
 namespace {
 
+// The backward is deterministic when PyTorch is asked for deterministic algorithms
+// (torch.use_deterministic_algorithms).
 ts::AttentionOptions attention_options(bool causal, double scale, int64_t window_left,
                                        int64_t window_right, double softcap) {
   return {.causal = causal, .scale = scale, .window_left = window_left, .window_right = window_right,
-          .softcap = softcap};
+          .softcap = softcap, .deterministic = at::globalContext().deterministicAlgorithms()};
 }
 
 // (out, lse): out [B, Sq, Hq, D] contiguous in q's dtype, lse [B, Hq, Sq] float32 (float64 for

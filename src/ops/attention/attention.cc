@@ -358,9 +358,7 @@ void attention_varlen_backward(const AttentionBackwardArgs& args, const Attentio
 std::size_t attention_backward_workspace_bytes(const TensorView& q) {
   detail::OpChecker c("attention_backward_workspace_bytes");
   c.ndim(q, "q", 4);  // the shape is all it reads
-  constexpr std::size_t kAlign = 256;
-  const std::size_t delta_bytes = static_cast<std::size_t>(q.size(0) * q.size(2) * q.size(1)) * sizeof(float);
-  return (delta_bytes + kAlign - 1) / kAlign * kAlign;
+  return ops::attention::backward_workspace(q.size(0), q.size(2), q.size(1), q.size(3)).bytes;
 }
 
 }  // namespace trainscale

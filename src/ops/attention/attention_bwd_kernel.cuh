@@ -52,7 +52,9 @@ struct BackwardParams {
   BshdTensor q, k, v, out, dout;  // read
   BshdTensor dq, dk, dv;          // written
   const float* lse;               // [B, Hq, Sq]
-  float* delta;                   // [B, Hq, Sq], the workspace
+  float* delta;                   // [B, Hq, stats_len], the workspace
+  float* lse_log2;                // [B, Hq, stats_len] or null: lse * log2(e) for the Hopper kernel
+  int stats_len;                  // Sq, or Sq padded to the Hopper kernel's query blocks
   int batch, q_len, kv_len, q_heads, kv_heads, group;
   float scale;
   float softcap;  // 0: off
@@ -61,8 +63,9 @@ struct BackwardParams {
 
 // ---- preprocess -------------------------------------------------------------------------------
 
-// One warp per query row (b, h, i), rows in lse order; each lane reads D / 32 elements of dout
-// and out.
+// One warp per row (b, h, i) of [B, Hq, stats_len]; each lane reads D / 32 elements of dout and
+// out. Rows past Sq (padding) get delta = 0 and lse * log2(e) = +inf, and so does a query that
+// sees no key (lse = -inf): P = 2^(s - inf) = 0 there without a test.
 template <class Traits>
 __global__ void __launch_bounds__(256) attention_backward_preprocess_kernel(const BackwardParams p) {
 #if TS_ATTENTION_BWD_BODY
@@ -70,10 +73,17 @@ __global__ void __launch_bounds__(256) attention_backward_preprocess_kernel(cons
   constexpr int kPerLane = Traits::kHeadDim / 32;
   const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
-  if (row >= static_cast<int64_t>(p.batch) * p.q_heads * p.q_len) return;
-  const int i = static_cast<int>(row % p.q_len);
-  const int h = static_cast<int>(row / p.q_len % p.q_heads);
-  const int b = static_cast<int>(row / p.q_len / p.q_heads);
+  if (row >= static_cast<int64_t>(p.batch) * p.q_heads * p.stats_len) return;
+  const int i = static_cast<int>(row % p.stats_len);
+  const int h = static_cast<int>(row / p.stats_len % p.q_heads);
+  const int b = static_cast<int>(row / p.stats_len / p.q_heads);
+  if (i >= p.q_len) {
+    if (lane == 0) {
+      p.delta[row] = 0.f;
+      if (p.lse_log2 != nullptr) p.lse_log2[row] = INFINITY;
+    }
+    return;
+  }
   const int64_t column = static_cast<int64_t>(lane) * kPerLane;
   float dout[kPerLane], out[kPerLane];
   detail::load_floats<Native, kPerLane>(p.dout.row<const Native>(b, i, h) + column, dout);
@@ -83,7 +93,13 @@ __global__ void __launch_bounds__(256) attention_backward_preprocess_kernel(cons
   for (int j = 0; j < kPerLane; ++j) sum = fmaf(dout[j], out[j], sum);
   CUTE_UNROLL
   for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  if (lane == 0) p.delta[row] = sum;
+  if (lane == 0) {
+    p.delta[row] = sum;
+    if (p.lse_log2 != nullptr) {
+      const float lse = p.lse[(static_cast<int64_t>(b) * p.q_heads + h) * p.q_len + i];
+      p.lse_log2[row] = lse == -INFINITY ? INFINITY : lse * 1.4426950408889634f;
+    }
+  }
 #else
   (void)p;
 #endif

@@ -1,5 +1,5 @@
-// Host side of the attention backward for one head dim: the kernel parameters, the device checks
-// and the three launches (preprocess, dK/dV, dQ; attention_bwd_kernel.cuh) on the caller's stream.
+// Host side of the sm_80+ attention backward for one head dim: the kernel parameters, the device
+// checks and the three launches (preprocess, dK/dV, dQ; attention_bwd_kernel.cuh) on the caller's stream.
 // Included by attention_bwd_hdim*.cu, each of which instantiates its head dim's two dtypes only;
 // the mask, softcap and scale are run-time parameters of one kernel per dtype.
 #pragma once
@@ -34,6 +34,17 @@ inline void require_backward_device(const void* kernel, int shared_bytes, int he
                                             std::to_string(info.device) + " offers " +
                                             std::to_string(info.shared_memory_per_block_optin));
   }
+}
+
+// Whether the Hopper kernel runs this head dim here: an sm_90a build on a compute capability 9.0
+// device (attention_bwd_sm90_launch.cuh).
+inline bool use_hopper_backward(int head_dim) {
+#if defined(TRAINSCALE_HAS_SM90A) && TRAINSCALE_HAS_SM90A
+  return backward_sm90_plan(head_dim).supported() && detail::current_device_info().major == 9;
+#else
+  (void)head_dim;
+  return false;
+#endif
 }
 
 inline BshdTensor bshd(const TensorView& t) { return {t.data, t.strides[0], t.strides[1], t.strides[2]}; }
@@ -75,7 +86,9 @@ void launch_backward(const AttentionBackwardArgs& args, const AttentionOptions& 
   p.dk = bshd(args.dk);
   p.dv = bshd(args.dv);
   p.lse = static_cast<const float*>(args.lse.data);
-  p.delta = static_cast<float*>(args.workspace.data);
+  p.delta = static_cast<float*>(args.workspace.data);  // [B, Hq, Sq]: stats_len = Sq
+  p.lse_log2 = nullptr;
+  p.stats_len = static_cast<int>(q_len);
   p.batch = static_cast<int>(batch);
   p.q_len = static_cast<int>(q_len);
   p.kv_len = static_cast<int>(kv_len);

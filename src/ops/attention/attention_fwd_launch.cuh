@@ -24,6 +24,7 @@
 #include "ops/attention/attention_fwd_kernel.cuh"
 #include "ops/attention/attention_heuristics.h"
 #include "ops/attention/attention_internal.h"
+#include "ops/attention/attention_tma_view.cuh"
 
 namespace trainscale::ops::attention {
 
@@ -54,18 +55,6 @@ inline void require_hopper(const void* kernel) {
 #endif
 }
 
-// A [B, S, H, D] view as the (S, D, H, B) tensor the TMA descriptor describes. The stride of a
-// dim of size 1 is never used; it is replaced by one TMA accepts.
-template <class Traits>
-auto tma_view(const TensorView& t) {
-  using namespace cute;
-  auto stride_of = [&](int dim) { return t.size(dim) == 1 ? t.size(3) : t.strides[dim]; };
-  return make_tensor(make_gmem_ptr(static_cast<const typename Traits::Element*>(t.data)),
-                     make_layout(make_shape(static_cast<int32_t>(t.size(1)), static_cast<int32_t>(t.size(3)),
-                                            static_cast<int32_t>(t.size(2)), static_cast<int32_t>(t.size(0))),
-                                 make_stride(stride_of(1), _1{}, stride_of(2), stride_of(0))));
-}
-
 template <class Element, int kHeadDim, bool kMasked>
 void launch_forward(const TensorView& q, const TensorView& k, const TensorView& v, TensorView out,
                     TensorView lse, const AttentionOptions& options, cudaStream_t stream) {
@@ -91,11 +80,11 @@ void launch_forward(const TensorView& q, const TensorView& k, const TensorView& 
   }
 
   ForwardParams<Traits> p{};
-  p.tma_q = make_tma_copy(SM90_TMA_LOAD{}, tma_view<Traits>(q), typename Traits::SmemLayoutQ{},
+  p.tma_q = make_tma_copy(SM90_TMA_LOAD{}, tma_view<Element>(q), typename Traits::SmemLayoutQ{},
                           Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{}, _1{});
-  p.tma_k = make_tma_copy(SM90_TMA_LOAD{}, tma_view<Traits>(k), take<0, 2>(typename Traits::SmemLayoutK{}),
+  p.tma_k = make_tma_copy(SM90_TMA_LOAD{}, tma_view<Element>(k), take<0, 2>(typename Traits::SmemLayoutK{}),
                           Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{}, _1{});
-  p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, tma_view<Traits>(v), take<0, 2>(typename Traits::SmemLayoutV{}),
+  p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, tma_view<Element>(v), take<0, 2>(typename Traits::SmemLayoutV{}),
                           Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{}, _1{});
   p.shape_q = make_shape(static_cast<int32_t>(q_len), kHeadDim, static_cast<int32_t>(q_heads),
                          static_cast<int32_t>(batch));

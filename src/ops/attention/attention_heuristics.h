@@ -5,6 +5,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 
 #if defined(__CUDACC__)
@@ -91,6 +92,62 @@ constexpr BackwardPlan backward_plan(std::int64_t head_dim) {
     case 256: return {256, 64, 64, 64, 8};
     default: return {};
   }
+}
+
+// The Hopper backward (attention_bwd_sm90_*): a CTA of 2 consumer warp groups owns block_n keys
+// (64 each) and walks block_m queries at a time with `stages` Q / dO buffers in flight; dK and dV
+// (2 x 64 x D fp32 per warp group) stay in registers, which holds D to 128. D = 256 runs the sm_80
+// kernels on every GPU.
+struct BackwardSm90Plan {
+  int head_dim = 0;  // 0: no Hopper kernel for this head dim
+  int block_m = 0;
+  int block_n = 0;
+  int stages = 0;
+
+  constexpr bool supported() const { return head_dim != 0; }
+};
+
+constexpr BackwardSm90Plan backward_sm90_plan(std::int64_t head_dim) {
+  switch (head_dim) {
+    case 64: return {64, 64, 128, 2};
+    case 128: return {128, 64, 128, 2};
+    default: return {};
+  }
+}
+
+// The backward's workspace, byte offsets into it (each 256-byte aligned): the fp32 row terms
+// delta [B, Hq, stats_len]; for a head dim with a Hopper kernel also lse * log2(e) in the same
+// layout, the fp32 dQ accumulator [B, Hq, m_blocks, block_m x D] and one int32 counter per
+// (batch, query head, query block) for the deterministic order. stats_len is Sq rounded up to
+// whole query blocks (the Hopper kernel loads whole blocks of row terms).
+struct BackwardWorkspace {
+  std::int64_t stats_len = 0;
+  std::int64_t m_blocks = 0;
+  std::size_t delta = 0, lse_log2 = 0, dq_accum = 0, dq_semaphore = 0;
+  std::size_t bytes = 0;
+};
+
+inline BackwardWorkspace backward_workspace(std::int64_t batch, std::int64_t q_heads, std::int64_t q_len,
+                                            std::int64_t head_dim) {
+  constexpr std::size_t kAlign = 256;
+  auto aligned = [](std::size_t n) { return (n + kAlign - 1) / kAlign * kAlign; };
+  const BackwardSm90Plan plan = backward_sm90_plan(head_dim);
+  const std::int64_t block_m = plan.supported() ? plan.block_m : 1;
+  BackwardWorkspace w;
+  w.m_blocks = (q_len + block_m - 1) / block_m;
+  w.stats_len = w.m_blocks * block_m;
+  const auto rows = static_cast<std::size_t>(batch * q_heads * w.stats_len);
+  w.delta = 0;
+  w.bytes = aligned(rows * sizeof(float));
+  if (plan.supported()) {
+    w.lse_log2 = w.bytes;
+    w.bytes += aligned(rows * sizeof(float));
+    w.dq_semaphore = w.bytes;
+    w.bytes += aligned(static_cast<std::size_t>(batch * q_heads * w.m_blocks) * sizeof(std::int32_t));
+    w.dq_accum = w.bytes;
+    w.bytes += aligned(rows * static_cast<std::size_t>(head_dim) * sizeof(float));
+  }
+  return w;
 }
 
 // One unit of work of the persistent scheduler: query block m_block of head h of batch b.

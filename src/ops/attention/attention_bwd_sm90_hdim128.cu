@@ -1,0 +1,11 @@
+// The Hopper attention backward for head dim 128: bf16 and fp16 (attention_bwd_sm90_launch.cuh).
+#include "ops/attention/attention_bwd_sm90_launch.cuh"
+
+namespace trainscale::ops::attention {
+
+void attention_backward_sm90_hdim128(const AttentionBackwardArgs& args, const AttentionOptions& options,
+                                    cudaStream_t stream) {
+  dispatch_backward_sm90<128>(args, options, stream);
+}
+
+}  // namespace trainscale::ops::attention

@@ -1,0 +1,458 @@
+// The Hopper (sm_90a) attention backward: one warp-specialized CTA per (batch, kv head, key
+// block) computes dK and dV of its keys in registers over the query heads of its GQA group and
+// the query blocks that see its keys, and adds each query block's dQ partial into an fp32
+// workspace (a bulk asynchronous reduce-add from shared memory); a postprocess kernel scales and
+// converts dQ. The products and tiles: attention_bwd_sm90_traits.cuh.
+//
+//   producer (one warp)  K and V once; per step Q + lse and dO + delta through two TMA pipelines.
+//   consumers (2 warp groups, 64 keys each), per query block:
+//     S^T, dP^T (wgmma) -> P^T = exp2(S^T scale log2e - lse log2e) -> dV += P^T dO (P^T from
+//     registers) -> dS^T = P^T (dP^T - delta) -> dK += dS^T Q -> dS^T to shared memory ->
+//     dQ = dS K -> the partial to the workspace.
+//
+// dQ's partials arrive in any order by default. In the deterministic mode each (query head,
+// query block) has a counter in the workspace and the key blocks add their partials in key-block
+// order: the CTA of key block n waits until every earlier key block that sees the query block
+// has added its part (CTAs start in blockIdx order, so the ones waited for are running or done).
+//
+// The scores' scale and softcap enter as in the sm_80 kernels (attention_bwd_kernel.cuh): dS
+// leaves out the factor scale, which the epilogue (dK) and the postprocess (dQ) apply.
+#pragma once
+
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/numeric_conversion.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "common/wgmma.cuh"
+#include "ops/attention/attention_bwd_kernel.cuh"
+#include "ops/attention/attention_bwd_sm90_traits.cuh"
+#include "ops/attention/attention_mask.h"
+#include "ops/attention/attention_softmax.cuh"
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define TS_ATTENTION_BWD_SM90_BODY 1
+#else
+#define TS_ATTENTION_BWD_SM90_BODY 0
+#endif
+
+namespace trainscale::ops::attention {
+
+template <class Traits>
+struct BackwardSm90Params {
+  typename Traits::TmaQ tma_q, tma_dout;
+  typename Traits::TmaK tma_k, tma_v;
+  typename Traits::ShapeQKV shape_q;   // (Sq, D, Hq, B)
+  typename Traits::ShapeQKV shape_kv;  // (Sk, D, Hkv, B)
+  BshdTensor dk, dv;                   // written
+  const float* lse_log2;               // [B, Hq, stats_len]: the workspace's (preprocess)
+  const float* delta;                  // [B, Hq, stats_len]
+  float* dq_accum;                     // [B, Hq, m_blocks, kDqFloats], zeroed
+  int* dq_semaphore;                   // [B, Hq, m_blocks], zeroed; null: any order
+  int q_len, kv_len, q_heads, kv_heads, group, m_blocks;
+  float scale_log2;  // scale * log2(e)
+  float scale;
+  float softcap;  // 0: off
+  AttentionMask<int> mask;
+};
+
+// Named barriers (ids after CUTLASS's reserved ones).
+enum class BackwardBarrier : uint32_t {
+  kDsReady = 0,   // both consumer warp groups stored their dS^T rows
+  kDqEmpty = 1,   // + warp group: its dQ staging may be overwritten
+  kDqFull = 3,    // + warp group: its dQ staging is written
+};
+
+// The query blocks that see a key of key block n_block: [first, first + count).
+struct QueryBlocks {
+  int first, count;
+};
+template <class Traits>
+__device__ __forceinline__ QueryBlocks query_blocks(const BackwardSm90Params<Traits>& p, int n_block) {
+  const int n0 = n_block * Traits::kBlockN;
+  const int n_last = min(n0 + Traits::kBlockN, p.kv_len) - 1;
+  const int begin = p.mask.query_begin(n0), end = p.mask.query_end(n_last);
+  if (end <= begin) return {0, 0};
+  const int first = begin / Traits::kBlockM;
+  return {first, (end + Traits::kBlockM - 1) / Traits::kBlockM - first};
+}
+
+template <class Traits>
+struct BackwardSm90Producer {
+  // Runs on the 32 lanes of the producer warp; lane 0 issues.
+  template <class SharedStorage>
+  __device__ static void run(const BackwardSm90Params<Traits>& p, SharedStorage& storage,
+                             typename Traits::Pipeline& pipeline_q, typename Traits::Pipeline& pipeline_dout,
+                             int batch, int kv_head, int n_block, QueryBlocks blocks) {
+    using namespace cute;
+    constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+    if (threadIdx.x % 32 != 0) return;
+    const int tiles = blocks.count * p.group;
+    if (tiles == 0) return;
+    prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
+    prefetch_tma_descriptor(p.tma_dout.get_tma_descriptor());
+    prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
+    prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
+
+    Tensor sK = make_tensor(make_smem_ptr(storage.k.data()), typename Traits::SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(storage.v.data()), typename Traits::SmemLayoutK{});
+    Tensor sQ = make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(storage.dout.data()), typename Traits::SmemLayoutQ{});
+    Tensor mK = p.tma_k.get_tma_tensor(p.shape_kv);
+    Tensor mV = p.tma_v.get_tma_tensor(p.shape_kv);
+    Tensor mQ = p.tma_q.get_tma_tensor(p.shape_q);
+    Tensor mdO = p.tma_dout.get_tma_tensor(p.shape_q);
+
+    auto tile_of = Shape<Int<kBlockN>, Int<kHeadDim>>{};
+    Tensor gK = local_tile(mK(_, _, kv_head, batch), tile_of, make_coord(n_block, _0{}));
+    Tensor gV = local_tile(mV(_, _, kv_head, batch), tile_of, make_coord(n_block, _0{}));
+    auto [tKgK, tKsK] = tma_partition(p.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    auto [tVgV, tVsV] = tma_partition(p.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    auto& barrier_kv = reinterpret_cast<uint64_t&>(storage.barrier_kv);
+    storage.barrier_kv.arrive_and_expect_tx(Traits::kTmaBytesKV);
+    copy(p.tma_k.with(barrier_kv), tKgK, tKsK);
+    copy(p.tma_v.with(barrier_kv), tVgV, tVsV);
+
+    auto write = cutlass::make_producer_start_state<typename Traits::Pipeline>();
+    for (int t = 0; t < tiles; ++t) {
+      const int head = kv_head * p.group + t / blocks.count;
+      const int m_block = blocks.first + t % blocks.count;
+      const int64_t stats = (static_cast<int64_t>(batch) * p.q_heads + head) * p.m_blocks * kBlockM +
+                            static_cast<int64_t>(m_block) * kBlockM;
+      auto rows_of = Shape<Int<kBlockM>, Int<kHeadDim>>{};
+      Tensor gQ = local_tile(mQ(_, _, head, batch), rows_of, make_coord(m_block, _0{}));
+      Tensor gdO = local_tile(mdO(_, _, head, batch), rows_of, make_coord(m_block, _0{}));
+      auto [tQgQ, tQsQ] = tma_partition(p.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+      auto [tOgO, tOsO] =
+          tma_partition(p.tma_dout, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+      const int stage = write.index();
+
+      pipeline_q.producer_acquire(write);
+      uint64_t* barrier = pipeline_q.producer_get_barrier(write);
+      copy(p.tma_q.with(*barrier), tQgQ, tQsQ(_, stage));
+      SM90_BULK_COPY_G2S::copy(p.lse_log2 + stats, barrier, storage.lse_log2[stage], Traits::kStatBytes);
+
+      pipeline_dout.producer_acquire(write);
+      barrier = pipeline_dout.producer_get_barrier(write);
+      copy(p.tma_dout.with(*barrier), tOgO, tOsO(_, stage));
+      SM90_BULK_COPY_G2S::copy(p.delta + stats, barrier, storage.delta[stage], Traits::kStatBytes);
+      ++write;
+    }
+    // Leave only once the consumers have released every buffer.
+    pipeline_q.producer_tail(write);
+    pipeline_dout.producer_tail(write);
+  }
+};
+
+// The number of key blocks before n_block whose query range covers m_block: the partials of
+// (head, m_block) the deterministic mode waits for (counted by the same rule that makes those
+// CTAs visit it).
+template <class Traits>
+__device__ __forceinline__ int key_blocks_before(const BackwardSm90Params<Traits>& p, int n_block, int m_block) {
+  int count = 0;
+  for (int n = 0; n < n_block; ++n) {
+    const QueryBlocks blocks = query_blocks(p, n);
+    count += m_block >= blocks.first && m_block < blocks.first + blocks.count;
+  }
+  return count;
+}
+
+__device__ __forceinline__ void bulk_reduce_add(float* global, const float* smem, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+               :
+               : "l"(global), "r"(static_cast<uint32_t>(__cvta_generic_to_shared(smem))), "r"(bytes)
+               : "memory");
+}
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    attention_backward_sm90_kernel(const __grid_constant__ BackwardSm90Params<Traits> p) {
+#if TS_ATTENTION_BWD_SM90_BODY
+  using namespace cute;
+  using Element = typename Traits::Element;
+  using SharedStorage = typename Traits::SharedStorage;
+  using Pipeline = typename Traits::Pipeline;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  constexpr int kConsumerThreads = Traits::kConsumerThreads;
+
+  extern __shared__ __align__(1024) char smem[];
+  SharedStorage& storage = *reinterpret_cast<SharedStorage*>(smem);
+  const int warp_group = threadIdx.x / 128;
+
+  const int n_blocks = (p.kv_len + kBlockN - 1) / kBlockN;
+  const int n_block = static_cast<int>(blockIdx.x % n_blocks);
+  const int kv_head = static_cast<int>(blockIdx.x / n_blocks % p.kv_heads);
+  const int batch = static_cast<int>(blockIdx.x / n_blocks / p.kv_heads);
+  const QueryBlocks blocks = query_blocks(p, n_block);
+  const int tiles = blocks.count * p.group;  // (query head, query block), heads outermost
+
+  if (threadIdx.x == 0) storage.barrier_kv.init(1);
+  typename Pipeline::Params pipeline_params;
+  pipeline_params.transaction_bytes = Traits::kTmaBytesRows;
+  pipeline_params.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pipeline_params.is_leader = threadIdx.x == 0;
+  pipeline_params.num_consumers = kConsumerThreads;
+  Pipeline pipeline_q(storage.pipeline_q, pipeline_params, Shape<_1, _1, _1>{});
+  Pipeline pipeline_dout(storage.pipeline_dout, pipeline_params, Shape<_1, _1, _1>{});
+  __syncthreads();  // barriers initialized before any thread uses them
+
+  if (warp_group == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
+    if (threadIdx.x / 32 == 0) {
+      BackwardSm90Producer<Traits>::run(p, storage, pipeline_q, pipeline_dout, batch, kv_head, n_block, blocks);
+    }
+    return;
+  }
+  cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
+
+  const int thread = threadIdx.x - 128;  // among the consumer threads
+  const int consumer_group = thread / 128, group_thread = thread % 128;
+  typename Traits::TiledMmaSdP mma_sdp;
+  typename Traits::TiledMmaKV mma_kv;
+  typename Traits::TiledMmaDQ mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(thread);
+  auto thr_kv = mma_kv.get_thread_slice(thread);
+  auto thr_dq = mma_dq.get_thread_slice(thread);
+
+  Tensor sK = make_tensor(make_smem_ptr(storage.k.data()), typename Traits::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(storage.v.data()), typename Traits::SmemLayoutK{});
+  Tensor sKt = make_tensor(make_smem_ptr(storage.k.data()), typename Traits::SmemLayoutKt{});
+  Tensor sQ = make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(storage.dout.data()), typename Traits::SmemLayoutQ{});
+  Tensor sQt = make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(storage.dout.data()), typename Traits::SmemLayoutQt{});
+  Tensor sDS = make_tensor(make_smem_ptr(storage.ds.data()), typename Traits::SmemLayoutDS{});
+  Tensor sDSt = make_tensor(make_smem_ptr(storage.ds.data()), typename Traits::SmemLayoutDSt{});
+
+  Tensor tSrK = thr_sdp.partition_fragment_A(sK);     // (MMA, MMA_M, MMA_K)
+  Tensor tSrV = thr_sdp.partition_fragment_A(sV);
+  Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);     // (MMA, MMA_N, MMA_K, stage)
+  Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
+  Tensor tKVrdOt = thr_kv.partition_fragment_B(sdOt);  // (MMA, MMA_N, MMA_K, stage)
+  Tensor tKVrQt = thr_kv.partition_fragment_B(sQt);
+  Tensor tQrdS = thr_dq.partition_fragment_A(sDS);    // (MMA, MMA_M, MMA_K, buffer)
+  Tensor tQrKt = thr_dq.partition_fragment_B(sKt);    // (MMA, MMA_N, MMA_K)
+  Tensor tSsdSt = thr_sdp.partition_C(sDSt);          // (MMA, MMA_M, MMA_N, buffer)
+
+  // (key, query) within the tile of every score the thread holds, as (rows, cols).
+  Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
+  Tensor s_coords = make_tensor(tScS.data(), accumulator_rowcol(tScS.layout()));
+  constexpr int kRows = decltype(size<0>(s_coords))::value, kCols = decltype(size<1>(s_coords))::value;
+
+  Tensor tdVrdV = partition_fragment_C(mma_kv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  Tensor tdKrdK = partition_fragment_C(mma_kv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  clear(tdVrdV);
+  clear(tdKrdK);
+
+  const int n0 = n_block * kBlockN;
+  const bool softcapped = p.softcap > 0.f;
+  // Every score of keys [n0, n0 + kBlockN) x queries [m0, m0 + kBlockM) exists and is seen
+  // (queries past Sq need no test: their lse is +inf, so P = 0).
+  auto tile_is_interior = [&](int m0) {
+    return n0 + kBlockN <= p.kv_len && p.mask.key_begin(m0 + kBlockM - 1) <= n0 &&
+           p.mask.key_end(m0) >= n0 + kBlockN;
+  };
+
+  typename Traits::PipelineState read;
+  if (tiles > 0) storage.barrier_kv.wait(0);
+  for (int t = 0; t < tiles; ++t) {
+    const int head = kv_head * p.group + t / blocks.count;
+    const int m_block = blocks.first + t % blocks.count;
+    const int m0 = m_block * kBlockM;
+    const int stage = read.index(), buffer = t & 1;
+
+    Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+    Tensor tSrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+    Tensor s = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
+    Tensor dp = make_tensor(tSrdP.data(), accumulator_rowcol(tSrdP.layout()));
+    pipeline_q.consumer_wait(read);
+    detail::warpgroup_gemm</*kZeroInit=*/true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS);
+    pipeline_dout.consumer_wait(read);
+    detail::warpgroup_gemm</*kZeroInit=*/true, -1>(mma_sdp, tSrV, tSrdO(_, _, _, stage), tSrdP);
+
+    const float* lse = storage.lse_log2[stage];
+    const float* delta = storage.delta[stage];
+    const bool interior = tile_is_interior(m0);
+    auto visible = [&](int r, int c) {
+      const int key = n0 + get<0>(s_coords(r, c)), query = m0 + get<1>(s_coords(r, c));
+      return key < p.kv_len && p.mask.sees(query, key);
+    };
+    // P^T and dS^T in the input dtype: register operands of the dV and dK products, live until
+    // those complete.
+    Tensor p_regs = make_tensor<Element>(tSrS.layout());
+    Tensor ds_regs = make_tensor<Element>(tSrdP.layout());
+    Tensor p_rowcol = make_tensor(p_regs.data(), accumulator_rowcol(p_regs.layout()));
+    // P^T while dP^T is still being multiplied, and dV's product while dS^T is formed. With the
+    // softcap, c = softcap tanh(scale S / softcap) and dS^T needs tanh's slope: the scores'
+    // registers keep P^T times that slope for dS^T = (P^T slope) (dP^T - delta), P^T itself goes
+    // to the dV product's operand.
+    warpgroup_wait<1>();
+    warpgroup_fence_operand(tSrS);
+    constexpr float kLog2e = 1.4426950408889634f;
+    const float inv_cap = softcapped ? p.scale / p.softcap : 0.f;
+    CUTE_UNROLL
+    for (int c = 0; c < kCols; ++c) {
+      const float lse_c = lse[get<1>(s_coords(0, c))];
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        float prob = 0.f, slope = 1.f;
+        if (interior || visible(r, c)) {
+          if (!softcapped) {
+            prob = fast_exp2(fmaf(s(r, c), p.scale_log2, -lse_c));
+          } else {
+            const float th = tanhf(s(r, c) * inv_cap);
+            prob = fast_exp2(fmaf(p.softcap * th, kLog2e, -lse_c));
+            slope = 1.f - th * th;
+          }
+        }
+        p_rowcol(r, c) = static_cast<Element>(prob);
+        s(r, c) = prob * slope;
+      }
+    }
+    detail::warpgroup_gemm</*kZeroInit=*/false, -1>(
+        mma_kv, make_tensor(p_regs.data(), accumulator_as_a_operand(tSrS.layout())), tKVrdOt(_, _, _, stage),
+        tdVrdV);
+    warpgroup_wait<1>();
+    warpgroup_fence_operand(tSrdP);
+    CUTE_UNROLL
+    for (int c = 0; c < kCols; ++c) {
+      const float delta_c = delta[get<1>(s_coords(0, c))];
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        dp(r, c) = interior || visible(r, c) ? s(r, c) * (dp(r, c) - delta_c) : 0.f;  // hidden: 0, even for NaN dP
+      }
+    }
+
+    // dS^T: to registers for dK, to shared memory (as dS) for dQ.
+    ds_regs = convert_fragment<Element>(tSrdP);
+    Tensor ds_smem = tSsdSt(_, _, _, buffer);
+    CUTE_UNROLL
+    for (int e = 0; e < size(ds_regs); ++e) ds_smem(e) = ds_regs(e);
+    detail::warpgroup_gemm</*kZeroInit=*/false, -1>(
+        mma_kv, make_tensor(ds_regs.data(), accumulator_as_a_operand(tSrdP.layout())), tKVrQt(_, _, _, stage),
+        tdKrdK);
+    cutlass::arch::fence_view_async_shared();
+    cutlass::arch::NamedBarrier::sync(kConsumerThreads, static_cast<uint32_t>(BackwardBarrier::kDsReady));
+
+    Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    detail::warpgroup_gemm</*kZeroInit=*/true, -1>(mma_dq, tQrdS(_, _, _, buffer), tQrKt, tdQrdQ);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tdVrdV);
+    warpgroup_fence_operand(tdKrdK);
+    warpgroup_fence_operand(tdQrdQ);
+    warpgroup_fence_operand(p_regs);
+    warpgroup_fence_operand(ds_regs);
+    pipeline_q.consumer_release(read);
+    pipeline_dout.consumer_release(read);
+    ++read;
+
+    // The dQ partial, in register order, to this warp group's staging, then reduce-added into
+    // the workspace by one thread.
+    float* staging = storage.dq + consumer_group * Traits::kDqFloatsPerWarpGroup;
+    if (group_thread == 0) tma_store_wait<0>();  // the previous reduce has read the staging
+    cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(BackwardBarrier::kDqEmpty) + consumer_group);
+    static_assert(decltype(size(tdQrdQ))::value % 4 == 0);
+    CUTE_UNROLL
+    for (int e = 0; e < size(tdQrdQ); e += 4) {
+      *reinterpret_cast<float4*>(staging + (e / 4 * 128 + group_thread) * 4) =
+          make_float4(tdQrdQ(e), tdQrdQ(e + 1), tdQrdQ(e + 2), tdQrdQ(e + 3));
+    }
+    cutlass::arch::fence_view_async_shared();
+    cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(BackwardBarrier::kDqFull) + consumer_group);
+    if (group_thread == 0) {
+      const int64_t chunk = (static_cast<int64_t>(batch) * p.q_heads + head) * p.m_blocks + m_block;
+      float* target = p.dq_accum + chunk * Traits::kDqFloats + consumer_group * Traits::kDqFloatsPerWarpGroup;
+      int* semaphore = p.dq_semaphore != nullptr ? p.dq_semaphore + chunk : nullptr;
+      if (semaphore != nullptr) {
+        const int expected = Traits::kConsumerWarpGroups * key_blocks_before(p, n_block, m_block);
+        int seen;
+        do {
+          asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(semaphore) : "memory");
+        } while (seen < expected + consumer_group);
+      }
+      bulk_reduce_add(target, staging, Traits::kDqFloatsPerWarpGroup * sizeof(float));
+      tma_store_arrive();
+      if (semaphore != nullptr) {
+        asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // the sums are in global memory
+        __threadfence();
+        atomicAdd(semaphore, 1);
+      }
+    }
+  }
+  if (group_thread == 0) tma_store_wait<0>();  // staging is read before the CTA leaves
+
+  // dK (times the scale) and dV of the block's keys, straight from the registers.
+  Tensor tKVcKV = thr_kv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  Tensor kv_coords = make_tensor(tKVcKV.data(), accumulator_rowcol(tKVcKV.layout()));
+  Tensor dv = make_tensor(tdVrdV.data(), accumulator_rowcol(tdVrdV.layout()));
+  Tensor dk = make_tensor(tdKrdK.data(), accumulator_rowcol(tdKrdK.layout()));
+  cutlass::NumericArrayConverter<Element, float, 2> convert;
+  CUTE_UNROLL
+  for (int r = 0; r < size<0>(dv); ++r) {
+    const int key = n0 + get<0>(kv_coords(r, 0));
+    if (key >= p.kv_len) continue;
+    Element* dv_row = p.dv.template row<Element>(batch, key, kv_head);
+    Element* dk_row = p.dk.template row<Element>(batch, key, kv_head);
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(dv); c += 2) {
+      const int col = get<1>(kv_coords(r, c));
+      cutlass::Array<float, 2> pair;
+      pair[0] = dv(r, c);
+      pair[1] = dv(r, c + 1);
+      *reinterpret_cast<cutlass::Array<Element, 2>*>(dv_row + col) = convert(pair);
+      pair[0] = dk(r, c) * p.scale;
+      pair[1] = dk(r, c + 1) * p.scale;
+      *reinterpret_cast<cutlass::Array<Element, 2>*>(dk_row + col) = convert(pair);
+    }
+  }
+#else
+  (void)p;
+#endif
+}
+
+// dQ = scale * the workspace's sum, one CTA per (batch, query head, query block); thread i reads
+// the floats consumer thread i staged (its register order) and writes them where the dQ product
+// put them.
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kConsumerThreads)
+    attention_backward_sm90_dq_kernel(const __grid_constant__ BackwardSm90Params<Traits> p, BshdTensor dq_out) {
+#if TS_ATTENTION_BWD_SM90_BODY
+  using namespace cute;
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
+  const int64_t chunk = blockIdx.x;
+  const int m_block = static_cast<int>(chunk % p.m_blocks);
+  const int head = static_cast<int>(chunk / p.m_blocks % p.q_heads);
+  const int batch = static_cast<int>(chunk / p.m_blocks / p.q_heads);
+  const int thread = threadIdx.x, consumer_group = thread / 128, group_thread = thread % 128;
+
+  typename Traits::TiledMmaDQ mma_dq;
+  Tensor coords = mma_dq.get_thread_slice(thread).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  const float* source =
+      p.dq_accum + chunk * Traits::kDqFloats + consumer_group * Traits::kDqFloatsPerWarpGroup;
+  cutlass::NumericArrayConverter<Element, float, 2> convert;
+  CUTE_UNROLL
+  for (int e = 0; e < size(coords); e += 4) {
+    const float4 sum = *reinterpret_cast<const float4*>(source + (e / 4 * 128 + group_thread) * 4);
+    const float values[4] = {sum.x, sum.y, sum.z, sum.w};
+    CUTE_UNROLL
+    for (int pair_start = 0; pair_start < 4; pair_start += 2) {
+      const int row = m_block * kBlockM + get<0>(coords(e + pair_start));
+      if (row >= p.q_len) continue;
+      cutlass::Array<float, 2> pair;
+      pair[0] = values[pair_start] * p.scale;
+      pair[1] = values[pair_start + 1] * p.scale;
+      *reinterpret_cast<cutlass::Array<Element, 2>*>(dq_out.row<Element>(batch, row, head) +
+                                                     get<1>(coords(e + pair_start))) = convert(pair);
+    }
+  }
+#else
+  (void)p;
+  (void)dq_out;
+#endif
+}
+
+}  // namespace trainscale::ops::attention
