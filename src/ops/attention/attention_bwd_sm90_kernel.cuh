@@ -19,6 +19,7 @@
 // leaves out the factor scale, which the epilogue (dK) and the postprocess (dQ) apply.
 #pragma once
 
+#include <climits>
 #include <cstdint>
 
 #include <cute/tensor.hpp>
@@ -275,62 +276,91 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
     const float* lse = storage.lse_log2[stage];
     const float* delta = storage.delta[stage];
-    const bool interior = tile_is_interior(m0);
-    auto visible = [&](int r, int c) {
-      const int key = n0 + get<0>(s_coords(r, c)), query = m0 + get<1>(s_coords(r, c));
-      return key < p.kv_len && p.mask.sees(query, key);
-    };
     // P^T and dS^T in the input dtype: register operands of the dV and dK products, live until
     // those complete.
     Tensor p_regs = make_tensor<Element>(tSrS.layout());
     Tensor ds_regs = make_tensor<Element>(tSrdP.layout());
     Tensor p_rowcol = make_tensor(p_regs.data(), accumulator_rowcol(p_regs.layout()));
+    // Whether score (r, c) is hidden: key j = n0 + row, query i = m0 + col is seen iff j < Sk and
+    // the diagonal j - i lies in [offset - left, offset + right] (attention_mask.h; a side < 0 is
+    // unbounded, and the mask's clamps to [0, Sk) only matter for j >= Sk). Row and column
+    // offsets within the thread's fragment are compile-time, so a test is an add and compares.
+    const int row0 = get<0>(s_coords(0, 0)), col0 = get<1>(s_coords(0, 0));
+    const int diagonal0 = (n0 + row0) - (m0 + col0);
+    const int diagonal_lo = p.mask.left < 0 ? INT_MIN / 2 : p.mask.offset() - p.mask.left;
+    const int diagonal_hi = p.mask.right < 0 ? INT_MAX / 2 : p.mask.offset() + p.mask.right;
+    const int rows_left = p.kv_len - n0 - row0;  // rows r with row offset below this exist
+    auto hidden = [&](int r, int c) {
+      const int dr = get<0>(s_coords(r, c)) - row0, dc = get<1>(s_coords(r, c)) - col0;
+      const int diagonal = diagonal0 + dr - dc;
+      return dr >= rows_left || diagonal < diagonal_lo || diagonal > diagonal_hi;
+    };
     // P^T while dP^T is still being multiplied, and dV's product while dS^T is formed. With the
     // softcap, c = softcap tanh(scale S / softcap) and dS^T needs tanh's slope: the scores'
     // registers keep P^T times that slope for dS^T = (P^T slope) (dP^T - delta), P^T itself goes
-    // to the dV product's operand.
-    warpgroup_wait<1>();
-    warpgroup_fence_operand(tSrS);
-    constexpr float kLog2e = 1.4426950408889634f;
-    const float inv_cap = softcapped ? p.scale / p.softcap : 0.f;
-    CUTE_UNROLL
-    for (int c = 0; c < kCols; ++c) {
-      const float lse_c = lse[get<1>(s_coords(0, c))];
+    // to the dV product's operand. A hidden score gives P = dS = 0 (also where dP is NaN).
+    auto probabilities = [&](auto masked, auto capped) {
+      constexpr bool kMasked = decltype(masked)::value, kCapped = decltype(capped)::value;
+      const float inv_cap = kCapped ? p.scale / p.softcap : 0.f;
       CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        float prob = 0.f, slope = 1.f;
-        if (interior || visible(r, c)) {
-          if (!softcapped) {
-            prob = fast_exp2(fmaf(s(r, c), p.scale_log2, -lse_c));
-          } else {
+      for (int c = 0; c < kCols; ++c) {
+        const float lse_c = lse[get<1>(s_coords(0, c))];
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          float prob, slope = 1.f;
+          if constexpr (kCapped) {
+            constexpr float kLog2e = 1.4426950408889634f;
             const float th = tanhf(s(r, c) * inv_cap);
             prob = fast_exp2(fmaf(p.softcap * th, kLog2e, -lse_c));
             slope = 1.f - th * th;
+          } else {
+            prob = fast_exp2(fmaf(s(r, c), p.scale_log2, -lse_c));
           }
+          if constexpr (kMasked) prob = hidden(r, c) ? 0.f : prob;
+          p_rowcol(r, c) = static_cast<Element>(prob);
+          s(r, c) = kCapped ? prob * slope : prob;
         }
-        p_rowcol(r, c) = static_cast<Element>(prob);
-        s(r, c) = prob * slope;
       }
+    };
+    auto score_gradients = [&](auto masked) {
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; ++c) {
+        const float delta_c = delta[get<1>(s_coords(0, c))];
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          const float dscore = s(r, c) * (dp(r, c) - delta_c);
+          dp(r, c) = decltype(masked)::value && hidden(r, c) ? 0.f : dscore;
+        }
+      }
+    };
+    const bool interior = tile_is_interior(m0);
+    warpgroup_wait<1>();
+    warpgroup_fence_operand(tSrS);
+    if (!softcapped) {
+      if (interior) probabilities(cute::false_type{}, cute::false_type{});
+      else probabilities(cute::true_type{}, cute::false_type{});
+    } else {
+      if (interior) probabilities(cute::false_type{}, cute::true_type{});
+      else probabilities(cute::true_type{}, cute::true_type{});
     }
     detail::warpgroup_gemm</*kZeroInit=*/false, -1>(
         mma_kv, make_tensor(p_regs.data(), accumulator_as_a_operand(tSrS.layout())), tKVrdOt(_, _, _, stage),
         tdVrdV);
     warpgroup_wait<1>();
     warpgroup_fence_operand(tSrdP);
-    CUTE_UNROLL
-    for (int c = 0; c < kCols; ++c) {
-      const float delta_c = delta[get<1>(s_coords(0, c))];
-      CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        dp(r, c) = interior || visible(r, c) ? s(r, c) * (dp(r, c) - delta_c) : 0.f;  // hidden: 0, even for NaN dP
-      }
-    }
+    if (interior) score_gradients(cute::false_type{});
+    else score_gradients(cute::true_type{});
 
-    // dS^T: to registers for dK, to shared memory (as dS) for dQ.
+    // dS^T: to registers for dK, to shared memory (as dS) for dQ. A thread's adjacent accumulator
+    // pairs are adjacent queries, adjacent in dS's query-contiguous rows: one 32-bit store each.
     ds_regs = convert_fragment<Element>(tSrdP);
     Tensor ds_smem = tSsdSt(_, _, _, buffer);
     CUTE_UNROLL
-    for (int e = 0; e < size(ds_regs); ++e) ds_smem(e) = ds_regs(e);
+    for (int e = 0; e < size(ds_regs); e += 2) {
+      const uint32_t address = cast_smem_ptr_to_uint(raw_pointer_cast(&ds_smem(e)));
+      const uint32_t pair = *reinterpret_cast<const uint32_t*>(raw_pointer_cast(ds_regs.data() + e));
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(address), "r"(pair));
+    }
     detail::warpgroup_gemm</*kZeroInit=*/false, -1>(
         mma_kv, make_tensor(ds_regs.data(), accumulator_as_a_operand(tSrdP.layout())), tKVrQt(_, _, _, stage),
         tdKrdK);
