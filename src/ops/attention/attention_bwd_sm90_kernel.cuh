@@ -62,9 +62,8 @@ struct BackwardSm90Params {
 
 // Named barriers (ids after CUTLASS's reserved ones).
 enum class BackwardBarrier : uint32_t {
-  kDsReady = 0,   // both consumer warp groups stored their dS^T rows
-  kDqEmpty = 1,   // + warp group: its dQ staging may be overwritten
-  kDqFull = 3,    // + warp group: its dQ staging is written
+  kDsReady = 0,  // both consumer warp groups stored their dS^T rows
+  kDqFull = 1,   // + warp group: its dQ staging is written
 };
 
 // The query blocks that see a key of key block n_block: [first, first + count).
@@ -257,6 +256,49 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
            p.mask.key_end(m0) >= n0 + kBlockN;
   };
 
+  // Step t's dQ partial is handed on while the tensor cores run step t + 1's S^T (the dQ
+  // accumulators, complete, stay in registers until then): in register order to this warp
+  // group's half of staging buffer t % 2, then reduce-added into the workspace by one thread.
+  // That thread waits for its previous reduce to have read its buffer before the barrier, so
+  // after step t's barrier the buffer of step t - 1 is free for step t + 1.
+  Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  // The complete partial, copied out of the product's registers: read while the next products
+  // run, the product's own registers would make the compiler wait for them.
+  Tensor dq_done = make_tensor<float>(tdQrdQ.layout());
+  auto hand_on_dq = [&](int t) {
+    const int head = kv_head * p.group + t / blocks.count;
+    const int m_block = blocks.first + t % blocks.count;
+    float* staging = storage.dq[t & 1] + consumer_group * Traits::kDqFloatsPerWarpGroup;
+    static_assert(decltype(size(dq_done))::value % 4 == 0);
+    CUTE_UNROLL
+    for (int e = 0; e < size(dq_done); e += 4) {
+      *reinterpret_cast<float4*>(staging + (e / 4 * 128 + group_thread) * 4) =
+          make_float4(dq_done(e), dq_done(e + 1), dq_done(e + 2), dq_done(e + 3));
+    }
+    cutlass::arch::fence_view_async_shared();
+    if (group_thread == 0) tma_store_wait<0>();
+    cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(BackwardBarrier::kDqFull) + consumer_group);
+    if (group_thread == 0) {
+      const int64_t chunk = (static_cast<int64_t>(batch) * p.q_heads + head) * p.m_blocks + m_block;
+      float* target = p.dq_accum + chunk * Traits::kDqFloats + consumer_group * Traits::kDqFloatsPerWarpGroup;
+      int* semaphore = p.dq_semaphore != nullptr ? p.dq_semaphore + chunk : nullptr;
+      if (semaphore != nullptr) {
+        const int expected = Traits::kConsumerWarpGroups * key_blocks_before(p, n_block, m_block);
+        int seen;
+        do {
+          asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(semaphore) : "memory");
+        } while (seen < expected + consumer_group);
+      }
+      bulk_reduce_add(target, staging, Traits::kDqFloatsPerWarpGroup * sizeof(float));
+      tma_store_arrive();
+      if (semaphore != nullptr) {
+        asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // the sums are in global memory
+        __threadfence();
+        atomicAdd(semaphore, 1);
+      }
+    }
+  };
+
   typename Traits::PipelineState read;
   if (tiles > 0) storage.barrier_kv.wait(0);
   for (int t = 0; t < tiles; ++t) {
@@ -271,6 +313,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     Tensor dp = make_tensor(tSrdP.data(), accumulator_rowcol(tSrdP.layout()));
     pipeline_q.consumer_wait(read);
     detail::warpgroup_gemm</*kZeroInit=*/true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS);
+    if (t > 0) hand_on_dq(t - 1);
     pipeline_dout.consumer_wait(read);
     detail::warpgroup_gemm</*kZeroInit=*/true, -1>(mma_sdp, tSrV, tSrdO(_, _, _, stage), tSrdP);
 
@@ -367,7 +410,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     cutlass::arch::fence_view_async_shared();
     cutlass::arch::NamedBarrier::sync(kConsumerThreads, static_cast<uint32_t>(BackwardBarrier::kDsReady));
 
-    Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
     detail::warpgroup_gemm</*kZeroInit=*/true, -1>(mma_dq, tQrdS(_, _, _, buffer), tQrKt, tdQrdQ);
     warpgroup_wait<0>();
     warpgroup_fence_operand(tdVrdV);
@@ -375,43 +417,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     warpgroup_fence_operand(tdQrdQ);
     warpgroup_fence_operand(p_regs);
     warpgroup_fence_operand(ds_regs);
+    CUTE_UNROLL
+    for (int e = 0; e < size(tdQrdQ); ++e) asm volatile("mov.b32 %0, %1;\n" : "=f"(dq_done(e)) : "f"(tdQrdQ(e)));
     pipeline_q.consumer_release(read);
     pipeline_dout.consumer_release(read);
     ++read;
 
-    // The dQ partial, in register order, to this warp group's staging, then reduce-added into
-    // the workspace by one thread.
-    float* staging = storage.dq + consumer_group * Traits::kDqFloatsPerWarpGroup;
-    if (group_thread == 0) tma_store_wait<0>();  // the previous reduce has read the staging
-    cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(BackwardBarrier::kDqEmpty) + consumer_group);
-    static_assert(decltype(size(tdQrdQ))::value % 4 == 0);
-    CUTE_UNROLL
-    for (int e = 0; e < size(tdQrdQ); e += 4) {
-      *reinterpret_cast<float4*>(staging + (e / 4 * 128 + group_thread) * 4) =
-          make_float4(tdQrdQ(e), tdQrdQ(e + 1), tdQrdQ(e + 2), tdQrdQ(e + 3));
-    }
-    cutlass::arch::fence_view_async_shared();
-    cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(BackwardBarrier::kDqFull) + consumer_group);
-    if (group_thread == 0) {
-      const int64_t chunk = (static_cast<int64_t>(batch) * p.q_heads + head) * p.m_blocks + m_block;
-      float* target = p.dq_accum + chunk * Traits::kDqFloats + consumer_group * Traits::kDqFloatsPerWarpGroup;
-      int* semaphore = p.dq_semaphore != nullptr ? p.dq_semaphore + chunk : nullptr;
-      if (semaphore != nullptr) {
-        const int expected = Traits::kConsumerWarpGroups * key_blocks_before(p, n_block, m_block);
-        int seen;
-        do {
-          asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(semaphore) : "memory");
-        } while (seen < expected + consumer_group);
-      }
-      bulk_reduce_add(target, staging, Traits::kDqFloatsPerWarpGroup * sizeof(float));
-      tma_store_arrive();
-      if (semaphore != nullptr) {
-        asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // the sums are in global memory
-        __threadfence();
-        atomicAdd(semaphore, 1);
-      }
-    }
   }
+  if (tiles > 0) hand_on_dq(tiles - 1);
   if (group_thread == 0) tma_store_wait<0>();  // staging is read before the CTA leaves
 
   // dK (times the scale) and dV of the block's keys, straight from the registers.

@@ -118,7 +118,7 @@ struct BackwardSm90Traits {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>> q;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>> dout;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutDS>> ds;
-    alignas(128) float dq[kDqFloats];
+    alignas(128) float dq[2][kDqFloats];  // staging of the dQ partials, double-buffered
     alignas(16) float lse_log2[kStages][kBlockM];  // lse * log2(e); +inf: the query sees no key
     alignas(16) float delta[kStages][kBlockM];
     alignas(16) typename Pipeline::SharedStorage pipeline_q;
