@@ -129,8 +129,8 @@ def test_patch_rejects_non_modules():
 
 
 def test_patch_leaves_attention_off_the_cpu(monkeypatch):
-    # Parameters not on the CPU (CUDA in practice; meta here): the CUDA attention backward is
-    # slower than SDPA's, so patch keeps the model's attention; attention=False keeps it anywhere.
+    # Parameters neither on the CPU nor on a Hopper GPU (meta here): patch keeps the model's
+    # attention; attention=False keeps it anywhere.
     monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", modeling_llama.apply_rotary_pos_emb)
     model = tiny_llama().to("meta")
     assert ts.patch(model, verbose=False)["attention"] == []

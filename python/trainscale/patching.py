@@ -160,11 +160,19 @@ def _attention_skip_reason(model: nn.Module):
     cfg = getattr(model, "config", None)
     if cfg is None or getattr(cfg, "model_type", None) not in _ATTENTION_MODEL_TYPES:
         return "not a Llama-family Hugging Face model"
-    if any(p.device.type != "cpu" for p in model.parameters()):
-        # patch() swaps in what is faster: on CUDA our backward is about 4x slower than PyTorch
-        # SDPA's (cuDNN / flash), which outweighs our forward (docs/perf/attention.md).
-        return "parameters not on the CPU (the CUDA attention backward is slower than PyTorch SDPA's; " \
-               "attn_implementation='trainscale' runs the CUDA kernels)"
+    devices = {p.device for p in model.parameters()}
+    if all(d.type == "cpu" for d in devices):
+        return None
+    if any(d.type != "cuda" for d in devices):
+        return "parameters neither all on the CPU nor all on CUDA"
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    # patch() swaps in what is faster: the Hopper backward (D 64 / 128) runs at 0.7-0.87x cuDNN's
+    # and 1.3-1.5x PyTorch SDPA's flash backend; elsewhere our sm_80 backward is slower than SDPA's
+    # (docs/perf/attention.md).
+    if head_dim not in (64, 128):
+        return f"head dim {head_dim} (the fast CUDA attention backward has head dims 64 and 128)"
+    if any(torch.cuda.get_device_capability(d) != (9, 0) for d in devices):
+        return "not a Hopper GPU (the fast CUDA attention backward needs compute capability 9.0)"
     return None
 
 
@@ -216,12 +224,13 @@ def patch(model: nn.Module, rms_norm: bool = True, swiglu: bool = True, rope: bo
     hf_causal_lm_loss, and, in Llama / Mistral / Qwen2 / Qwen3 causal LMs, the training loss
     (labels given, model.training) -> linear_cross_entropy of the last hidden states and
     lm_head's weight, without the logits (the output's `logits` is then None), and, in Llama /
-    Mistral / Qwen2 / Qwen3 models whose parameters are all on the CPU, attention ->
-    trainscale.hf_attention_forward (config._attn_implementation = "trainscale"; masks other
-    than the causal (sliding-window) one and dropout fall back to sdpa per call). On CUDA,
-    attention is left as it is, since training through our attention backward is slower than
-    through PyTorch SDPA's; load the model with attn_implementation="trainscale" to run the CUDA
-    kernels. Returns (and with verbose prints) a report of what was swapped."""
+    Mistral / Qwen2 / Qwen3 models whose parameters are all on the CPU, or all on Hopper GPUs with
+    head dim 64 or 128, attention -> trainscale.hf_attention_forward
+    (config._attn_implementation = "trainscale"; masks other than the causal (sliding-window)
+    one and dropout fall back to sdpa per call). On other GPUs and head dims attention is left as
+    it is, since training through our sm_80 attention backward is slower than through PyTorch
+    SDPA's; load the model with attn_implementation="trainscale" to run the CUDA kernels there.
+    Returns (and with verbose prints) a report of what was swapped."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"trainscale.patch: argument 'model': expected a torch.nn.Module, got {type(model).__name__}")
     report = PatchReport()
