@@ -6,8 +6,9 @@ implementations and autograd formula of its ops in torch.ops.trainscale
 Layout is BSHD: q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D] with Hq % Hkv == 0 (grouped-query
 heads are read in place, never repeated). The forward runs the CUDA kernel (bf16 / fp16, D 64,
 128 or 256, sm_90a) or the CPU reference (any dtype, float64 included); the backward runs its
-CUDA kernels (bf16 / fp16, D 64, 128 or 256, sm_80+; the workspace is allocated by the op; not yet
-run on a GPU) or the CPU reference. Packed sequences (attention_varlen) have only the CPU
+CUDA kernels (bf16 / fp16, D 64, 128 or 256, sm_80+; a Hopper kernel at D 64 / 128 whose dQ order
+is fixed only under torch.use_deterministic_algorithms(True); the workspace is allocated by the
+op) or the CPU reference. Packed sequences (attention_varlen) have only the CPU
 reference so far."""
 import sys
 import warnings
