@@ -160,6 +160,16 @@ __device__ __forceinline__ int key_blocks_before(const BackwardSm90Params<Traits
   return count;
 }
 
+// Two floats rounded to a pair of adjacent (4-byte aligned) elements.
+template <class Element>
+__device__ __forceinline__ void store_pair(Element* dst, float a, float b) {
+  cutlass::NumericArrayConverter<Element, float, 2> convert;
+  cutlass::Array<float, 2> pair;
+  pair[0] = a;
+  pair[1] = b;
+  *reinterpret_cast<cutlass::Array<Element, 2>*>(dst) = convert(pair);
+}
+
 __device__ __forceinline__ void bulk_reduce_add(float* global, const float* smem, uint32_t bytes) {
   asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
                :
@@ -432,7 +442,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor kv_coords = make_tensor(tKVcKV.data(), accumulator_rowcol(tKVcKV.layout()));
   Tensor dv = make_tensor(tdVrdV.data(), accumulator_rowcol(tdVrdV.layout()));
   Tensor dk = make_tensor(tdKrdK.data(), accumulator_rowcol(tdKrdK.layout()));
-  cutlass::NumericArrayConverter<Element, float, 2> convert;
   CUTE_UNROLL
   for (int r = 0; r < size<0>(dv); ++r) {
     const int key = n0 + get<0>(kv_coords(r, 0));
@@ -442,13 +451,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     CUTE_UNROLL
     for (int c = 0; c < size<1>(dv); c += 2) {
       const int col = get<1>(kv_coords(r, c));
-      cutlass::Array<float, 2> pair;
-      pair[0] = dv(r, c);
-      pair[1] = dv(r, c + 1);
-      *reinterpret_cast<cutlass::Array<Element, 2>*>(dv_row + col) = convert(pair);
-      pair[0] = dk(r, c) * p.scale;
-      pair[1] = dk(r, c + 1) * p.scale;
-      *reinterpret_cast<cutlass::Array<Element, 2>*>(dk_row + col) = convert(pair);
+      store_pair(dv_row + col, dv(r, c), dv(r, c + 1));
+      store_pair(dk_row + col, dk(r, c) * p.scale, dk(r, c + 1) * p.scale);
     }
   }
 #else
@@ -476,7 +480,6 @@ __global__ void __launch_bounds__(Traits::kConsumerThreads)
   Tensor coords = mma_dq.get_thread_slice(thread).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   const float* source =
       p.dq_accum + chunk * Traits::kDqFloats + consumer_group * Traits::kDqFloatsPerWarpGroup;
-  cutlass::NumericArrayConverter<Element, float, 2> convert;
   CUTE_UNROLL
   for (int e = 0; e < size(coords); e += 4) {
     const float4 sum = *reinterpret_cast<const float4*>(source + (e / 4 * 128 + group_thread) * 4);
@@ -485,11 +488,8 @@ __global__ void __launch_bounds__(Traits::kConsumerThreads)
     for (int pair_start = 0; pair_start < 4; pair_start += 2) {
       const int row = m_block * kBlockM + get<0>(coords(e + pair_start));
       if (row >= p.q_len) continue;
-      cutlass::Array<float, 2> pair;
-      pair[0] = values[pair_start] * p.scale;
-      pair[1] = values[pair_start + 1] * p.scale;
-      *reinterpret_cast<cutlass::Array<Element, 2>*>(dq_out.row<Element>(batch, row, head) +
-                                                     get<1>(coords(e + pair_start))) = convert(pair);
+      store_pair(dq_out.row<Element>(batch, row, head) + get<1>(coords(e + pair_start)), values[pair_start] * p.scale,
+                 values[pair_start + 1] * p.scale);
     }
   }
 #else
