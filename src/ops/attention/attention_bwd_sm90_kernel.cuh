@@ -66,18 +66,12 @@ enum class BackwardBarrier : uint32_t {
   kDqFull = 1,   // + warp group: its dQ staging is written
 };
 
-// The query blocks that see a key of key block n_block: [first, first + count).
-struct QueryBlocks {
-  int first, count;
-};
+// The query blocks that see a key of key block n_block (AttentionMask::query_blocks).
+using QueryBlocks = AttentionMask<int>::Blocks;
 template <class Traits>
 __device__ __forceinline__ QueryBlocks query_blocks(const BackwardSm90Params<Traits>& p, int n_block) {
   const int n0 = n_block * Traits::kBlockN;
-  const int n_last = min(n0 + Traits::kBlockN, p.kv_len) - 1;
-  const int begin = p.mask.query_begin(n0), end = p.mask.query_end(n_last);
-  if (end <= begin) return {0, 0};
-  const int first = begin / Traits::kBlockM;
-  return {first, (end + Traits::kBlockM - 1) / Traits::kBlockM - first};
+  return p.mask.query_blocks(n0, min(n0 + Traits::kBlockN, p.kv_len), Traits::kBlockM);
 }
 
 template <class Traits>

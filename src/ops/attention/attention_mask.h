@@ -42,6 +42,16 @@ struct AttentionMask {
   TRAINSCALE_HOST_DEVICE Int query_end(Int j) const {
     return left < 0 ? q_len : clamp(j - offset() + left + 1, Int(0), q_len);
   }
+  // The blocks of `block` queries holding a query that sees a key of [j0, j1) (j1 > j0): blocks
+  // [first, first + count), count 0 when none (the Hopper backward's loop over query blocks).
+  struct Blocks {
+    Int first, count;
+  };
+  TRAINSCALE_HOST_DEVICE Blocks query_blocks(Int j0, Int j1, Int block) const {
+    const Int begin = query_begin(j0), end = query_end(j1 - 1);
+    if (end <= begin) return {Int(0), Int(0)};
+    return {begin / block, (end + block - 1) / block - begin / block};
+  }
   TRAINSCALE_HOST_DEVICE bool sees(Int i, Int j) const {
     return j >= key_begin(i) && j < key_end(i);
   }
