@@ -20,9 +20,10 @@ using detail::to_float;
 using detail::from_float;
 using detail::Vec;
 
-// Threads of a block of the register kernels: kThreads per row, several rows when short.
-template <int kThreads>
-constexpr int kBlockFor = forward_block_threads(kThreads);
+// Threads of a block of the register kernels: kThreads per row, several rows when short
+// (block_threads in norm_plan.h).
+template <NormVariant kVariant, int kThreads>
+constexpr int kBlockFor = block_threads(kVariant, kThreads);
 
 struct ForwardArgs {
   const void* x;
@@ -99,7 +100,7 @@ constexpr int residual_bytes() {
 template <class T, class R, int kThreads, int kVecs>
 struct RowRing {
   static constexpr int V = detail::kVec16<T>;
-  static constexpr int kRowsPerBlock = kBlockFor<kThreads> / kThreads;
+  static constexpr int kRowsPerBlock = kBlockFor<NormVariant::kPipelined, kThreads> / kThreads;
   // Chunk 0 x, chunks 1.. the residual's vector (ring_bytes sizes the ring from the same count).
   static constexpr int kChunks = ring_chunks(sizeof(T), residual_bytes<R>());
   static constexpr int kResidualChunks = kChunks - 1;
@@ -370,8 +371,8 @@ constexpr int kMinBlocksPerSm =
 // the staging's L2 round trips and barrier (every block's, where blocks take one group each).
 template <class T, class R, class W, class B, Kind kKind, NormVariant kVariant, int kThreads,
           int kVecs, int kCluster>
-__global__ void __launch_bounds__(kBlockFor<kThreads>,
-                                  kMinBlocksPerSm<R, kKind, kBlockFor<kThreads>>)
+__global__ void __launch_bounds__(kBlockFor<kVariant, kThreads>,
+                                  kMinBlocksPerSm<R, kKind, kBlockFor<kVariant, kThreads>>)
     forward_registers_kernel(ForwardArgs a) {
   // The pivot would race with the residual write-back of the row's first vector.
   static_assert(kKind == Kind::kRms || std::is_void_v<R>);
@@ -384,7 +385,7 @@ __global__ void __launch_bounds__(kBlockFor<kThreads>,
   using X = Held<T, R>;
   using Ring = RowRing<T, R, kThreads, kVecs>;
   constexpr int V = detail::kVec16<T>;
-  constexpr int kBlock = kBlockFor<kThreads>;
+  constexpr int kBlock = kBlockFor<kVariant, kThreads>;
   constexpr int kRowsPerBlock = kBlock / kThreads;
   __shared__ float scratch[kThreads > 32 ? kBlock / 32 * kSums<kKind> : 1];
   __shared__ detail::ClusterRowSum<kCluster, kSums<kKind>> cluster_sums;  // kCluster > 1

@@ -77,7 +77,7 @@ bool launch_registers(const ForwardArgs& a, std::int64_t vecs, cudaStream_t stre
   return with_row_split<kVecsPerThread>(block_vecs, [&](auto threads, auto per_thread) {
     constexpr int kThreads = decltype(threads)::value;
     constexpr int kVecs = decltype(per_thread)::value;
-    constexpr int kBlock = kBlockFor<kThreads>;
+    constexpr int kBlock = kBlockFor<kVariant, kThreads>;
     constexpr int kRowsPerBlock = kBlock / kThreads;
     const std::int64_t row_groups = (a.rows + kRowsPerBlock - 1) / kRowsPerBlock;
     if constexpr (kCluster > 1 && 2 * kThreads * kVecs <= kBlockVecs) {

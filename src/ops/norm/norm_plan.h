@@ -58,6 +58,18 @@ inline constexpr int kForwardBlock = 256;
 constexpr int forward_block_threads(int threads_per_row) {
   return threads_per_row > kForwardBlock ? threads_per_row : kForwardBlock;
 }
+// kRows' block: one row of 64 or more threads (bf16 N >= 2048), so a block's row is never held
+// up by another row's reduction and the SM runs as many rows as registers allow (8 of 128
+// threads at bf16 N = 4096); shorter rows share a block as above.
+inline constexpr int kRowsMinThreadsAlone = 64;
+constexpr int rows_block_threads(int threads_per_row) {
+  return threads_per_row >= kRowsMinThreadsAlone ? threads_per_row
+                                                 : forward_block_threads(threads_per_row);
+}
+constexpr int block_threads(NormVariant variant, int threads_per_row) {
+  return variant == NormVariant::kRows ? rows_block_threads(threads_per_row)
+                                       : forward_block_threads(threads_per_row);
+}
 // The register kernel's static reduction scratch at most (1024 threads, 3 sums), and the
 // shared memory a kernel gets without raising its limit.
 inline constexpr std::size_t kMaxScratchBytes = 1024 / 32 * 3 * sizeof(float);
