@@ -42,8 +42,8 @@ TEST(NormPlan, RowSplitTakesTheFewestThreadsThatCoverTheRow) {
   EXPECT_EQ(forward_row_split(64, 1).vecs_per_thread, 1);
 }
 
-TEST(NormPlan, RowsBlockHoldsOneRowFrom64Threads) {
-  EXPECT_EQ(block_threads(NormVariant::kRows, 64), 64);
+TEST(NormPlan, RowsBlockHoldsOneRowFrom128Threads) {
+  EXPECT_EQ(block_threads(NormVariant::kRows, 64), 256);
   EXPECT_EQ(block_threads(NormVariant::kRows, 128), 128);
   EXPECT_EQ(block_threads(NormVariant::kRows, 1024), 1024);
   EXPECT_EQ(block_threads(NormVariant::kRows, 32), 256);
@@ -52,19 +52,17 @@ TEST(NormPlan, RowsBlockHoldsOneRowFrom64Threads) {
 }
 
 TEST(NormPlan, AutoChoosesByRowLength) {
-  // Below 256 vectors (bf16 N = 2048) kPipelined; from there kRows for RMSNorm and LayerNorm and,
+  // Up to 256 vectors (bf16 N = 2048) kPipelined; beyond, kRows for RMSNorm and LayerNorm and,
   // for the fused add, kPipelined up to 512 vectors then kRegisters; kRows for every op from
   // N = 6144, over a cluster beyond 4096 vectors.
   EXPECT_EQ(auto_variant(bf16(Kind::kRms, 32768, 512)), NormVariant::kPipelined);
-  EXPECT_EQ(auto_variant(bf16(Kind::kRms, 32768, 2040)), NormVariant::kPipelined);
-  EXPECT_EQ(auto_variant(bf16(Kind::kRms, 32768, 2048)), NormVariant::kRows);
+  EXPECT_EQ(auto_variant(bf16(Kind::kRms, 32768, 2048)), NormVariant::kPipelined);
   EXPECT_EQ(auto_variant(bf16(Kind::kRms, 32768, 2056)), NormVariant::kRows);
   EXPECT_EQ(auto_variant(bf16(Kind::kRms, 32768, 4096)), NormVariant::kRows);
   EXPECT_EQ(auto_variant(bf16(Kind::kRms, 32768, 4096, 2)), NormVariant::kPipelined);
   EXPECT_EQ(auto_variant(bf16(Kind::kRms, 8192, 5120)), NormVariant::kRows);
   EXPECT_EQ(auto_variant(bf16(Kind::kRms, 8192, 5120, 2)), NormVariant::kRegisters);
-  EXPECT_EQ(auto_variant(bf16(Kind::kLayer, 4096, 2040)), NormVariant::kPipelined);
-  EXPECT_EQ(auto_variant(bf16(Kind::kLayer, 4096, 2048)), NormVariant::kRows);
+  EXPECT_EQ(auto_variant(bf16(Kind::kLayer, 4096, 2048)), NormVariant::kPipelined);
   EXPECT_EQ(auto_variant(bf16(Kind::kLayer, 4096, 4096)), NormVariant::kRows);
   EXPECT_EQ(auto_variant(bf16(Kind::kLayer, 8192, 5120)), NormVariant::kRows);
   EXPECT_EQ(auto_variant(bf16(Kind::kLayer, 8192, 6136)), NormVariant::kRows);
@@ -170,11 +168,11 @@ TEST(NormPlan, StagedVariantsNeedTheirSharedMemory) {
   EXPECT_THROW(plan_forward(bf16(Kind::kLayer, 64, 32768), NormVariant::kPipelined, kH100Shared),
                UnsupportedVariantError);
   // kAuto's kPipelined without room for its ring takes kRegisters: at 24 KB per block, LayerNorm
-  // N = 1024 (8 KB of tables + 2 stages x 8 rows x 2 KB of ring) does not fit and its tables do.
-  EXPECT_EQ(plan_forward(bf16(Kind::kLayer, 64, 1024), NormVariant::kAuto, 24 * 1024).variant,
+  // N = 2048 (16 KB of tables + 16 KB of ring) does not fit and its tables do.
+  EXPECT_EQ(plan_forward(bf16(Kind::kLayer, 64, 2048), NormVariant::kAuto, 24 * 1024).variant,
             NormVariant::kRegisters);
   // A smaller device falls back to two passes under kAuto.
-  EXPECT_EQ(plan_forward(bf16(Kind::kRms, 64, 1024), NormVariant::kAuto, 4 * 1024).variant,
+  EXPECT_EQ(plan_forward(bf16(Kind::kRms, 64, 2048), NormVariant::kAuto, 4 * 1024).variant,
             NormVariant::kTwoPass);
 }
 

@@ -33,8 +33,8 @@ namespace {
 // kAuto's kernel for aligned rows one block holds (kPipelined, kRegisters or kRows); kAuto
 // falls back to two passes where it cannot run. From N = 6144 kRows is faster for every op: it
 // drops the staged tables and the persistent grid, whose looping wave streams slower than one
-// row group per block. Plain RMSNorm and LayerNorm take it from 256 vectors (bf16 N 2048) too,
-// with one row per block (rows_block_threads). Below, kPipelined: its next row group's loads
+// row group per block. Plain RMSNorm and LayerNorm take it from 257 vectors (bf16 N 2056) too,
+// with one row per block from 512 vectors (rows_block_threads). Up to 256 vectors, kPipelined: its next row group's loads
 // overlap this group's reduction, which short rows spend most of their time in. The fused add
 // keeps kPipelined up to 512 vectors (bf16 N = 4096), where with one row group per block its
 // group's loads overlap the staging (98.4 us at 8192x4096 against kRows' 99.8). Measurements:
@@ -42,7 +42,7 @@ namespace {
 NormVariant auto_register_variant(std::int64_t cols, std::int64_t vecs, bool fused_add) {
   if (cols >= 6144) return NormVariant::kRows;
   if (fused_add) return vecs <= 512 ? NormVariant::kPipelined : NormVariant::kRegisters;
-  return vecs < 256 ? NormVariant::kPipelined : NormVariant::kRows;
+  return vecs <= 256 ? NormVariant::kPipelined : NormVariant::kRows;
 }
 
 bool one_vector_per_thread(NormVariant chosen, std::int64_t rows, std::int64_t vecs) {
