@@ -91,12 +91,18 @@ std::int64_t row_vectors(const Shape& s, DType dt) {
   return s.cols % vec == 0 && s.pad % vec == 0 ? s.cols / vec : -1;
 }
 
-// kRows and kPipelined are forward-only: the backward takes them as kAuto.
+// Whether the forward's kRing runs aligned rows of `vecs` vectors: bulk copies (sm_90), at
+// most 1024 vectors, no residual.
+bool ring_fits(std::int64_t vecs, bool residual) {
+  return detail::current_device_info().major >= 9 && vecs > 0 && vecs <= 1024 && !residual;
+}
+
+// kRows, kPipelined and kRing are forward-only: the backward takes them as kAuto.
 std::vector<NormVariant> variants_for(const Shape& s, DType dt) {
   const std::int64_t vecs = row_vectors(s, dt);
   if (vecs > 0 && vecs <= 32768) {
     return {NormVariant::kRegisters, NormVariant::kTwoPass, NormVariant::kRows,
-            NormVariant::kPipelined};
+            NormVariant::kPipelined, NormVariant::kRing};
   }
   return {NormVariant::kAuto};
 }
@@ -133,6 +139,7 @@ NormVariant forward_variant(const Shape& s, DType dt, NormVariant backward, bool
   if (backward == NormVariant::kPipelined) {
     fits = short_enough && pipelined_fits(s.cols, dt, layernorm, residual);
   }
+  if (backward == NormVariant::kRing) fits = ring_fits(row_vectors(s, dt), residual.has_value());
   return backward != NormVariant::kTwoPass && !fits ? NormVariant::kAuto : backward;
 }
 
@@ -619,6 +626,9 @@ std::vector<NormVariant> forward_variants(std::int64_t cols, DType dt, bool laye
   // Hopper block's shared-memory limit (227 KB) when forcing it.
   if (cols * (layer ? 8 : 4) <= 160 * 1024) variants.push_back(NormVariant::kRegisters);
   if (pipelined_fits(cols, dt, layer, residual)) variants.push_back(NormVariant::kPipelined);
+  if (cols % vec == 0 && ring_fits(cols / vec, residual.has_value())) {
+    variants.push_back(NormVariant::kRing);
+  }
   return variants;
 }
 

@@ -51,6 +51,41 @@ TEST(NormPlan, RowsBlockHoldsOneRowFrom128Threads) {
   EXPECT_EQ(block_threads(NormVariant::kPipelined, 64), 256);
 }
 
+TEST(NormPlan, RingHoldsSixRowsPerBlockInAboutTwoThirdsOfTheSm) {
+  // bf16 N = 4096: 8 KB rows, 4 blocks of 6 stages (192 KB per SM); N = 8192 and fp32 N = 4096:
+  // 16 KB rows, 2 blocks of 6; N = 2048: 4 KB rows, 4 blocks (the most) of 12 (the most).
+  const RingPlan n4096 = ring_plan(512, 8192, kH100Shared);
+  EXPECT_EQ(n4096.vecs_per_thread, 2);
+  EXPECT_EQ(n4096.blocks_per_sm, 4);
+  EXPECT_EQ(n4096.stages, 6);
+  const RingPlan n8192 = ring_plan(1024, 16384, kH100Shared);
+  EXPECT_EQ(n8192.vecs_per_thread, 4);
+  EXPECT_EQ(n8192.blocks_per_sm, 2);
+  EXPECT_EQ(n8192.stages, 6);
+  const RingPlan n2048 = ring_plan(256, 4096, kH100Shared);
+  EXPECT_EQ(n2048.blocks_per_sm, 4);
+  EXPECT_EQ(n2048.stages, 12);
+  EXPECT_EQ(ring_plan(1, 16, kH100Shared).vecs_per_thread, 2);
+  // Too long for 4 vectors per thread, or no room for two rows.
+  EXPECT_EQ(ring_plan(1025, 16400, kH100Shared).vecs_per_thread, 0);
+  EXPECT_EQ(ring_plan(1024, 16384, 24 * 1024).vecs_per_thread, 0);
+  EXPECT_EQ(ring_plan(1024, 16384, 40 * 1024).stages, 2);
+}
+
+TEST(NormPlan, RingIsForcedOnlyAndRefusesWhatItCannotRun) {
+  for (const ForwardProblem& p : {bf16(Kind::kRms, 8192, 4096), bf16(Kind::kLayer, 2048, 8192),
+                                  bf16(Kind::kRms, 16, 64)}) {
+    EXPECT_NE(plan_forward(p, NormVariant::kAuto, kH100Shared).variant, NormVariant::kRing);
+    const ForwardPlan forced = plan_forward(p, NormVariant::kRing, kH100Shared);
+    EXPECT_EQ(forced.variant, NormVariant::kRing);
+    EXPECT_GE(forced.ring.stages, 2);
+  }
+  EXPECT_THROW(plan_forward(bf16(Kind::kRms, 64, 4096, 2), NormVariant::kRing, kH100Shared),
+               UnsupportedVariantError);  // the fused add
+  EXPECT_THROW(plan_forward(bf16(Kind::kRms, 64, 8200), NormVariant::kRing, kH100Shared),
+               UnsupportedVariantError);  // 1025 vectors
+}
+
 TEST(NormPlan, AutoChoosesByRowLength) {
   // Up to 256 vectors (bf16 N = 2048) kPipelined; beyond, kRows for RMSNorm and LayerNorm and,
   // for the fused add, kPipelined up to 512 vectors then kRegisters; kRows for every op from
@@ -108,7 +143,8 @@ TEST(NormPlan, UnalignedRowsTakeTwoPassesAndForcedVariantsThrow) {
   const ForwardPlan plan = plan_forward(p, NormVariant::kAuto, kH100Shared);
   EXPECT_EQ(plan.variant, NormVariant::kTwoPass);
   EXPECT_FALSE(plan.vectorized);
-  for (NormVariant forced : {NormVariant::kRegisters, NormVariant::kRows, NormVariant::kPipelined}) {
+  for (NormVariant forced : {NormVariant::kRegisters, NormVariant::kRows, NormVariant::kPipelined,
+                             NormVariant::kRing}) {
     EXPECT_THROW(plan_forward(p, forced, kH100Shared), UnsupportedVariantError);
   }
   EXPECT_EQ(plan_forward(p, NormVariant::kTwoPass, kH100Shared).variant, NormVariant::kTwoPass);

@@ -702,7 +702,7 @@ TEST_F(ErrorFixture, RMSNormForward) {
                   "layernorm_forward", "argument 'options.variant'", "-1");
   // The CPU path ignores a valid variant, forward-only ones included.
   for (NormVariant v : {NormVariant::kRegisters, NormVariant::kTwoPass, NormVariant::kRows,
-                        NormVariant::kPipelined}) {
+                        NormVariant::kPipelined, NormVariant::kRing}) {
     rmsnorm_forward(x.view(), w.view(), y.view(), rstd.view(), {.variant = v});
   }
   TS_EXPECT_ERROR(rmsnorm_forward(x.view(), w.view(), x.view(), rstd.view()), "rmsnorm_forward",

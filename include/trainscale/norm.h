@@ -35,7 +35,11 @@ enum class NormVariant {
                // flight during this group's reduction and stores (LayerNorm's persistent grid:
                // two row groups; one group per block otherwise: one, overlapping the staging);
                // needs shared memory for the staged parameters and the ring (kAuto's choice up
-               // to 256 vectors per row, 512 for the fused add, LayerNorm below N = 6144)
+               // to 256 vectors per row, 512 for the fused add)
+  kRing,       // forward only, sm_90 (the backward chooses as for kAuto): a persistent grid
+               // whose blocks fetch each row with one bulk copy into a shared-memory ring of
+               // several rows, weight and bias held in registers; aligned rows of at most 1024
+               // 16-byte vectors (bf16 N <= 8192), no residual; not chosen by kAuto
 };
 
 struct RMSNormOptions {

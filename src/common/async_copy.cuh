@@ -1,8 +1,13 @@
 // cp.async (sm_80+): 16-byte copies from global to shared memory that need no registers for
 // the data, so a thread can keep the next tile's reads in flight while it works on this one.
 // A thread's copies become visible to that thread at cp_async_wait; other threads also need a
-// barrier after it.
+// barrier after it. And the sm_90 bulk copy: one instruction moves a whole range, whose arrival
+// every thread waits for on a shared mbarrier.
 #pragma once
+
+#include <cuda/ptx>
+
+#include <cstdint>
 
 namespace trainscale::detail {
 
@@ -38,6 +43,28 @@ __device__ __forceinline__ void cp_async_commit() {
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
+// sm_90: one bulk copy (the copy engine, one instruction for the whole range) of `bytes` from
+// global to shared memory, both 16-byte aligned and `bytes` a multiple of 16. It completes
+// `bytes` transactions on the shared mbarrier `landed`, so the issuing thread first arms it:
+// arrive_expect_tx below, then this copy.
+__device__ __forceinline__ void bulk_copy_to_shared(void* shared_dst, const void* global_src,
+                                                    std::uint32_t bytes, std::uint64_t* landed) {
+  cuda::ptx::cp_async_bulk(cuda::ptx::space_cluster, cuda::ptx::space_global, shared_dst,
+                           global_src, bytes, landed);
+}
+
+// Arms `landed` for one arrival and `bytes` transactions (the bulk copies about to be issued).
+__device__ __forceinline__ void arrive_expect_tx(std::uint64_t* landed, std::uint32_t bytes) {
+  cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta,
+                                       cuda::ptx::space_shared, landed, bytes);
+}
+
+// Waits until the phase of `landed` with this parity has completed.
+__device__ __forceinline__ void wait_parity(std::uint64_t* landed, std::uint32_t parity) {
+  while (!cuda::ptx::mbarrier_try_wait_parity(landed, parity)) {
+  }
 }
 
 }  // namespace trainscale::detail

@@ -3,7 +3,8 @@
 // dtype, or, for the ops named <op>_fp32_weight (the training suite), in fp32 as mixed-precision
 // training keeps them.
 // Opt-in implementations force a kernel variant (NormVariant): trainscale-registers,
-// trainscale-two-pass, and for the forward ops trainscale-rows and trainscale-pipelined.
+// trainscale-two-pass, and for the forward ops trainscale-rows, trainscale-pipelined and
+// trainscale-ring.
 #include "bench/baselines/cudnn_norm.h"
 #include "bench/cases/case_util.h"
 #include "bench/gate.h"
@@ -199,6 +200,7 @@ const ForcedVariant kForcedVariants[] = {
     {NormVariant::kTwoPass, "trainscale-two-pass", false},
     {NormVariant::kRows, "trainscale-rows", true},
     {NormVariant::kPipelined, "trainscale-pipelined", true},
+    {NormVariant::kRing, "trainscale-ring", true},
 };
 
 const Registrar kRegister([](Registry& r) {

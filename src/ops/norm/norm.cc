@@ -64,7 +64,7 @@ void check_eps(OpChecker& c, double eps) {
 
 void check_variant(OpChecker& c, NormVariant variant) {
   const int v = static_cast<int>(variant);
-  if (!(v >= static_cast<int>(NormVariant::kAuto) && v <= static_cast<int>(NormVariant::kPipelined)))
+  if (!(v >= static_cast<int>(NormVariant::kAuto) && v <= static_cast<int>(NormVariant::kRing)))
     c.fail("options.variant", "a NormVariant", std::to_string(v));
 }
 

@@ -617,7 +617,8 @@ std::int64_t resident_groups(const RegisterKernel& k, const char* op) {
 
 template <class T, class X, Kind kKind>
 Plan plan_backward(const BackwardArgs& a, NormVariant variant, const char* op) {
-  if (variant == NormVariant::kRows || variant == NormVariant::kPipelined) {
+  if (variant == NormVariant::kRows || variant == NormVariant::kPipelined ||
+      variant == NormVariant::kRing) {
     variant = NormVariant::kAuto;  // forward-only variants
   }
   constexpr int V = detail::kVec16<T>;

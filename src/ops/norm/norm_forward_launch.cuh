@@ -3,13 +3,16 @@
 // where its cluster cannot be resident. Included by one translation unit per op.
 #pragma once
 
+#include <algorithm>
 #include <limits>
+#include <string>
 #include <utility>
 
 #include "common/carveout.h"
 #include "common/cluster_launch.h"
 #include "core/check.h"
 #include "ops/norm/norm_forward_kernels.cuh"
+#include "ops/norm/norm_forward_ring.cuh"
 #include "ops/norm/norm_plan.h"
 
 namespace trainscale::ops::norm {
@@ -130,30 +133,70 @@ bool launch_registers(const ForwardArgs& a, std::int64_t vecs, cudaStream_t stre
   });
 }
 
-// The rows variant with the parameters' dtypes as template arguments (an absent one as T), a
-// cluster per row for rows longer than a block holds. False where that cluster cannot be
-// resident (nothing launched).
+// fn(TypeTag<W>, TypeTag<B>): the parameters' dtypes as template arguments, an absent one as
+// T (RMSNorm: B = W).
+template <class T, Kind kKind, class Fn>
+auto with_param_dtypes(const ForwardArgs& a, Fn&& fn) {
+  const auto with_dtype = [](bool f32, auto inner) {
+    if (f32 && !std::is_same_v<T, float>) return inner(detail::TypeTag<float>{});
+    return inner(detail::TypeTag<T>{});
+  };
+  return with_dtype(a.weight && a.weight_f32, [&](auto w) {
+    if constexpr (kKind == Kind::kRms) {
+      return fn(w, w);
+    } else {
+      return with_dtype(a.bias && a.bias_f32, [&](auto b) { return fn(w, b); });
+    }
+  });
+}
+
+// The rows variant, a cluster per row for rows longer than a block holds. False where that
+// cluster cannot be resident (nothing launched).
 template <class T, class R, Kind kKind>
 bool launch_rows(const ForwardArgs& a, std::int64_t vecs, cudaStream_t stream, const char* op) {
-  const auto with_dtype = [](bool f32, auto fn) {
-    if (f32 && !std::is_same_v<T, float>) return fn(detail::TypeTag<float>{});
-    return fn(detail::TypeTag<T>{});
-  };
   return with_row_cluster(vecs, [&](auto cluster) {
     constexpr int kCluster = decltype(cluster)::value;
-    return with_dtype(a.weight && a.weight_f32, [&](auto w) {
+    return with_param_dtypes<T, kKind>(a, [&](auto w, auto b) {
       using W = typename decltype(w)::type;
-      if constexpr (kKind == Kind::kRms) {
-        return launch_registers<T, R, W, W, kKind, NormVariant::kRows, kCluster>(a, vecs, stream,
-                                                                                op);
-      } else {
-        return with_dtype(a.bias && a.bias_f32, [&](auto b) {
-          using B = typename decltype(b)::type;
-          return launch_registers<T, R, W, B, kKind, NormVariant::kRows, kCluster>(a, vecs,
-                                                                                  stream, op);
-        });
-      }
+      using B = typename decltype(b)::type;
+      return launch_registers<T, R, W, B, kKind, NormVariant::kRows, kCluster>(a, vecs, stream, op);
     });
+  });
+}
+
+// kRing (norm_forward_ring.cuh): a persistent grid of ring.blocks_per_sm blocks per SM, fewer
+// where the device holds fewer, and no more blocks than rows.
+template <class T, Kind kKind>
+void launch_ring(const ForwardArgs& a, const RingPlan& ring, cudaStream_t stream, const char* op) {
+  const auto& info = detail::current_device_info();
+  if (info.major < 9) {
+    throw UnsupportedVariantError("trainscale norm: the ring variant needs bulk copies (sm_90 or "
+                                  "newer); this GPU is sm_" +
+                                  std::to_string(info.major * 10 + info.minor));
+  }
+  const std::size_t smem = static_cast<std::size_t>(ring.stages) * a.cols * sizeof(T);
+  const auto launch = [&](auto kernel) {
+    if (smem > kDefaultSharedBytes) {
+      detail::check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              static_cast<int>(smem)),
+                         op, "raising the shared-memory limit");
+    }
+    int per_sm = 0;
+    detail::check_cuda(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kRingThreads, smem), op,
+        "occupancy query");
+    const std::int64_t blocks = std::min<std::int64_t>(
+        a.rows, static_cast<std::int64_t>(info.sm_count) * std::clamp(per_sm, 1, ring.blocks_per_sm));
+    kernel<<<static_cast<unsigned>(blocks), kRingThreads, smem, stream>>>(a, ring.stages);
+  };
+  with_param_dtypes<T, kKind>(a, [&](auto w, auto b) {
+    using W = typename decltype(w)::type;
+    using B = typename decltype(b)::type;
+    if (ring.vecs_per_thread == 2) {
+      launch(forward_ring_kernel<T, W, B, kKind, 2>);
+    } else {
+      launch(forward_ring_kernel<T, W, B, kKind, 4>);
+    }
   });
 }
 
@@ -180,6 +223,8 @@ void launch_forward(const ForwardArgs& a, NormVariant variant, cudaStream_t stre
     launch_registers<T, R, T, T, kKind, NormVariant::kPipelined, 1, 1>(a, vecs, stream, op);
   } else if (chosen == NormVariant::kPipelined) {
     launch_registers<T, R, T, T, kKind, NormVariant::kPipelined, 1>(a, vecs, stream, op);
+  } else if (chosen == NormVariant::kRing) {
+    if constexpr (std::is_void_v<R>) launch_ring<T, kKind>(a, plan.ring, stream, op);
   } else if (chosen == NormVariant::kTwoPass) {
     if (plan.vectorized) {
       forward_two_pass_kernel<T, R, kKind, V>

@@ -1,5 +1,6 @@
 #include "ops/norm/norm_plan.h"
 
+#include <algorithm>
 #include <string>
 
 #include "trainscale/error.h"
@@ -13,6 +14,7 @@ const char* variant_name(NormVariant variant) {
     case NormVariant::kTwoPass: return "two-pass";
     case NormVariant::kRows: return "rows";
     case NormVariant::kPipelined: return "pipelined";
+    case NormVariant::kRing: return "ring";
   }
   return "unknown";
 }
@@ -51,6 +53,22 @@ bool one_vector_per_thread(NormVariant chosen, std::int64_t rows, std::int64_t v
 }
 
 }  // namespace
+
+RingPlan ring_plan(std::int64_t vecs, std::size_t stage_bytes, std::size_t shared_memory_per_block) {
+  RingPlan plan;
+  if (vecs <= 0 || stage_bytes == 0) return plan;
+  const int per_thread = vecs <= 2 * kRingThreads ? 2 : vecs <= 4 * kRingThreads ? 4 : 0;
+  if (per_thread == 0) return plan;
+  const std::size_t wanted = kRingBytesPerSm / (kRingStagesPerBlock * stage_bytes);
+  const int blocks = static_cast<int>(std::clamp<std::size_t>(wanted, 1, kMaxRingBlocksPerSm));
+  const std::size_t share = std::min(kRingBytesPerSm / blocks,
+                                     shared_memory_per_block > kMaxScratchBytes
+                                         ? shared_memory_per_block - kMaxScratchBytes
+                                         : 0);
+  const int stages = static_cast<int>(std::min<std::size_t>(kMaxRingStages, share / stage_bytes));
+  if (stages < 2) return plan;
+  return {per_thread, blocks, stages};
+}
 
 std::size_t forward_shared_bytes(const ForwardProblem& p, NormVariant variant, int vecs_per_thread) {
   std::size_t bytes = staged_param_bytes(p.kind, p.cols);
@@ -121,6 +139,18 @@ ForwardPlan plan_forward(const ForwardProblem& p, NormVariant requested,
             " in shared memory, which has no room for " + std::to_string(p.cols) + " columns");
       }
       chosen = NormVariant::kTwoPass;
+    }
+  }
+  if (chosen == NormVariant::kRing) {
+    // Forced only: kAuto does not take it yet.
+    plan.ring = ring_plan(plan.vecs, static_cast<std::size_t>(p.cols) * p.element_bytes,
+                          shared_memory_per_block);
+    if (!p.aligned || p.residual_bytes > 0 || plan.ring.vecs_per_thread == 0) {
+      throw UnsupportedVariantError(
+          std::string("trainscale norm: the ring variant needs 16-byte aligned rows of at most ") +
+          std::to_string(4 * kRingThreads) + " vectors, without a residual, and two of them in " +
+          "shared memory; given " + std::to_string(p.cols) + " columns" +
+          (p.residual_bytes > 0 ? " with a residual" : ""));
     }
   }
   plan.variant = chosen;

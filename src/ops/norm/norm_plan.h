@@ -136,6 +136,31 @@ constexpr int rows_cluster_blocks(std::int64_t vecs) {
 // misses on the weights once per row; 4 was faster than 1 and than 16 (docs/perf/norm.md).
 inline constexpr std::int64_t kClusterRowGroups = 4;
 
+// kRing (sm_90): a persistent grid of blocks of kRingThreads, each walking the rows
+// blockIdx.x, + gridDim.x, ... Every row arrives by one bulk copy into a ring of `stages`
+// shared-memory rows, issued `stages` rows ahead, so a block has that many rows in flight through
+// its reductions and stores; weight and bias are read once into registers. Rows of up to 4
+// vectors per thread (bf16 N <= 8192, fp32 N <= 4096), without a residual. The ring aims at
+// kRingBytesPerSm of shared memory per SM: kRingStagesPerBlock stages in as many blocks as that
+// holds (1-4), then as many stages as the blocks' share holds (at most kMaxRingStages). A
+// standalone kernel of this design ran bf16 2048x4096 RMSNorm in 14.9 us against kRows' 20.1 and
+// 8192x4096 in 49.8 against 55.3 (docs/perf/norm.md, "Training shapes").
+inline constexpr int kRingThreads = 256;
+inline constexpr int kMaxRingStages = 12;
+inline constexpr int kRingStagesPerBlock = 6;
+inline constexpr std::size_t kRingBytesPerSm = 192 * 1024;
+inline constexpr int kMaxRingBlocksPerSm = 4;
+
+struct RingPlan {
+  int vecs_per_thread = 0;  // 2 or 4; 0: the row does not fit
+  int blocks_per_sm = 0;    // before the occupancy the launch finds
+  int stages = 0;           // rows in each block's ring (>= 2)
+};
+
+// The ring for rows of `vecs` 16-byte vectors of `stage_bytes` bytes, given the shared memory a
+// block may take; vecs_per_thread 0 where it cannot run.
+RingPlan ring_plan(std::int64_t vecs, std::size_t stage_bytes, std::size_t shared_memory_per_block);
+
 struct ForwardProblem {
   Kind kind = Kind::kRms;
   std::int64_t rows = 0;
@@ -154,6 +179,7 @@ struct ForwardPlan {
   bool vectorized = false;        // kTwoPass: 16-byte loads and stores
   bool persistent = false;        // persistent_grid: one resident wave looping over row groups
   int ring_stages = 0;            // kPipelined: ring_stages(kind)
+  RingPlan ring;                  // kRing
 };
 
 // Dynamic shared memory of a staged register variant (kRegisters, kPipelined) for aligned
