@@ -176,17 +176,9 @@ void launch_ring(const ForwardArgs& a, const RingPlan& ring, cudaStream_t stream
   }
   const std::size_t smem = static_cast<std::size_t>(ring.stages) * a.cols * sizeof(T);
   const auto launch = [&](auto kernel) {
-    if (smem > kDefaultSharedBytes) {
-      detail::check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                              static_cast<int>(smem)),
-                         op, "raising the shared-memory limit");
-    }
-    int per_sm = 0;
-    detail::check_cuda(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kRingThreads, smem), op,
-        "occupancy query");
-    const std::int64_t blocks = std::min<std::int64_t>(
-        a.rows, static_cast<std::int64_t>(info.sm_count) * std::clamp(per_sm, 1, ring.blocks_per_sm));
+    const int per_sm = detail::max_resident_blocks(kernel, kRingThreads, smem, op) / info.sm_count;
+    const std::int64_t per_sm_cap = std::clamp(per_sm, 1, ring.blocks_per_sm);
+    const std::int64_t blocks = std::min<std::int64_t>(a.rows, info.sm_count * per_sm_cap);
     kernel<<<static_cast<unsigned>(blocks), kRingThreads, smem, stream>>>(a, ring.stages);
   };
   with_param_dtypes<T, kKind>(a, [&](auto w, auto b) {

@@ -36,8 +36,9 @@ namespace {
 // falls back to two passes where it cannot run. From N = 6144 kRows is faster for every op: it
 // drops the staged tables and the persistent grid, whose looping wave streams slower than one
 // row group per block. Plain RMSNorm and LayerNorm take it from 257 vectors (bf16 N 2056) too,
-// with one row per block from 512 vectors (rows_block_threads). Up to 256 vectors, kPipelined: its next row group's loads
-// overlap this group's reduction, which short rows spend most of their time in. The fused add
+// with one row per block from 512 vectors (rows_block_threads). Up to 256 vectors, kPipelined:
+// its next row group's loads overlap this group's reduction, which short rows spend most of
+// their time in. The fused add
 // keeps kPipelined up to 512 vectors (bf16 N = 4096), where with one row group per block its
 // group's loads overlap the staging (98.4 us at 8192x4096 against kRows' 99.8). Measurements:
 // docs/perf/norm.md.
