@@ -45,14 +45,24 @@ inline cudaLaunchConfig_t cluster_config(std::int64_t grid, int block, int clust
 // The largest portable cluster; larger ones need cudaFuncAttributeNonPortableClusterSizeAllowed.
 inline constexpr int kPortableClusterSize = 8;
 
-// Raises `kernel`'s dynamic shared-memory limit to `smem` (the default 48 KiB also counts the
-// kernel's static shared memory).
+// Raises `kernel`'s dynamic shared-memory limit on the current device to at least `smem` (the
+// default 48 KiB also counts the kernel's static shared memory). The limit only grows: callers
+// cache what fits per configuration, so a launch that needs more must not be undone by a later
+// one that needs less.
 template <class... Params>
 void allow_dynamic_smem(void (*kernel)(Params...), std::size_t smem, std::string_view op) {
   if (smem == 0) return;
+  static std::mutex mutex;
+  static std::map<std::pair<int, void (*)(Params...)>, std::size_t> raised;
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), op, "cudaGetDevice");
+  const std::lock_guard<std::mutex> lock(mutex);
+  std::size_t& limit = raised[{device, kernel}];
+  if (smem <= limit) return;
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   static_cast<int>(smem)),
              op, "cudaFuncSetAttribute (dynamic shared memory)");
+  limit = smem;
 }
 
 // Blocks of `block` threads with `smem` bytes of dynamic shared memory of `kernel` resident at

@@ -84,12 +84,6 @@ __device__ __forceinline__ void load_floats(const T* p, float (&out)[N]) {
   to_floats(load_raw<T, N, kStreaming>(p), out);
 }
 
-// Starts moving p's cache line into L1 without taking a register: a load after a barrier then
-// hits L1 instead of waiting for L2.
-__device__ __forceinline__ void prefetch_l1(const void* p) {
-  asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
-}
-
 template <class T, int N>
 __device__ __forceinline__ void store_floats(T* p, const float (&in)[N]) {
   Vec<T, N> v;

@@ -272,30 +272,16 @@ struct StagedParams {
 
 // Rows variant: weight (and bias) read from global memory per row as stored (W, B: float or
 // T, known at compile time: loads of both kinds behind the runtime flags spilled), 16 bytes
-// per load, L1/L2-resident since every row reads them. Their lines are prefetched into L1
-// before the row's reduction, so the latency overlaps it without holding registers: the kernel
-// is at its 64-register cap, and parameters held across the reduction spilled. kPresent: the
-// caller checked that every parameter is given (the usual case), so no vector tests for null
-// (two 64-bit compares each, which the compiler re-issued per vector).
-template <class T, class W, class B, Kind kKind, int V, int kVecs>
+// per load, L1/L2-resident since every row reads them. They are read after the row's reduction,
+// not held across it (the kernel is at its register cap, and held parameters spilled) and not
+// prefetched into L1 before it: the prefetches cost 3-10 % at 2048-16384 x 4096 (bf16,
+// docs/perf/norm.md). kPresent: the caller checked that every parameter is given (the usual
+// case), so no vector tests for null (two 64-bit compares each, which the compiler re-issued per
+// vector).
+template <class W, class B, Kind kKind, int V>
 struct GlobalParams {
   static __device__ __forceinline__ bool all_present(const ForwardArgs& a) {
     return a.weight != nullptr && (kKind == Kind::kRms || a.bias != nullptr);
-  }
-  // The thread's columns of a block holding `block_cols` columns from first_col.
-  template <bool kPresent>
-  static __device__ __forceinline__ void prefetch(const ForwardArgs& a, int first_col,
-                                                  int block_cols, int lane, int threads) {
-#pragma unroll
-    for (int i = 0; i < kVecs; ++i) {
-      const int in_block = (i * threads + lane) * V;
-      if (in_block >= block_cols) continue;
-      const int col = first_col + in_block;
-      if (kPresent || a.weight) detail::prefetch_l1(static_cast<const W*>(a.weight) + col);
-      if constexpr (kKind == Kind::kLayer) {
-        if (kPresent || a.bias) detail::prefetch_l1(static_cast<const B*>(a.bias) + col);
-      }
-    }
   }
   template <bool kPresent>
   static __device__ __forceinline__ void scale_shift(const ForwardArgs& a, int col,
@@ -405,7 +391,7 @@ __global__ void __launch_bounds__(kBlockFor<kVariant, kThreads>,
   // The ring follows the staged tables (a multiple of 16 bytes: n is a multiple of V >= 4).
   const Ring ring{reinterpret_cast<uint4*>(staged) + staged_param_bytes(kKind, n) / sizeof(uint4),
                   static_cast<int>(n / V)};
-  using Params = GlobalParams<T, W, B, kKind, V, kVecs>;  // kRows
+  using Params = GlobalParams<W, B, kKind, V>;  // kRows
   const bool params_present = Params::all_present(a);
   const std::int64_t first_group = static_cast<std::int64_t>(blockIdx.x / kCluster) * kRowsPerBlock;
   const std::int64_t group_stride = static_cast<std::int64_t>(gridDim.x / kCluster) * kRowsPerBlock;
@@ -481,19 +467,9 @@ __global__ void __launch_bounds__(kBlockFor<kVariant, kThreads>,
     } else if (!kPreload || base != first_group) {
       load_held(row, valid);
     }
-    // Once the first row's loads are in flight, and before the parameters are prefetched into L1,
-    // which this cluster-scope acquire invalidates.
+    // Once the first row's loads are in flight.
     if constexpr (kCluster > 1) {
       if (base == first_group) cluster_sums.wait_started();
-    }
-    if constexpr (!kStaged) {
-      if (valid) {
-        if (params_present) {
-          Params::template prefetch<true>(a, first_col, block_cols, lane, kThreads);
-        } else {
-          Params::template prefetch<false>(a, first_col, block_cols, lane, kThreads);
-        }
-      }
     }
     float sums[kSums<kKind>] = {};
 #pragma unroll

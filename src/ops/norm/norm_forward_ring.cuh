@@ -42,7 +42,7 @@ __global__ void __launch_bounds__(kRingThreads, 1) forward_ring_kernel(ForwardAr
     cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
     for (int s = 0; s < stages && s < count; ++s) fetch(s, s);
   }
-  using Params = GlobalParams<T, W, B, kKind, V, kVecs>;
+  using Params = GlobalParams<W, B, kKind, V>;
   float scale[kVecs][V], shift[kVecs][V] = {};
 #pragma unroll
   for (int i = 0; i < kVecs; ++i) {
