@@ -12,9 +12,10 @@ namespace {
 // The H100's shared memory per block (opt-in).
 constexpr std::size_t kH100Shared = 232448;
 
+// A problem on an H100 (bulk copies).
 ForwardProblem bf16(Kind kind, std::int64_t rows, std::int64_t cols, int residual_bytes = 0) {
   return {.kind = kind, .rows = rows, .cols = cols, .element_bytes = 2,
-          .residual_bytes = residual_bytes, .aligned = true};
+          .residual_bytes = residual_bytes, .aligned = true, .bulk_copies = true};
 }
 
 NormVariant auto_variant(const ForwardProblem& p) {
@@ -72,10 +73,30 @@ TEST(NormPlan, RingHoldsSixRowsPerBlockInAboutTwoThirdsOfTheSm) {
   EXPECT_EQ(ring_plan(1024, 16384, 40 * 1024).stages, 2);
 }
 
-TEST(NormPlan, RingIsForcedOnlyAndRefusesWhatItCannotRun) {
-  for (const ForwardProblem& p : {bf16(Kind::kRms, 8192, 4096), bf16(Kind::kLayer, 2048, 8192),
-                                  bf16(Kind::kRms, 16, 64)}) {
-    EXPECT_NE(plan_forward(p, NormVariant::kAuto, kH100Shared).variant, NormVariant::kRing);
+TEST(NormPlan, AutoTakesTheRingForMidSizedInputsAndForcedRingRefusesWhatItCannotRun) {
+  // kAuto: 16-bit rows of 257-1024 vectors, at most 2.5 Mi vectors in all, no residual, on a
+  // device with bulk copies.
+  for (const ForwardProblem& p : {bf16(Kind::kRms, 2048, 4096), bf16(Kind::kLayer, 2048, 8192),
+                                  bf16(Kind::kRms, 4096, 5120), bf16(Kind::kLayer, 4096, 4096),
+                                  bf16(Kind::kRms, 1, 2056)}) {
+    const ForwardPlan plan = plan_forward(p, NormVariant::kAuto, kH100Shared);
+    EXPECT_EQ(plan.variant, NormVariant::kRing) << p.rows << "x" << p.cols;
+    EXPECT_GE(plan.ring.stages, 2);
+  }
+  ForwardProblem no_bulk = bf16(Kind::kRms, 2048, 4096);
+  no_bulk.bulk_copies = false;
+  ForwardProblem fp32 = bf16(Kind::kRms, 2048, 2048);
+  fp32.element_bytes = 4;
+  ForwardProblem unaligned = bf16(Kind::kRms, 2048, 4096);
+  unaligned.aligned = false;
+  for (const ForwardProblem& p : {bf16(Kind::kRms, 8192, 4096), bf16(Kind::kRms, 4096, 8192),
+                                  bf16(Kind::kRms, 2048, 2048), bf16(Kind::kRms, 2048, 4096, 2),
+                                  no_bulk, fp32, unaligned}) {
+    EXPECT_NE(plan_forward(p, NormVariant::kAuto, kH100Shared).variant, NormVariant::kRing)
+        << p.rows << "x" << p.cols;
+  }
+  // Forced: any aligned row of at most 1024 vectors.
+  for (const ForwardProblem& p : {bf16(Kind::kRms, 8192, 4096), bf16(Kind::kRms, 16, 64)}) {
     const ForwardPlan forced = plan_forward(p, NormVariant::kRing, kH100Shared);
     EXPECT_EQ(forced.variant, NormVariant::kRing);
     EXPECT_GE(forced.ring.stages, 2);
@@ -89,7 +110,7 @@ TEST(NormPlan, RingIsForcedOnlyAndRefusesWhatItCannotRun) {
 TEST(NormPlan, AutoChoosesByRowLength) {
   // Up to 256 vectors (bf16 N = 2048) kPipelined; beyond, kRows for RMSNorm and LayerNorm and,
   // for the fused add, kPipelined up to 512 vectors then kRegisters; kRows for every op from
-  // N = 6144, over a cluster beyond 4096 vectors.
+  // N = 6144, over a cluster beyond 4096 vectors (kAuto's kRing for mid-sized inputs: above).
   EXPECT_EQ(auto_variant(bf16(Kind::kRms, 32768, 512)), NormVariant::kPipelined);
   EXPECT_EQ(auto_variant(bf16(Kind::kRms, 32768, 2048)), NormVariant::kPipelined);
   EXPECT_EQ(auto_variant(bf16(Kind::kRms, 32768, 2056)), NormVariant::kRows);
@@ -98,7 +119,7 @@ TEST(NormPlan, AutoChoosesByRowLength) {
   EXPECT_EQ(auto_variant(bf16(Kind::kRms, 8192, 5120)), NormVariant::kRows);
   EXPECT_EQ(auto_variant(bf16(Kind::kRms, 8192, 5120, 2)), NormVariant::kRegisters);
   EXPECT_EQ(auto_variant(bf16(Kind::kLayer, 4096, 2048)), NormVariant::kPipelined);
-  EXPECT_EQ(auto_variant(bf16(Kind::kLayer, 4096, 4096)), NormVariant::kRows);
+  EXPECT_EQ(auto_variant(bf16(Kind::kLayer, 8192, 4096)), NormVariant::kRows);
   EXPECT_EQ(auto_variant(bf16(Kind::kLayer, 8192, 5120)), NormVariant::kRows);
   EXPECT_EQ(auto_variant(bf16(Kind::kLayer, 8192, 6136)), NormVariant::kRows);
   EXPECT_EQ(auto_variant(bf16(Kind::kLayer, 4096, 6144)), NormVariant::kRows);

@@ -66,7 +66,8 @@ ForwardProblem problem_of(const ForwardArgs& a) {
           .cols = a.cols,
           .element_bytes = static_cast<int>(sizeof(T)),
           .residual_bytes = residual_bytes<R>(),
-          .aligned = aligned};
+          .aligned = aligned,
+          .bulk_copies = detail::current_device_info().major >= 9};
 }
 
 // Launches the register kernel for rows of `vecs` vectors, kCluster blocks per row (kRows

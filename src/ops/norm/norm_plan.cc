@@ -48,6 +48,14 @@ NormVariant auto_register_variant(std::int64_t cols, std::int64_t vecs, bool fus
   return vecs <= 256 ? NormVariant::kPipelined : NormVariant::kRows;
 }
 
+bool auto_ring(const ForwardProblem& p, std::int64_t vecs, std::size_t shared_memory_per_block) {
+  return p.bulk_copies && p.aligned && p.residual_bytes == 0 && p.element_bytes == 2 &&
+         vecs > 256 && vecs <= 4 * kRingThreads && p.rows * vecs <= kRingAutoMaxVecs &&
+         ring_plan(vecs, static_cast<std::size_t>(p.cols) * p.element_bytes,
+                   shared_memory_per_block)
+                 .vecs_per_thread > 0;
+}
+
 bool one_vector_per_thread(NormVariant chosen, std::int64_t rows, std::int64_t vecs) {
   return chosen == NormVariant::kPipelined && vecs <= kOneVectorMaxThreads &&
          rows * vecs <= kOneVectorMaxVecs;
@@ -117,6 +125,9 @@ ForwardPlan plan_forward(const ForwardProblem& p, NormVariant requested,
                            ? auto_register_variant(p.cols, plan.vecs, p.residual_bytes > 0)
                            : requested;
   if (requested == NormVariant::kAuto && plan.vecs > kBlockVecs) chosen = NormVariant::kRows;
+  if (requested == NormVariant::kAuto && auto_ring(p, plan.vecs, shared_memory_per_block)) {
+    chosen = NormVariant::kRing;
+  }
   const std::int64_t max_vecs = chosen == NormVariant::kRows ? kMaxClusterVecs : kBlockVecs;
   if (chosen != NormVariant::kTwoPass && !use_registers(requested, p.aligned, plan.vecs, max_vecs)) {
     chosen = NormVariant::kTwoPass;
@@ -143,7 +154,6 @@ ForwardPlan plan_forward(const ForwardProblem& p, NormVariant requested,
     }
   }
   if (chosen == NormVariant::kRing) {
-    // Forced only: kAuto does not take it yet.
     plan.ring = ring_plan(plan.vecs, static_cast<std::size_t>(p.cols) * p.element_bytes,
                           shared_memory_per_block);
     if (!p.aligned || p.residual_bytes > 0 || plan.ring.vecs_per_thread == 0) {

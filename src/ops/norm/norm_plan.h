@@ -150,6 +150,12 @@ inline constexpr int kMaxRingStages = 12;
 inline constexpr int kRingStagesPerBlock = 6;
 inline constexpr std::size_t kRingBytesPerSm = 192 * 1024;
 inline constexpr int kMaxRingBlocksPerSm = 4;
+// kAuto takes kRing for 16-bit rows of 257-1024 vectors (N 2056-8192) without a residual, up to
+// this many vectors in all (40 MiB: 2048 x 4096-8192, 4096 x 4096-5120). There kRows' grid runs
+// under four waves and the ring, a resident grid with rows in flight through every reduction,
+// measured 3-8 % faster for RMSNorm and LayerNorm (except LayerNorm 2048x4096, 6 % slower);
+// from 8192 x 4096 kRows matched or beat it (docs/perf/norm.md).
+inline constexpr std::int64_t kRingAutoMaxVecs = std::int64_t{5} << 19;
 
 struct RingPlan {
   int vecs_per_thread = 0;  // 2 or 4; 0: the row does not fit
@@ -168,10 +174,11 @@ struct ForwardProblem {
   int element_bytes = 2;   // x and y
   int residual_bytes = 0;  // the fused add's residual; 0 without
   bool aligned = true;     // x, y (and residual) rows start 16-byte aligned, in whole vectors
+  bool bulk_copies = false;  // the device has bulk copies (sm_90 or newer): kAuto may take kRing
 };
 
 struct ForwardPlan {
-  // kRegisters, kPipelined, kRows or kTwoPass. kRows still falls back to kTwoPass (or throws
+  // kRegisters, kPipelined, kRows, kRing or kTwoPass. kRows still falls back to kTwoPass (or throws
   // when forced) where its cluster cannot be resident: that takes an occupancy query.
   NormVariant variant = NormVariant::kTwoPass;
   std::int64_t vecs = 0;          // 16-byte vectors per row (rounded up)
