@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "ops/newton_schulz/newton_schulz_internal.h"
 #include "trainscale/newton_schulz.h"
 #include "util/strided_device_buffer.h"
 
@@ -137,6 +138,61 @@ TEST(NewtonSchulzCuda, BatchEqualsOneCallPerMatrix) {
         const Values want = run_device(dt, l, one, {}), ref = run_reference(dt, l, one, {});
         EXPECT_TRUE(std::equal(want.begin(), want.end(), got.begin() + n * n_elems)) << "matrix " << n;
         EXPECT_TRUE(test::matches_reference(want, ref, tolerance(dt))) << "matrix " << n;
+      }
+    }
+  }
+}
+
+// The Gram products by blocks (only the lower block triangle computed, then mirrored), forced
+// at sizes whose fp64 reference is cheap (newton_schulz takes them only from p = 4096,
+// gram_blocks): against the reference, wide and tall, and a batch (a call per block over the
+// matrices) bit-identical to one call per matrix (a call per band of blocks).
+TEST(NewtonSchulzCuda, BlockedGramProductsMatchReferenceAndBatchBits) {
+  TS_REQUIRE_GPU();
+  const auto run_blocked = [](DType dt, std::int64_t count, const Layout& l, const Values& x, int k) {
+    const Layout all{count * l.rows, l.cols, l.pad, false};
+    StridedDeviceBuffer d_g(dt, all, &x), d_out(dt, all);
+    const auto batch = [&](const StridedDeviceBuffer& b) {
+      TensorView v = b.view();
+      if (count > 1) {
+        v.ndim = 3;
+        v.shape = {count, l.rows, l.cols};
+        v.strides = {l.rows * (l.cols + l.pad), l.cols + l.pad, 1};
+      }
+      return v;
+    };
+    const std::size_t bytes = newton_schulz_workspace_bytes(batch(d_g));
+    DeviceTensor ws(HostTensor(DType::kInt64, {static_cast<std::int64_t>(bytes / 8 + 1)}), false);
+    ws.poison();
+    ops::newton_schulz::newton_schulz_cuda(batch(d_g), batch(d_out), {}, ws.view(), nullptr, k);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_TRUE(d_out.padding_untouched());
+    return d_out.values();
+  };
+  struct Case {
+    int k;
+    std::int64_t count;
+    Layout l;
+  };
+  for (DType dt : {DType::kBFloat16, DType::kFloat32}) {
+    for (const Case& c : {Case{2, 1, {64, 96, 0, false}}, Case{4, 1, {256, 384, 0, false}},
+                          Case{4, 1, {384, 256, 3, false}}, Case{2, 1, {192, 192, 0, false}},
+                          Case{4, 3, {128, 160, 0, false}}, Case{2, 2, {160, 64, 0, false}}}) {
+      const Layout& l = c.l;
+      SCOPED_TRACE(test::describe(dt, l) + " x " + std::to_string(c.count) + " blocks " + std::to_string(c.k));
+      const Values x = test::random_inputs(dt, c.count * l.rows * l.cols, 0, -1, 1, false);
+      const Values got = run_blocked(dt, c.count, l, x, c.k);
+      const std::int64_t n_elems = l.rows * l.cols;
+      for (std::int64_t n = 0; n < c.count; ++n) {
+        const Values one(x.begin() + n * n_elems, x.begin() + (n + 1) * n_elems);
+        const Values ref = run_reference(dt, l, one, {});
+        const Values mine(got.begin() + n * n_elems, got.begin() + (n + 1) * n_elems);
+        std::cout << "[newton_schulz blocked] matrix " << n << ": relative L2 error " << test::rel_l2(mine, ref)
+                  << '\n';
+        EXPECT_TRUE(test::matches_reference(mine, ref, tolerance(dt))) << "matrix " << n;
+        if (c.count > 1) {
+          EXPECT_EQ(run_blocked(dt, 1, l, one, c.k), mine) << "matrix " << n;
+        }
       }
     }
   }

@@ -5,6 +5,7 @@
 #include <span>
 #include <vector>
 
+#include "ops/newton_schulz/newton_schulz_internal.h"
 #include "util/gpu_util.h"
 
 namespace trainscale {
@@ -513,6 +514,21 @@ TEST(Muon, ArgumentErrors) {
   // CUDA views take the CUDA path (tests/muon_cuda_test.cc), which here throws: no workspace
   // was given, or (a machine without a GPU) no device.
   TS_EXPECT_ERROR(step(on_cuda(P), on_cuda(G), on_cuda(B)), op);
+}
+
+// The CUDA path's blocks per side of the symmetric Gram products: the largest of 1, 2, 4 that
+// keeps blocks of at least 2048 rows, a multiple of 32.
+TEST(NewtonSchulz, GramBlocksKeepBlocksOfAtLeast2048Rows) {
+  using ops::newton_schulz::gram_blocks;
+  EXPECT_EQ(gram_blocks(1), 1);
+  EXPECT_EQ(gram_blocks(1024), 1);
+  EXPECT_EQ(gram_blocks(2048), 1);
+  EXPECT_EQ(gram_blocks(4096), 2);
+  EXPECT_EQ(gram_blocks(4100), 1);  // not a multiple of 64
+  EXPECT_EQ(gram_blocks(6144), 2);
+  EXPECT_EQ(gram_blocks(8192), 4);
+  EXPECT_EQ(gram_blocks(12288), 4);
+  EXPECT_EQ(gram_blocks(16384), 4);
 }
 
 }  // namespace

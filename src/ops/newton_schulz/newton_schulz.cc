@@ -65,7 +65,9 @@ void newton_schulz(const TensorView& g, TensorView out, const NewtonSchulzOption
   c.outputs_disjoint({{out, "out"}, {workspace, "workspace"}}, {{g, "g"}});
   check_newton_schulz_options(c, options, "options.");
   if (detail::ran_on_cuda(c, [&] {
-        ops::newton_schulz::newton_schulz_cuda(g, out, options, workspace, stream);
+        ops::newton_schulz::newton_schulz_cuda(
+            g, out, options, workspace, stream,
+            ops::newton_schulz::gram_blocks(std::min(g.size(-2), g.size(-1))));
       })) {
     return;
   }

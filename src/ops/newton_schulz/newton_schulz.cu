@@ -5,6 +5,8 @@
 // (common/gemm.h, float32 accumulation; X, A and B stored in the input's dtype, as Muon
 // implementations keep them):
 //   A = X X^T;   B = c A A + b A;   X' = B X + a X   (B and X' written beside A and X).
+// The two symmetric products compute only their lower block triangle and mirror it
+// (symmetric_product, gram_blocks in newton_schulz_internal.h).
 // Muon adds one pass before (momentum and Nesterov: the new buffer and u, Newton-Schulz's
 // input) and puts the parameter update (weight decay and the scaled orthogonal step) in the
 // tiled pass that copies X back out.
@@ -110,6 +112,75 @@ __global__ void copy_tiles_kernel(Strided<const T> src, std::int64_t rows, std::
   }
 }
 
+// The upper block triangle of symmetric [p, p] matrices (ld p, `stride` elements apart; matrix
+// blockIdx.z) from the lower one: element (r, c) with r / b < c / b takes (c, r), b the block
+// rows. One 32 x 32 destination tile per CTA through shared memory; tiles with no element
+// above the block diagonal return at once.
+template <class T>
+__global__ void mirror_upper_blocks_kernel(T* m, std::int64_t p, std::int64_t b, std::int64_t stride) {
+  __shared__ T tile[32][33];
+  const std::int64_t r0 = std::int64_t{blockIdx.y} * 32, c0 = std::int64_t{blockIdx.x} * 32;
+  if (std::min(c0 + 31, p - 1) / b <= r0 / b) return;
+  T* mat = m + blockIdx.z * stride;
+  for (int i = threadIdx.y; i < 32; i += blockDim.y) {
+    const std::int64_t r = c0 + i, c = r0 + threadIdx.x;  // the source tile, (c0.., r0..)
+    if (r < p && c < p) tile[i][threadIdx.x] = mat[r * p + c];
+  }
+  __syncthreads();
+  for (int i = threadIdx.y; i < 32; i += blockDim.y) {
+    const std::int64_t r = r0 + i, c = c0 + threadIdx.x;
+    if (r < p && c < p && r / b < c / b) mat[r * p + c] = tile[threadIdx.x][i];
+  }
+}
+
+// `m` with its data `offset` elements on and the logical shape [rows, cols].
+detail::GemmOperand block_of(detail::GemmOperand m, std::int64_t offset, std::int64_t rows, std::int64_t cols) {
+  m.data = static_cast<const char*>(m.data) + offset * static_cast<std::int64_t>(dtype_size(m.dtype));
+  m.rows = rows;
+  m.cols = cols;
+  return m;
+}
+
+// out = alpha lhs @ rhs + beta addend for `matrices` (batch strides as gemm takes them) of a
+// symmetric [p, p] result (ld p): lhs [p, K] in row blocks of b = p / k rows lhs_step elements
+// apart, rhs [K, p] in column blocks of b columns rhs_step apart. k == 1: one dense product.
+// Else only the lower block triangle's k (k + 1) / 2 blocks are computed, then mirrored. One
+// matrix: a call per diagonal band of blocks, batched along the band; several: a call per
+// block, batched over the matrices. Every block is a product of one shape whose algorithm is
+// chosen for a single product (batch_invariant), so each matrix gets a single call's bits.
+template <class T>
+void symmetric_product(const char* op, int k, const detail::GemmOperand& lhs, std::int64_t lhs_step,
+                       const detail::GemmOperand& rhs, std::int64_t rhs_step, const detail::GemmResult& out,
+                       const detail::GemmScalars& scalars, void* gemm_ws, const detail::GemmBatch& matrices,
+                       cudaStream_t stream) {
+  if (k == 1) {
+    detail::gemm(op, lhs, rhs, out, scalars, gemm_ws, kGemmWorkspaceBytes, stream, matrices);
+    return;
+  }
+  const std::int64_t p = out.rows, b = p / k, e = static_cast<std::int64_t>(dtype_size(out.dtype));
+  const auto product = [&](std::int64_t r, std::int64_t c, const detail::GemmBatch& batch) {
+    detail::GemmResult block = out;
+    const std::int64_t at = (r * b * out.ld + c * b) * e;
+    block.data = static_cast<char*>(out.data) + at;
+    if (out.addend != nullptr) block.addend = static_cast<const char*>(out.addend) + at;
+    block.rows = block.cols = b;
+    detail::gemm(op, block_of(lhs, r * lhs_step, b, lhs.cols), block_of(rhs, c * rhs_step, rhs.rows, b), block,
+                 scalars, gemm_ws, kGemmWorkspaceBytes, stream, batch);
+  };
+  for (std::int64_t d = 0; d < k; ++d) {  // band d: blocks (i + d, i)
+    if (matrices.count == 1) {
+      product(d, 0, {k - d, lhs_step, rhs_step, b * out.ld + b, true});
+    } else {
+      for (std::int64_t i = 0; i + d < k; ++i) product(i + d, i, matrices);
+    }
+  }
+  const dim3 grid(static_cast<unsigned>((p + 31) / 32), static_cast<unsigned>((p + 31) / 32),
+                  static_cast<unsigned>(matrices.count));
+  mirror_upper_blocks_kernel<T><<<grid, dim3(32, 8), 0, stream>>>(static_cast<T*>(out.data), p, b,
+                                                                   matrices.stride_out);
+  detail::check_launch(op);
+}
+
 template <class T, class Store>
 void copy_tiles(const char* op, Strided<const T> src, std::int64_t count, std::int64_t rows, std::int64_t cols,
                 bool transpose, const float* scale, const Store& store, cudaStream_t stream) {
@@ -198,11 +269,16 @@ void check_workspace(const char* op, const TensorView& workspace, std::size_t by
 // Newton-Schulz of `count` matrices [rows, cols] of T read from `src` (which may be the
 // workspace's x_next region); returns the workspace region holding the result X [p, q] per
 // matrix (x_stride apart): the transpose of the input's orientation when rows > cols.
+// gram_blocks: A = X X^T and A A by symmetric_product's blocks (1 where they would not divide p
+// into blocks of a multiple of 32 rows).
 template <class T>
 void* orthogonalize(const char* op, DType dt, const Layout& l, char* base, Strided<const T> src, std::int64_t count,
-                    std::int64_t rows, std::int64_t cols, const NewtonSchulzOptions& options, cudaStream_t stream) {
+                    std::int64_t rows, std::int64_t cols, const NewtonSchulzOptions& options, int gram_blocks,
+                    cudaStream_t stream) {
   const bool transpose = rows > cols;
   const std::int64_t p = std::min(rows, cols), q = std::max(rows, cols);
+  const int k = gram_blocks > 1 && p % (32 * gram_blocks) == 0 ? gram_blocks : 1;
+  const std::int64_t block = p / k;
   void* x = base + l.x;
   void* x_next = base + l.x_next;
   void* a = base + l.a;
@@ -224,9 +300,11 @@ void* orthogonalize(const char* op, DType dt, const Layout& l, char* base, Strid
                                                        : options.per_step[static_cast<std::size_t>(step)];
     const float one = 1.f, zero = 0.f, fa = static_cast<float>(ca), fb = static_cast<float>(cb), fc = static_cast<float>(cc);
     const detail::GemmOperand xm{x, dt, p, q, q}, xt{x, dt, q, p, q, true}, am{a, dt, p, p, p}, bm{b, dt, p, p, p};
-    detail::gemm(op, xm, xt, {a, dt, p, p, p}, {&one, &zero}, gemm_ws, kGemmWorkspaceBytes, stream, xx);  // A = X X^T
-    detail::gemm(op, am, am, {.data = b, .dtype = dt, .rows = p, .cols = p, .ld = p, .addend = a}, {&fc, &fb},
-                 gemm_ws, kGemmWorkspaceBytes, stream, aa);  // B = c A A + b A
+    symmetric_product<T>(op, k, xm, block * q, xt, block * q, {a, dt, p, p, p}, {&one, &zero}, gemm_ws, xx,
+                         stream);  // A = X X^T
+    symmetric_product<T>(op, k, am, block * p, am, block,
+                         {.data = b, .dtype = dt, .rows = p, .cols = p, .ld = p, .addend = a}, {&fc, &fb}, gemm_ws,
+                         aa, stream);  // B = c A A + b A
     detail::gemm(op, bm, xm, {.data = x_next, .dtype = dt, .rows = p, .cols = q, .ld = q, .addend = x}, {&one, &fa},
                  gemm_ws, kGemmWorkspaceBytes, stream, bx);  // X' = B X + a X
     std::swap(x, x_next);
@@ -241,7 +319,7 @@ std::size_t newton_schulz_workspace_bytes_cuda(std::int64_t count, std::int64_t 
 }
 
 void newton_schulz_cuda(const TensorView& g, TensorView out, const NewtonSchulzOptions& options,
-                        const TensorView& workspace, cudaStream_t stream) {
+                        const TensorView& workspace, cudaStream_t stream, int gram_blocks) {
   constexpr const char* kOp = "newton_schulz";
   const detail::Rows rg = detail::row_layout(g), ro = detail::row_layout(out);
   const std::int64_t count = g.ndim == 3 ? g.size(0) : 1, rows = g.size(-2), cols = g.size(-1);
@@ -251,7 +329,8 @@ void newton_schulz_cuda(const TensorView& g, TensorView out, const NewtonSchulzO
   detail::dispatch_activation_dtype(g.dtype, kOp, [&](auto tag) {
     using T = typename decltype(tag)::type;
     const Strided<const T> src{g.ptr<const T>(), rg.row_stride, rows * rg.row_stride};
-    void* x = orthogonalize<T>(kOp, g.dtype, l, static_cast<char*>(workspace.data), src, count, rows, cols, options, stream);
+    void* x = orthogonalize<T>(kOp, g.dtype, l, static_cast<char*>(workspace.data), src, count, rows, cols, options,
+                               gram_blocks, stream);
     const std::int64_t p = std::min(rows, cols), q = std::max(rows, cols);
     copy_tiles<T>(kOp, {static_cast<const T*>(x), q, l.x_stride}, count, p, q, rows > cols, nullptr,
                   StoreTo<T>{{out.ptr<T>(), ro.row_stride, rows * ro.row_stride}}, stream);
@@ -310,7 +389,8 @@ void muon_step_cuda(std::span<const TensorView> params, std::span<const TensorVi
         }
         detail::check_launch(kOp);
         const Strided<const T> u{m.u, cols, l.x_stride};
-        void* x = orthogonalize<T>(kOp, dt, l, base, u, count, rows, cols, options.newton_schulz, stream);
+        void* x = orthogonalize<T>(kOp, dt, l, base, u, count, rows, cols, options.newton_schulz,
+                                   gram_blocks(std::min(rows, cols)), stream);
         update.decay = decay;
         update.step = step;
         const std::int64_t p = std::min(rows, cols), q = std::max(rows, cols);

@@ -27,12 +27,25 @@ void newton_schulz_cpu(const TensorView& g, TensorView out, const NewtonSchulzOp
 void muon_step_cpu(TensorView param, const TensorView& grad, TensorView momentum_buffer,
                    const MuonOptions& options);
 
+// Blocks per side into which the CUDA path splits the symmetric Gram products A = X X^T and
+// A A (p x p, p = min(R, C)): it computes only the k (k + 1) / 2 blocks of the lower block
+// triangle and mirrors them into the upper, (k - 1) / (2 k) of those products' FLOPs saved. 1:
+// dense products. The largest of 1, 2, 4 whose blocks keep at least 2048 rows (smaller blocks
+// leave a block product's grid near one wave) and a multiple of 32. A function of p alone, so
+// each matrix of a batch gets the bits of a call on it alone.
+inline int gram_blocks(std::int64_t p) {
+  int k = 1;
+  while (k < 4 && p % (2 * k * 32) == 0 && p / (2 * k) >= 2048) k *= 2;
+  return k;
+}
+
 // newton_schulz.cu: workspace of at least the bytes the *_workspace_bytes_cuda functions give
-// (checked there). count: matrices of rows x cols.
+// (checked there). count: matrices of rows x cols. gram_blocks: as the function above gives
+// for p (another k that divides p into blocks of a multiple of 32 rows runs too, for tests).
 std::size_t newton_schulz_workspace_bytes_cuda(std::int64_t count, std::int64_t rows, std::int64_t cols,
                                                DType dtype);
 void newton_schulz_cuda(const TensorView& g, TensorView out, const NewtonSchulzOptions& options,
-                        const TensorView& workspace, cudaStream_t stream);
+                        const TensorView& workspace, cudaStream_t stream, int gram_blocks);
 std::size_t muon_step_workspace_bytes_cuda(std::int64_t count, std::int64_t rows, std::int64_t cols,
                                            DType dtype);
 void muon_step_cuda(std::span<const TensorView> params, std::span<const TensorView> grads,
