@@ -234,7 +234,7 @@ def test_bench_muon_suite(tmp_path, capsys):
     rows = json.loads(out.read_text())["rows"]
     assert {r["impl"] for r in rows} == {"cpu-ref", "torch", "torch-compile"}
     assert all(r["status"] == "ok" and r["gate"]["rel_l2"] <= bench.MUON_TOLERANCE for r in rows)
-    assert rows[0]["flops"] == bench.ns_flops(96, 48) == 5 * (4 * 48 * 48 * 96 + 2 * 48 ** 3)
+    assert rows[0]["flops"] == bench.ns_flops(96, 48) == 5 * (3 * 48 * 48 * 96 + 48 ** 3)
 
 
 def test_bench_muon_suite_two_processes(tmp_path):

@@ -602,9 +602,10 @@ MUON_LAYERS = 4
 
 
 def ns_flops(rows, cols):
-    """Dense FLOPs of 5 Newton-Schulz steps on a rows x cols matrix: 5 (4 p^2 q + 2 p^3)."""
+    """FLOPs that 5 Newton-Schulz steps on a rows x cols matrix must do, one triangle of each
+    symmetric product (X X^T, A A): 5 (3 p^2 q + p^3), p = min, q = max (dense: 5 (4 p^2 q + 2 p^3))."""
     p, q = min(rows, cols), max(rows, cols)
-    return 5 * (4 * p * p * q + 2 * p ** 3)
+    return 5 * (3 * p * p * q + p ** 3)
 
 
 def ns_eager(g, steps=5, eps=1e-7):

@@ -25,11 +25,14 @@ std::int64_t muon_workspace_bytes(std::int64_t count, std::int64_t rows, std::in
   return static_cast<std::int64_t>(muon_step_workspace_bytes(TensorView(&placeholder, dtype, {rows, cols}), count));
 }
 
-// FLOPs of `steps` dense steps on an R x C matrix: with r = min(R, C), n = max(R, C), per step
-// X X^T (2 r^2 n), A A (2 r^3), B X (2 r^2 n).
+// FLOPs that `steps` steps on an R x C matrix must do: with r = min(R, C), n = max(R, C), per step
+// one triangle of the symmetric X X^T (r^2 n) and A A (r^3), and B X (2 r^2 n). The dense
+// products do 4 r^2 n + 2 r^3, so % of the GEMM roofline stays below 100 for any split of the
+// symmetric products (docs/perf/newton_schulz.md). The gate's FLOP budget reads the same count
+// (the fp64 reference runs the dense products, 1.5x it at R = C).
 double ns_flops(std::int64_t rows, std::int64_t cols) {
   const auto r = static_cast<double>(std::min(rows, cols)), n = static_cast<double>(std::max(rows, cols));
-  return NewtonSchulzOptions{}.steps * (4.0 * r * r * n + 2.0 * r * r * r);
+  return NewtonSchulzOptions{}.steps * (3.0 * r * r * n + r * r * r);
 }
 
 // X is stored in the input's dtype between the five steps, so its rounding compounds: the fp64
