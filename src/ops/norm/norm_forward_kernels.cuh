@@ -274,10 +274,10 @@ struct StagedParams {
 // T, known at compile time: loads of both kinds behind the runtime flags spilled), 16 bytes
 // per load, L1/L2-resident since every row reads them. They are read after the row's reduction,
 // not held across it (the kernel is at its register cap, and held parameters spilled) and not
-// prefetched into L1 before it: in one run with and without, the prefetches cost LayerNorm
-// up to 10 % at 4096-8192 columns and gained nowhere more than 1 % (docs/perf/norm.md). kPresent: the caller checked that every parameter is given (the usual
-// case), so no vector tests for null (two 64-bit compares each, which the compiler re-issued per
-// vector).
+// prefetched into L1 before it: in one run with and without, the prefetches cost LayerNorm up to
+// 10 % at 4096-8192 columns and gained nowhere more than 1 % (docs/perf/norm.md). kPresent: the
+// caller checked that every parameter is given (the usual case), so no vector tests for null
+// (two 64-bit compares each, which the compiler re-issued per vector).
 template <class W, class B, Kind kKind, int V>
 struct GlobalParams {
   static __device__ __forceinline__ bool all_present(const ForwardArgs& a) {
