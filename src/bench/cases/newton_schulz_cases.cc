@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "bench/cases/case_util.h"
+#include "ops/newton_schulz/newton_schulz_internal.h"
 #include "trainscale/newton_schulz.h"
 
 namespace trainscale::bench::cases {
@@ -86,6 +87,21 @@ Case newton_schulz_batched_case(std::span<const std::int64_t> shape, DType dtype
   return c;
 }
 
+#if TRAINSCALE_HAVE_CUDA
+// Opt-in: the CUDA path with its symmetric products split into k x k blocks whatever
+// gram_blocks(p) picks (1: dense products), so one run compares the splits.
+BaselineFactory with_gram_blocks(int k) {
+  return [k](const Case& c) {
+    const auto [g, out, workspace] = c.ids("g", "out", "workspace");
+    Implementation impl;
+    impl.run = [=](CaseTensors t, cudaStream_t s) {
+      ops::newton_schulz::newton_schulz_cuda(t[g], t[out], {}, t[workspace], s, k);
+    };
+    return std::optional<Implementation>(std::move(impl));
+  };
+}
+#endif
+
 // One call per matrix, on the batch's workspace (one matrix needs a prefix of it).
 std::optional<Implementation> per_matrix_baseline(const Case& c) {
   const auto [g, out, workspace] = c.ids("g", "out", "workspace");
@@ -130,6 +146,11 @@ const Registrar kRegister([](Registry& r) {
   // Llama-3-8B weights: attention projections and the MLP; the largest square the issue targets.
   r.add_configs("llama", "newton_schulz", {{kLlamaHidden, kLlamaHidden}, {kLlamaHidden, kLlamaFfn}, {8192, 8192}},
                 {DType::kBFloat16});
+#if TRAINSCALE_HAVE_CUDA
+  r.add_opt_in("newton_schulz", "trainscale-dense", with_gram_blocks(1));
+  r.add_opt_in("newton_schulz", "trainscale-blocks-2", with_gram_blocks(2));
+  r.add_opt_in("newton_schulz", "trainscale-blocks-4", with_gram_blocks(4));
+#endif
   r.add_op({"newton_schulz_batched", "newton_schulz", "N x R x C", newton_schulz_batched_case});
   r.add_baseline("newton_schulz_batched", "per-matrix", per_matrix_baseline);
   r.add_configs("smoke", "newton_schulz_batched", {{4, 64, 128}}, {DType::kBFloat16});
