@@ -105,6 +105,7 @@ TEST(NormPlan, AutoTakesTheRingForMidSizedInputsAndForcedRingRefusesWhatItCannot
                UnsupportedVariantError);  // the fused add
   EXPECT_THROW(plan_forward(bf16(Kind::kRms, 64, 8200), NormVariant::kRing, kH100Shared),
                UnsupportedVariantError);  // 1025 vectors
+  EXPECT_THROW(plan_forward(no_bulk, NormVariant::kRing, kH100Shared), UnsupportedVariantError);
 }
 
 TEST(NormPlan, AutoChoosesByRowLength) {

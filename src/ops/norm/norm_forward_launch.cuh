@@ -166,15 +166,11 @@ bool launch_rows(const ForwardArgs& a, std::int64_t vecs, cudaStream_t stream, c
 }
 
 // kRing (norm_forward_ring.cuh): a persistent grid of ring.blocks_per_sm blocks per SM, fewer
-// where the device holds fewer, and no more blocks than rows.
+// where the device holds fewer, and no more blocks than rows (plan_forward checked the device's
+// bulk copies).
 template <class T, Kind kKind>
 void launch_ring(const ForwardArgs& a, const RingPlan& ring, cudaStream_t stream, const char* op) {
   const auto& info = detail::current_device_info();
-  if (info.major < 9) {
-    throw UnsupportedVariantError("trainscale norm: the ring variant needs bulk copies (sm_90 or "
-                                  "newer); this GPU is sm_" +
-                                  std::to_string(info.major * 10 + info.minor));
-  }
   const std::size_t smem = static_cast<std::size_t>(ring.stages) * a.cols * sizeof(T);
   const auto launch = [&](auto kernel) {
     const int per_sm = detail::max_resident_blocks(kernel, kRingThreads, smem, op) / info.sm_count;

@@ -32,15 +32,15 @@ bool use_registers(NormVariant variant, bool aligned, std::int64_t vecs, std::in
 
 namespace {
 
-// kAuto's kernel for aligned rows one block holds (kPipelined, kRegisters or kRows); kAuto
-// falls back to two passes where it cannot run. From N = 6144 kRows is faster for every op: it
-// drops the staged tables and the persistent grid, whose looping wave streams slower than one
-// row group per block. Plain RMSNorm and LayerNorm take it from 257 vectors (bf16 N 2056) too,
-// with one row per block from 512 vectors (rows_block_threads). Up to 256 vectors, kPipelined:
-// its next row group's loads overlap this group's reduction, which short rows spend most of
-// their time in. The fused add
-// keeps kPipelined up to 512 vectors (bf16 N = 4096), where with one row group per block its
-// group's loads overlap the staging (98.4 us at 8192x4096 against kRows' 99.8). Measurements:
+// kAuto's kernel for aligned rows one block holds (kPipelined, kRegisters or kRows; plan_forward
+// then takes kRing for mid-sized inputs, auto_ring); kAuto falls back to two passes where it
+// cannot run. From N = 6144 kRows is faster for every op: it drops the staged tables and the
+// persistent grid, whose looping wave streams slower than one row group per block. Plain
+// RMSNorm and LayerNorm take it from 257 vectors (bf16 N 2056) too, one row per block
+// (rows_block_threads). Up to 256 vectors, kPipelined: its next row group's loads overlap this
+// group's reduction, which short rows spend most of their time in. The fused add keeps
+// kPipelined up to 512 vectors (bf16 N = 4096), where with one row group per block its group's
+// loads overlap the staging (98.4 us at 8192x4096 against kRows' 99.8). Measurements:
 // docs/perf/norm.md.
 NormVariant auto_register_variant(std::int64_t cols, std::int64_t vecs, bool fused_add) {
   if (cols >= 6144) return NormVariant::kRows;
@@ -48,12 +48,10 @@ NormVariant auto_register_variant(std::int64_t cols, std::int64_t vecs, bool fus
   return vecs <= 256 ? NormVariant::kPipelined : NormVariant::kRows;
 }
 
-bool auto_ring(const ForwardProblem& p, std::int64_t vecs, std::size_t shared_memory_per_block) {
+// kAuto's kRing (kRingAutoMaxVecs), given the ring the row would get.
+bool auto_ring(const ForwardProblem& p, std::int64_t vecs, const RingPlan& ring) {
   return p.bulk_copies && p.aligned && p.residual_bytes == 0 && p.element_bytes == 2 &&
-         vecs > 256 && vecs <= 4 * kRingThreads && p.rows * vecs <= kRingAutoMaxVecs &&
-         ring_plan(vecs, static_cast<std::size_t>(p.cols) * p.element_bytes,
-                   shared_memory_per_block)
-                 .vecs_per_thread > 0;
+         vecs > 256 && p.rows * vecs <= kRingAutoMaxVecs && ring.vecs_per_thread > 0;
 }
 
 bool one_vector_per_thread(NormVariant chosen, std::int64_t rows, std::int64_t vecs) {
@@ -125,9 +123,9 @@ ForwardPlan plan_forward(const ForwardProblem& p, NormVariant requested,
                            ? auto_register_variant(p.cols, plan.vecs, p.residual_bytes > 0)
                            : requested;
   if (requested == NormVariant::kAuto && plan.vecs > kBlockVecs) chosen = NormVariant::kRows;
-  if (requested == NormVariant::kAuto && auto_ring(p, plan.vecs, shared_memory_per_block)) {
-    chosen = NormVariant::kRing;
-  }
+  const RingPlan ring =
+      ring_plan(plan.vecs, static_cast<std::size_t>(p.cols) * p.element_bytes, shared_memory_per_block);
+  if (requested == NormVariant::kAuto && auto_ring(p, plan.vecs, ring)) chosen = NormVariant::kRing;
   const std::int64_t max_vecs = chosen == NormVariant::kRows ? kMaxClusterVecs : kBlockVecs;
   if (chosen != NormVariant::kTwoPass && !use_registers(requested, p.aligned, plan.vecs, max_vecs)) {
     chosen = NormVariant::kTwoPass;
@@ -154,8 +152,11 @@ ForwardPlan plan_forward(const ForwardProblem& p, NormVariant requested,
     }
   }
   if (chosen == NormVariant::kRing) {
-    plan.ring = ring_plan(plan.vecs, static_cast<std::size_t>(p.cols) * p.element_bytes,
-                          shared_memory_per_block);
+    if (!p.bulk_copies) {
+      throw UnsupportedVariantError(
+          "trainscale norm: the ring variant needs bulk copies (sm_90 or newer)");
+    }
+    plan.ring = ring;
     if (!p.aligned || p.residual_bytes > 0 || plan.ring.vecs_per_thread == 0) {
       throw UnsupportedVariantError(
           std::string("trainscale norm: the ring variant needs 16-byte aligned rows of at most ") +
