@@ -416,17 +416,18 @@ TEST(NormCuda, LayerNormLongRowsBackward) { check_long_row_backward(1); }
 TEST(NormCuda, FusedAddRMSNormLongRowsBackward) { check_long_row_backward(2); }
 
 // The training shapes' paths (issue 25), every op, 16-bit activations with weights in their
-// dtype and in fp32: the forward's kAuto at every boundary of its choice there (LayerNorm's
-// pipelined persistent walk up to N < 6144, RMSNorm's and the fused add's single-stage ring and
-// register kernel, kRows from 6144), an odd row length (two passes), M = 1, M not a multiple of
+// dtype and in fp32: the forward's kAuto at every boundary of its choice there (kPipelined up to
+// N = 1024, the fused add's up to 2048, kRows beyond, kRing for mid-sized inputs without a
+// residual), an odd row length (two passes), M = 1, M not a multiple of
 // the rows per block; the backward reducing its dw/db partial rows in the same (cooperative)
 // launch for one block per row group (N <= 8192 at 16 bits), against the fp64 reference, twice
 // into NaN-poisoned dw/db and a poisoned workspace: bitwise the same.
 TEST(NormCuda, TrainingShapesMatchReferenceAndReproduce) {
   TS_REQUIRE_GPU();
-  const std::vector<Shape> shapes = {{1, 4096, 0},   {3, 2048, 0},   {129, 2048, 0}, {2049, 4096, 0},
-                                     {257, 4104, 0}, {1000, 5120, 0}, {65, 6144, 0},  {1031, 8192, 0},
-                                     {300, 5123, 0}, {4096, 4096, 0}, {5, 8200, 0}};
+  const std::vector<Shape> shapes = {{1, 4096, 0},    {3, 2048, 0},   {129, 2048, 0}, {2049, 4096, 0},
+                                     {257, 4104, 0},  {1000, 5120, 0}, {65, 6144, 0},  {1031, 8192, 0},
+                                     {300, 5123, 0},  {4096, 4096, 0}, {5, 8200, 0},   {66, 1024, 0},
+                                     {33, 1032, 0},   {17, 2056, 0}};
   for (DType dt : test_dtypes()) {
     if (dt == DType::kFloat32) continue;  // the 16-bit training dtypes
     for (DType wdt : {dt, DType::kFloat32}) {

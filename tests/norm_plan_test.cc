@@ -109,17 +109,21 @@ TEST(NormPlan, AutoTakesTheRingForMidSizedInputsAndForcedRingRefusesWhatItCannot
 }
 
 TEST(NormPlan, AutoChoosesByRowLength) {
-  // Up to 256 vectors (bf16 N = 2048) kPipelined; beyond, kRows for RMSNorm and LayerNorm and,
-  // for the fused add, kPipelined up to 512 vectors then kRegisters; kRows for every op from
-  // N = 6144, over a cluster beyond 4096 vectors (kAuto's kRing for mid-sized inputs: above).
+  // Up to 128 vectors (bf16 N = 1024) kPipelined, the fused add's up to 256 (bf16 N = 2048);
+  // beyond, kRows, over a cluster beyond 4096 vectors (kAuto's kRing for mid-sized inputs:
+  // above).
   EXPECT_EQ(auto_variant(bf16(Kind::kRms, 32768, 512)), NormVariant::kPipelined);
-  EXPECT_EQ(auto_variant(bf16(Kind::kRms, 32768, 2048)), NormVariant::kPipelined);
-  EXPECT_EQ(auto_variant(bf16(Kind::kRms, 32768, 2056)), NormVariant::kRows);
+  EXPECT_EQ(auto_variant(bf16(Kind::kRms, 32768, 1024)), NormVariant::kPipelined);
+  EXPECT_EQ(auto_variant(bf16(Kind::kRms, 32768, 1032)), NormVariant::kRows);
+  EXPECT_EQ(auto_variant(bf16(Kind::kRms, 32768, 2048)), NormVariant::kRows);
+  EXPECT_EQ(auto_variant(bf16(Kind::kRms, 32768, 2048, 2)), NormVariant::kPipelined);
+  EXPECT_EQ(auto_variant(bf16(Kind::kRms, 32768, 2056, 2)), NormVariant::kRows);
   EXPECT_EQ(auto_variant(bf16(Kind::kRms, 32768, 4096)), NormVariant::kRows);
-  EXPECT_EQ(auto_variant(bf16(Kind::kRms, 32768, 4096, 2)), NormVariant::kPipelined);
+  EXPECT_EQ(auto_variant(bf16(Kind::kRms, 32768, 4096, 2)), NormVariant::kRows);
   EXPECT_EQ(auto_variant(bf16(Kind::kRms, 8192, 5120)), NormVariant::kRows);
-  EXPECT_EQ(auto_variant(bf16(Kind::kRms, 8192, 5120, 2)), NormVariant::kRegisters);
-  EXPECT_EQ(auto_variant(bf16(Kind::kLayer, 4096, 2048)), NormVariant::kPipelined);
+  EXPECT_EQ(auto_variant(bf16(Kind::kRms, 8192, 5120, 2)), NormVariant::kRows);
+  EXPECT_EQ(auto_variant(bf16(Kind::kLayer, 32768, 1024)), NormVariant::kPipelined);
+  EXPECT_EQ(auto_variant(bf16(Kind::kLayer, 32768, 2048)), NormVariant::kRows);
   EXPECT_EQ(auto_variant(bf16(Kind::kLayer, 8192, 4096)), NormVariant::kRows);
   EXPECT_EQ(auto_variant(bf16(Kind::kLayer, 8192, 5120)), NormVariant::kRows);
   EXPECT_EQ(auto_variant(bf16(Kind::kLayer, 8192, 6136)), NormVariant::kRows);
@@ -211,7 +215,8 @@ TEST(NormPlan, StagedVariantsNeedTheirSharedMemory) {
   const ForwardPlan layer_auto = plan_forward(bf16(Kind::kLayer, 8192, 4096), NormVariant::kAuto, kH100Shared);
   EXPECT_EQ(layer_auto.variant, NormVariant::kRows);
   EXPECT_FALSE(layer_auto.persistent);
-  const ForwardPlan fused = plan_forward(bf16(Kind::kRms, 8192, 4096, 2), NormVariant::kAuto, kH100Shared);
+  const ForwardPlan fused = plan_forward(bf16(Kind::kRms, 8192, 2048, 2), NormVariant::kAuto, kH100Shared);
+  EXPECT_EQ(fused.variant, NormVariant::kPipelined);
   EXPECT_FALSE(fused.persistent);
   EXPECT_EQ(fused.ring_stages, 1);
   // The fused add's residual doubles the ring (48 KB at N = 4096: 4 blocks per SM, where two
@@ -225,12 +230,16 @@ TEST(NormPlan, StagedVariantsNeedTheirSharedMemory) {
             NormVariant::kPipelined);
   EXPECT_THROW(plan_forward(bf16(Kind::kLayer, 64, 32768), NormVariant::kPipelined, kH100Shared),
                UnsupportedVariantError);
-  // kAuto's kPipelined without room for its ring takes kRegisters: at 24 KB per block, LayerNorm
-  // N = 2048 (16 KB of tables + 16 KB of ring) does not fit and its tables do.
-  EXPECT_EQ(plan_forward(bf16(Kind::kLayer, 64, 2048), NormVariant::kAuto, 24 * 1024).variant,
+  // kAuto's kPipelined without room for its ring takes kRegisters where its tables fit, and
+  // falls back to two passes on a device with room for neither.
+  const ForwardProblem layer_1024 = bf16(Kind::kLayer, 64, 1024);
+  const std::size_t tables_only =
+      forward_shared_bytes(layer_1024, NormVariant::kRegisters, 4) + kMaxScratchBytes;
+  ASSERT_LT(tables_only,
+            forward_shared_bytes(layer_1024, NormVariant::kPipelined, 4) + kMaxScratchBytes);
+  EXPECT_EQ(plan_forward(layer_1024, NormVariant::kAuto, tables_only).variant,
             NormVariant::kRegisters);
-  // A smaller device falls back to two passes under kAuto.
-  EXPECT_EQ(plan_forward(bf16(Kind::kRms, 64, 2048), NormVariant::kAuto, 4 * 1024).variant,
+  EXPECT_EQ(plan_forward(bf16(Kind::kRms, 64, 1024), NormVariant::kAuto, 1024).variant,
             NormVariant::kTwoPass);
 }
 

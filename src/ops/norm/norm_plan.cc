@@ -32,20 +32,17 @@ bool use_registers(NormVariant variant, bool aligned, std::int64_t vecs, std::in
 
 namespace {
 
-// kAuto's kernel for aligned rows one block holds (kPipelined, kRegisters or kRows; plan_forward
-// then takes kRing for mid-sized inputs, auto_ring); kAuto falls back to two passes where it
-// cannot run. From N = 6144 kRows is faster for every op: it drops the staged tables and the
-// persistent grid, whose looping wave streams slower than one row group per block. Plain
-// RMSNorm and LayerNorm take it from 257 vectors (bf16 N 2056) too, one row per block
-// (rows_block_threads). Up to 256 vectors, kPipelined: its next row group's loads overlap this
-// group's reduction, which short rows spend most of their time in. The fused add keeps
-// kPipelined up to 512 vectors (bf16 N = 4096), where with one row group per block its group's
-// loads overlap the staging (98.4 us at 8192x4096 against kRows' 99.8). Measurements:
+// kAuto's kernel for aligned rows one block holds (kPipelined or kRows; plan_forward then takes
+// kRing for mid-sized inputs, auto_ring); kAuto falls back to two passes where it cannot run.
+// kRows, one row group per block and no staged tables, from 129 vectors (bf16 N 1032) for
+// RMSNorm and LayerNorm, from 257 (bf16 N 2056) for the fused add: one run of every training
+// shape with the variant forced had it 5-42 % faster than kPipelined at LayerNorm N = 2048,
+// 1-8 % at RMSNorm N = 2048 and 4-19 % at the fused add's N = 4096 / 5120 (kRegisters there
+// before), never more than 1 % slower. Up to there, kPipelined: its next row group's loads
+// overlap this group's reduction, which short rows spend most of their time in. Measurements:
 // docs/perf/norm.md.
-NormVariant auto_register_variant(std::int64_t cols, std::int64_t vecs, bool fused_add) {
-  if (cols >= 6144) return NormVariant::kRows;
-  if (fused_add) return vecs <= 512 ? NormVariant::kPipelined : NormVariant::kRegisters;
-  return vecs <= 256 ? NormVariant::kPipelined : NormVariant::kRows;
+NormVariant auto_register_variant(std::int64_t vecs, bool fused_add) {
+  return vecs <= (fused_add ? 256 : 128) ? NormVariant::kPipelined : NormVariant::kRows;
 }
 
 // kAuto's kRing (kRingAutoMaxVecs), given the ring the row would get.
@@ -104,8 +101,7 @@ std::size_t forward_shared_bytes(const ForwardProblem& p, NormVariant variant, i
 //     vectors; 27-64 registers, no spills). Longer rows (16-bit N <= 262144, fp32 N <=
 //     131072), and kAuto's choice for them: a cluster of 2 / 4 / 8 blocks of 1024 threads
 //     per row, one block per SM.
-//   kPipelined (kAuto's choice up to 256 vectors, the fused add's up to 512, LayerNorm's below
-//     N = 6144): kRegisters' threads per row, 40-64 registers, no spills, plus its ring in
+//   kPipelined (kAuto's choice up to 128 vectors, the fused add's up to 256): kRegisters' threads per row, 40-64 registers, no spills, plus its ring in
 //     shared memory: one row group for RMSNorm and the fused add (one group per block), two for
 //     LayerNorm's persistent walk. 16-bit RMSNorm N = 4096 32 KB per block (5 blocks per SM),
 //     N = 8192 48 KB (4), N = 32768 192 KB (1); LayerNorm N = 4096 64 KB (3), N = 5120 60 KB
@@ -120,7 +116,7 @@ ForwardPlan plan_forward(const ForwardProblem& p, NormVariant requested,
   plan.vecs = (p.cols + v - 1) / v;
   plan.vectorized = p.aligned;
   NormVariant chosen = requested == NormVariant::kAuto
-                           ? auto_register_variant(p.cols, plan.vecs, p.residual_bytes > 0)
+                           ? auto_register_variant(plan.vecs, p.residual_bytes > 0)
                            : requested;
   if (requested == NormVariant::kAuto && plan.vecs > kBlockVecs) chosen = NormVariant::kRows;
   const RingPlan ring =
