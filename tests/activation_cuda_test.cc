@@ -6,6 +6,7 @@
 // larger than one grid's worth of work.
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -161,6 +162,44 @@ void check_gated_backward(DType dt, Act act, const Layout& l, int alias) {
   EXPECT_TRUE(out_b.padding_untouched());
 }
 
+// Element for element the same value (NaN where the other has NaN).
+bool same_values(const Values& x, const Values& y) {
+  if (x.size() != y.size()) return false;
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    if (!(x[i] == y[i] || (std::isnan(x[i]) && std::isnan(y[i])))) return false;
+  }
+  return true;
+}
+
+// swiglu_backward_recompute: da / db bit for bit swiglu_backward's, y swiglu_forward's (each run
+// on the GPU beside it), both against the fp64 reference; alias 1: da is a and db is b.
+void check_swiglu_backward_recompute(DType dt, const Layout& l, int alias) {
+  SCOPED_TRACE(trace(dt, Act::kSilu, l, alias) + " recompute");
+  const std::int64_t n = l.rows * l.cols;
+  const Values dy = test::random_inputs(dt, n, 0, -1, 1);
+  const Values a = test::random_inputs(dt, n, 1);
+  const Values b = test::random_inputs(dt, n, 2, -2, 2);
+  StridedDeviceBuffer d_dy(dt, l, &dy), d_a(dt, l, &a), d_b(dt, l, &b), d_da(dt, l), d_db(dt, l),
+      d_y(dt, l), d_y_forward(dt, l), d_da_plain(dt, l), d_db_plain(dt, l);
+  swiglu_forward(d_a.view(), d_b.view(), d_y_forward.view());
+  swiglu_backward(d_dy.view(), d_a.view(), d_b.view(), d_da_plain.view(), d_db_plain.view());
+  const StridedDeviceBuffer& out_a = alias == 1 ? d_a : d_da;
+  const StridedDeviceBuffer& out_b = alias == 1 ? d_b : d_db;
+  swiglu_backward_recompute(d_dy.view(), d_a.view(), d_b.view(), out_a.view(), out_b.view(),
+                            d_y.view());
+  EXPECT_TRUE(same_values(d_y.values(), d_y_forward.values())) << "y";
+  EXPECT_TRUE(same_values(out_a.values(), d_da_plain.values())) << "da";
+  EXPECT_TRUE(same_values(out_b.values(), d_db_plain.values())) << "db";
+  auto a64 = test::as_f64(a, l.rows, l.cols), b64 = test::as_f64(b, l.rows, l.cols);
+  HostTensor y64(DType::kFloat64, {l.rows, l.cols});
+  swiglu_forward(a64.view(), b64.view(), y64.view());
+  EXPECT_TRUE(test::matches_reference(d_y.values(), test::rounded(dt, y64), test::tolerance(dt)))
+      << "y";
+  EXPECT_TRUE(d_y.padding_untouched());
+  EXPECT_TRUE(out_a.padding_untouched());
+  EXPECT_TRUE(out_b.padding_untouched());
+}
+
 // Packed: ab [M, 2F] laid out like `l` with 2F columns; y / dy [M, F] like `l`. The reference
 // runs the separate form on ab's halves.
 Layout packed_layout(const Layout& l) { return {l.rows, 2 * l.cols, l.pad, l.shift}; }
@@ -242,6 +281,14 @@ TEST(ActivationCuda, GatedBackwardMatchesReference) {
     for (Act act : kActs)
       for (const Layout& l : layouts())
         for (int alias : {0, 1, 2}) check_gated_backward(dt, act, l, alias);
+}
+
+TEST(ActivationCuda, SwigluBackwardRecomputeMatchesBackwardAndForward) {
+  TS_REQUIRE_GPU();
+  for (DType dt : kDtypes)
+    for (const Layout& l : layouts())
+      for (int alias : {0, 1}) check_swiglu_backward_recompute(dt, l, alias);
+  check_swiglu_backward_recompute(DType::kBFloat16, kLarge, 0);
 }
 
 TEST(ActivationCuda, PackedForwardMatchesReference) {

@@ -212,6 +212,46 @@ TEST_P(ActivationOp, InPlaceEqualsOutOfPlace) {
   EXPECT_EQ(columns(dab, 9, 9).values(), db.values());
 }
 
+// swiglu_backward_recompute: swiglu_backward's da / db and swiglu_forward's y, bit for bit, in
+// every dtype, out of place and with da / db over a / b.
+TEST(Activation, SwigluBackwardRecomputeIsBackwardPlusForward) {
+  for (DType dt : {DType::kFloat64, DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    SCOPED_TRACE(dtype_name(dt));
+    const auto a = HostTensor::random(dt, {5, 37}, -6, 6, /*row_pad=*/3);
+    const auto b = HostTensor::random(dt, {5, 37}, -2, 2), dy = HostTensor::random(dt, {5, 37});
+    HostTensor y(dt, {5, 37}), da(dt, {5, 37}), db(dt, {5, 37});
+    swiglu_forward(a.view(), b.view(), y.view());
+    swiglu_backward(dy.view(), a.view(), b.view(), da.view(), db.view());
+    HostTensor y2(dt, {5, 37}), da2(dt, {5, 37}), db2(dt, {5, 37});
+    swiglu_backward_recompute(dy.view(), a.view(), b.view(), da2.view(), db2.view(), y2.view());
+    EXPECT_EQ(y2.values(), y.values());
+    EXPECT_EQ(da2.values(), da.values());
+    EXPECT_EQ(db2.values(), db.values());
+    HostTensor a3 = a, b3 = b, y3(dt, {5, 37});
+    swiglu_backward_recompute(dy.view(), a3.view(), b3.view(), a3.view(), b3.view(), y3.view());
+    EXPECT_EQ(y3.values(), y.values());
+    EXPECT_EQ(a3.values(), da.values());
+    EXPECT_EQ(b3.values(), db.values());
+  }
+}
+
+TEST(Activation, SwigluBackwardRecomputeErrors) {
+  auto a = HostTensor::random(DType::kBFloat16, {3, 6}), b = HostTensor::random(DType::kBFloat16, {3, 6});
+  auto dy = HostTensor::random(DType::kBFloat16, {3, 6});
+  HostTensor da(DType::kBFloat16, {3, 6}), db(DType::kBFloat16, {3, 6}), y(DType::kBFloat16, {3, 6}),
+      wide(DType::kBFloat16, {3, 7}), y32(DType::kFloat32, {3, 6});
+  TS_EXPECT_ERROR(swiglu_backward_recompute(dy.view(), a.view(), b.view(), da.view(), db.view(), wide.view()),
+                  "swiglu_backward_recompute", "argument 'y'", "[3, 7]");
+  TS_EXPECT_ERROR(swiglu_backward_recompute(dy.view(), a.view(), b.view(), da.view(), db.view(), y32.view()),
+                  "swiglu_backward_recompute", "argument 'y'", "float32");
+  TS_EXPECT_ERROR(swiglu_backward_recompute(dy.view(), a.view(), b.view(), da.view(), db.view(), TensorView()),
+                  "swiglu_backward_recompute", "argument 'y'");
+  for (const HostTensor* t : {&dy, &a, &b, &da, &db}) {
+    TS_EXPECT_ERROR(swiglu_backward_recompute(dy.view(), a.view(), b.view(), da.view(), db.view(), t->view()),
+                    "swiglu_backward_recompute", "argument 'y'", "disjoint from");
+  }
+}
+
 TEST_P(ActivationOp, EmptyNaNAndInfinity) {
   for (std::vector<std::int64_t> shape : {std::vector<std::int64_t>{0, 8}, {3, 0}}) {
     HostTensor x(DType::kFloat32, shape), y(DType::kFloat32, shape);

@@ -38,6 +38,12 @@ void swiglu_forward(const TensorView& a, const TensorView& b, TensorView y,
                     cudaStream_t stream = nullptr);
 void swiglu_backward(const TensorView& dy, const TensorView& a, const TensorView& b, TensorView da,
                      TensorView db, cudaStream_t stream = nullptr);
+// swiglu_backward plus the forward's y = silu(a) * b, the same bits as swiglu_forward's, in the
+// same pass over a and b: for a backward that did not keep y (trainscale.SwiGLUMLP(fused=True)
+// recomputes it for the down projection's weight gradient). y may not overlap any other tensor.
+void swiglu_backward_recompute(const TensorView& dy, const TensorView& a, const TensorView& b,
+                               TensorView da, TensorView db, TensorView y,
+                               cudaStream_t stream = nullptr);
 void geglu_forward(const TensorView& a, const TensorView& b, TensorView y,
                    GeluApproximation approx = GeluApproximation::kNone,
                    cudaStream_t stream = nullptr);

@@ -77,6 +77,21 @@ std::tuple<Tensor, Tensor> swiglu_backward(const Tensor& dy, const Tensor& a, co
   return {da, db};
 }
 
+std::tuple<Tensor, Tensor, Tensor> swiglu_backward_recompute(const Tensor& dy, const Tensor& a,
+                                                             const Tensor& b) {
+  const char* op = "swiglu_backward_recompute";
+  Ctx ctx(a);
+  Tensor da = at::empty_like(a, at::MemoryFormat::Contiguous);
+  Tensor db = at::empty_like(b, at::MemoryFormat::Contiguous);
+  Tensor y = at::empty_like(a, at::MemoryFormat::Contiguous);
+  guarded([&] {
+    ts::swiglu_backward_recompute(view(dy, op, "dy"), view(a, op, "a"), view(b, op, "b"),
+                                  view(da, op, "da"), view(db, op, "db"), view(y, op, "y"),
+                                  ctx.stream);
+  });
+  return {da, db, y};
+}
+
 Tensor swiglu_forward_packed(const Tensor& ab) {
   const char* op = "swiglu_forward_packed";
   Ctx ctx(ab);
@@ -119,6 +134,8 @@ TORCH_LIBRARY_FRAGMENT(trainscale, m) {
          &swiglu_forward);
   def_op(m, "swiglu_backward(Tensor dy, Tensor a, Tensor b) -> (Tensor, Tensor)",
          &swiglu_backward);
+  def_op(m, "swiglu_backward_recompute(Tensor dy, Tensor a, Tensor b) -> (Tensor, Tensor, Tensor)",
+         &swiglu_backward_recompute);
   def_op(m, "swiglu_forward_packed(Tensor ab) -> Tensor",
          &swiglu_forward_packed);
   def_op(m, "swiglu_backward_packed(Tensor dy, Tensor ab) -> Tensor",

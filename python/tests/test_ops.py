@@ -8,6 +8,8 @@ from torch.autograd import gradcheck
 import trainscale as ts
 from conftest import cuda
 
+ts_ops = torch.ops.trainscale
+
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
@@ -206,6 +208,61 @@ def test_modules_vs_torch():
     _compare_modules(mlp, ref, x)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_swiglu_mlp_matches_the_unfused_chain(bias):
+    torch.manual_seed(0)
+    x = torch.randn(3, 7, 32, requires_grad=True)
+    fused = ts.SwiGLUMLP(32, 48, bias=bias, fused=True)
+    plain = ts.SwiGLUMLP(32, 48, bias=bias)
+    plain.load_state_dict(fused.state_dict())
+    x2 = x.detach().clone().requires_grad_()
+    y1, y2 = fused(x), plain(x2)
+    assert torch.equal(y1, y2)  # the same products and kernel
+    g = torch.randn_like(y1)
+    y1.backward(g)
+    y2.backward(g)
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
+    for (name, p1), p2 in zip(fused.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p1.grad, p2.grad, rtol=1e-5, atol=1e-5, msg=name)
+    # Frozen weights and an input without grad: only what is asked for.
+    for p in fused.parameters():
+        p.requires_grad_(False)
+    fused(x).sum().backward()
+
+
+def _saved_activation_bytes(module, x):
+    """Bytes of the distinct tensors autograd saves for module(x), parameters excluded."""
+    params = {p.data_ptr() for p in module.parameters()}
+    seen = {}
+
+    def pack(t):
+        if t.data_ptr() not in params:
+            seen[t.data_ptr()] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(x)
+    return sum(seen.values())
+
+
+def test_fused_swiglu_mlp_keeps_no_activation_product():
+    x = torch.randn(20, 32, requires_grad=True)
+    plain, fused = ts.SwiGLUMLP(32, 48), ts.SwiGLUMLP(32, 48, fused=True)
+    # Unfused: x, gate, up and their product h; fused: x, gate and up.
+    assert _saved_activation_bytes(plain, x) == 20 * (32 + 3 * 48) * 4
+    assert _saved_activation_bytes(fused, x) == 20 * (32 + 2 * 48) * 4
+
+
+def test_swiglu_backward_recompute_is_backward_plus_forward():
+    a, b, dy = torch.randn(5, 37), torch.randn(5, 37), torch.randn(5, 37)
+    da, db, y = ts_ops.swiglu_backward_recompute(dy, a, b)
+    da2, db2 = ts_ops.swiglu_backward(dy, a, b)
+    assert torch.equal(y, ts_ops.swiglu_forward(a, b))
+    assert torch.equal(da, da2) and torch.equal(db, db2)
+    with pytest.raises(ValueError, match=r"swiglu_backward_recompute.*argument .b."):
+        ts_ops.swiglu_backward_recompute(dy, a, b[:, :36])
+
+
 def test_fused_add_module_and_rotary_module():
     m = ts.FusedAddRMSNorm(16)
     x, r = torch.randn(3, 16), torch.randn(3, 16)
@@ -339,3 +396,28 @@ def test_cuda_compile():
                 torch.randn(4, 32, device="cuda"))
     f = lambda x, w, ab: ts.rms_norm(x, w) * ts.swiglu(ab)  # noqa: E731
     torch.testing.assert_close(torch.compile(f, fullgraph=True)(x, w, ab), f(x, w, ab))
+
+
+@cuda
+def test_cuda_fused_swiglu_mlp():
+    """bf16 on the GPU: the same forward bits as the unfused chain, gradients within bf16
+    rounding of it, a third less kept for the backward, and torch.compile through it."""
+    torch.manual_seed(0)
+    fused = ts.SwiGLUMLP(256, 688, device="cuda", dtype=torch.bfloat16, fused=True)
+    plain = ts.SwiGLUMLP(256, 688, device="cuda", dtype=torch.bfloat16)
+    plain.load_state_dict(fused.state_dict())
+    x = torch.randn(2, 100, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    y1, y2 = fused(x), plain(x2)
+    assert torch.equal(y1, y2)
+    g = torch.randn_like(y1)
+    y1.backward(g)
+    y2.backward(g)
+    torch.testing.assert_close(x.grad, x2.grad, rtol=2e-2, atol=2e-2)
+    for p1, p2 in zip(fused.parameters(), plain.parameters()):
+        torch.testing.assert_close(p1.grad, p2.grad, rtol=2e-2, atol=2e-2)
+    x_bytes, tf_bytes = x.numel() * 2, 200 * 688 * 2  # x; one [T, F] activation
+    assert _saved_activation_bytes(fused, x) == x_bytes + 2 * tf_bytes
+    assert _saved_activation_bytes(plain, x) == x_bytes + 3 * tf_bytes
+    y3 = torch.compile(fused)(x)
+    torch.testing.assert_close(y3, y1, rtol=1e-2, atol=1e-2)

@@ -9,6 +9,7 @@ from torch.library import register_autograd, register_fake
 from . import reference as _ref
 from ._common import like as _like
 from ._common import ops
+from .selection import config as _config
 from .selection import dispatch as _dispatch
 
 
@@ -42,6 +43,11 @@ def _(a, b):
 @register_fake("trainscale::swiglu_backward")
 def _(dy, a, b):
     return _like(a), _like(b)
+
+
+@register_fake("trainscale::swiglu_backward_recompute")
+def _(dy, a, b):
+    return _like(a), _like(b), _like(a)
 
 
 @register_fake("trainscale::swiglu_forward_packed")
@@ -114,6 +120,56 @@ def swiglu(a: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
 
 def _swiglu(a, b):
     return ops.swiglu_forward_packed(a) if b is None else ops.swiglu_forward(a, b)
+
+
+class _SwiGLUMLP(torch.autograd.Function):
+    """down(swiglu(gate(x), up(x))) keeping x, gate(x) and up(x) for the backward, not the
+    activation h = silu(gate(x)) * up(x): the backward recomputes h in the same pass that
+    computes swiglu's gradient (swiglu_backward_recompute), for the down projection's weight
+    gradient. The forward runs the same products and kernel as the unfused chain."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, w_down, b_gate, b_up, b_down):
+        g = torch.nn.functional.linear(x, w_gate, b_gate)
+        u = torch.nn.functional.linear(x, w_up, b_up)
+        y = torch.nn.functional.linear(ops.swiglu_forward(g, u), w_down, b_down)
+        ctx.save_for_backward(x, g, u, w_gate, w_up, w_down)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, g, u, w_gate, w_up, w_down = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        dy = dy.reshape(-1, dy.shape[-1])
+        dg, du, h = ops.swiglu_backward_recompute(dy @ w_down, g.reshape(dy.shape[0], -1),
+                                                  u.reshape(dy.shape[0], -1))
+        dw_down = dy.t() @ h if need[3] else None
+        del h
+        x2 = x.reshape(-1, x.shape[-1])
+        dx = torch.addmm(dg @ w_gate, du, w_up).reshape(x.shape) if need[0] else None
+        dw_gate = dg.t() @ x2 if need[1] else None
+        dw_up = du.t() @ x2 if need[2] else None
+        db_gate = dg.sum(0) if need[4] else None
+        db_up = du.sum(0) if need[5] else None
+        db_down = dy.sum(0) if need[6] else None
+        return dx, dw_gate, dw_up, dw_down, db_gate, db_up, db_down
+
+
+def swiglu_mlp(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor,
+               down_weight: torch.Tensor, gate_bias: Optional[torch.Tensor] = None,
+               up_bias: Optional[torch.Tensor] = None,
+               down_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """linear(silu(linear(x, gate_weight, gate_bias)) * linear(x, up_weight, up_bias),
+    down_weight, down_bias), the Llama MLP, saving for the backward x and the two projections but
+    not their SwiGLU product [..., F], which the backward recomputes in its SwiGLU pass: a third
+    less saved activation than the unfused chain's gate, up and product (beside x). The same
+    forward bits as the unfused chain; the backward sums x's two gradient products in one GEMM
+    accumulation. With config.use_swiglu False, the unfused PyTorch chain."""
+    if _config.use_swiglu is False:
+        lin = torch.nn.functional.linear
+        return lin(_ref.swiglu(lin(x, gate_weight, gate_bias), lin(x, up_weight, up_bias)),
+                   down_weight, down_bias)
+    return _SwiGLUMLP.apply(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
 
 
 def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:

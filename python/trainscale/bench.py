@@ -15,7 +15,9 @@ muon suite (Newton-Schulz against eager and torch.compile, a Muon step over the 
 of 4 Llama-3-8B decoder layers against torch.optim.Muon; section "muon"). Under torchrun the
 muon suite times the Muon step of one process against the distributed one
 (trainscale-distributed: each rank orthogonalizes its share, then all-gathers), every rank in
-lockstep; rank 0 reports.
+lockstep; rank 0 reports. So is the mlp suite (the Llama MLP with the activation recomputed in
+the backward against the unfused chain, eager and torch.compile, with what autograd keeps for
+the backward; section "mlp").
 """
 import argparse
 import contextlib
@@ -749,6 +751,136 @@ def run_muon(result, configs, impls, device, timing, seed, progress):
     result["meta"]["wall_seconds"] = result["meta"].get("wall_seconds", 0.0) + time.monotonic() - started
 
 
+# ---- mlp: the Llama MLP (gate / up / down projections around SwiGLU), forward and forward +
+# backward through autograd: ours with the activation recomputed in the backward
+# (SwiGLUMLP(fused=True)) against the unfused chain of cuBLAS GEMMs and our SwiGLU kernel,
+# eager PyTorch and torch.compile; measured here in Python, each gated on its relative L2 error
+# against a float32 run of the same inputs, with what autograd keeps for the backward.
+
+MLP_SUITE = "mlp"
+MLP_DTYPE = torch.bfloat16
+MLP_TOLERANCE = 1e-2  # the engine's bf16 tolerance (relative L2 error)
+MLP_SHAPES = [(8192, 4096, 14336), (4096, 4096, 14336), (8192, 2048, 8192)]  # (T, H, F)
+MLP_CPU_SHAPES = [(64, 32, 96)]
+MLP_OPS = ("swiglu_mlp_forward", "swiglu_mlp_forward_backward")
+
+
+def _mlp_eager(x, wg, wu, wd):
+    return F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+
+
+def _mlp_implementations(use_gpu):
+    """(name, is ours, make) per implementation; make() -> fn(x, w_gate, w_up, w_down)."""
+    from .activation import swiglu_mlp
+
+    def unfused(x, wg, wu, wd):
+        return F.linear(torch.ops.trainscale.swiglu_forward(F.linear(x, wg), F.linear(x, wu)), wd)
+
+    def compiled():
+        torch._dynamo.reset()
+        return torch.compile(_mlp_eager, dynamic=False)
+    return [("trainscale" if use_gpu else "cpu-ref", True, lambda: swiglu_mlp), ("unfused", False, lambda: unfused),
+            ("torch", False, lambda: _mlp_eager), ("torch-compile", False, compiled)]
+
+
+def _saved_bytes(fn, inputs):
+    """Bytes of the distinct tensors autograd keeps for fn(*inputs)'s backward, the inputs
+    themselves (and views of them) excluded."""
+    skip = {t.untyped_storage().data_ptr() for t in inputs}
+    seen = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*inputs)
+    return sum(seen.values())
+
+
+def _mlp_float32(x, wg, wu, wd, dy):
+    """The gate's reference: y, and x's gradient for dy, in float32 without TF32."""
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        x32 = x.float().requires_grad_()
+        y = _mlp_eager(x32, wg.float(), wu.float(), wd.float())
+        y.backward(dy.float())
+        return y.detach(), x32.grad
+    finally:
+        torch.set_float32_matmul_precision(precision)
+
+
+def run_mlp(result, configs, impls, device, timing, seed, progress):
+    """Appends the mlp suite's rows (result: the JSON document of docs/bench-json.md). Forward
+    rows time a training forward (autograd recording) and report as extra memory what autograd
+    keeps for the backward beyond the input and weights; forward + backward rows time both and
+    report the peak memory of the call beyond the inputs, gradients included (CUDA). The gate: y
+    (forward), y and x's gradient (forward + backward)."""
+    gemm_tflops = (result.get("roofline") or {}).get("gemm_bf16_tflops")
+    available = [i for i in _mlp_implementations(device.type == "cuda") if not impls or i[0] in impls]
+    generator = torch.Generator(device=device).manual_seed(seed)
+    elem = torch.tensor([], dtype=MLP_DTYPE).element_size()
+    started = time.monotonic()
+    try:
+        for n, (op, (t, h, f)) in enumerate(configs):
+            x = torch.randn(t, h, generator=generator, device=device, dtype=MLP_DTYPE)
+            weights = [torch.randn(shape, generator=generator, device=device, dtype=MLP_DTYPE).mul_(shape[1] ** -0.5)
+                       .requires_grad_() for shape in ((f, h), (f, h), (h, f))]
+            dy = torch.randn(t, h, generator=generator, device=device, dtype=MLP_DTYPE)
+            ref_y, ref_dx = _mlp_float32(x, *[w.detach() for w in weights], dy)
+            backward = op == "swiglu_mlp_forward_backward"
+            x.requires_grad_()
+            for name, ours, make in available:
+                row = _row(op, "activation", f"{t}x{h}x{f}", MLP_DTYPE, name, ours, device,
+                           device.type == "cuda" and timing["flush_l2"], (2 * t * h + 3 * h * f) * elem * (3 if backward else 1),
+                           (18 if backward else 6) * t * h * f,
+                           {"tolerance": MLP_TOLERANCE, "rows_checked": t, "rows_total": t, "rows": "all"})
+                if progress:
+                    print(f"[mlp {n + 1}/{len(configs)}] {row['case']} [{name}]", file=sys.stderr, flush=True)
+                with _recorded(row, ours, result, device):
+                    fn = make()
+                    inputs = (x, *weights)
+
+                    def clear():
+                        for t in inputs:
+                            t.grad = None
+
+                    def call():
+                        clear()
+                        y = fn(*inputs)
+                        if backward:
+                            y.backward(dy)
+                        return y
+                    y = call()  # compiles / warms up, untimed; the gate's outputs
+                    rel = _rel_l2(y.detach(), ref_y)
+                    if backward:
+                        rel = max(rel, _rel_l2(x.grad, ref_dx))
+                    row["gate"].update(rel_l2=rel)
+                    del y
+                    if not rel <= MLP_TOLERANCE:
+                        row.update(status="failed", message=f"relative L2 error {rel:.3g} > tolerance {MLP_TOLERANCE:g}")
+                        continue
+                    if not backward:
+                        row["extra_memory_bytes"] = _saved_bytes(fn, inputs)
+                    elif device.type == "cuda":
+                        clear()
+                        _free_memory(device)
+                        torch.cuda.synchronize(device)
+                        torch.cuda.reset_peak_memory_stats(device)
+                        base = torch.cuda.memory_allocated(device)
+                        call()
+                        torch.cuda.synchronize(device)
+                        row["extra_memory_bytes"] = torch.cuda.max_memory_allocated(device) - base
+                    _time_row(row, call, device, timing, gemm_tflops)
+            x.requires_grad_(False)
+            del x, weights, dy, ref_y, ref_dx
+    except KeyboardInterrupt:
+        result["meta"]["interrupted"] = True
+    result["meta"]["wall_seconds"] = result["meta"].get("wall_seconds", 0.0) + time.monotonic() - started
+
+
 def _format_gib(n):
     return f"{n / 2**30:.2f}"
 
@@ -820,7 +952,7 @@ def main(argv=None):
                "130 when interrupted (Ctrl-C writes the results so far). On a GPU, ops that have only their CPU "
                "reference are listed as such and not run.")
     p.add_argument("--suite", default=None, help="suites, comma-separated (default: llama on a GPU, smoke on the CPU); "
-                                                 f"{FLCE_SUITE} and {MUON_SUITE} run alone")
+                                                 f"{FLCE_SUITE}, {MUON_SUITE} and {MLP_SUITE} run alone")
     p.add_argument("--ops", default="", help="only these ops (--list shows them)")
     p.add_argument("--dtype", default="", help="only these dtypes (fp32, fp16, bf16, ...)")
     p.add_argument("--configs", default="", help="only these shapes (dims joined by x)")
@@ -850,7 +982,7 @@ def main(argv=None):
               "min_time_ms": args.min_time_ms, "timeout_ms": args.timeout_ms, "warmup_ms": args.warmup_ms,
               "flush_l2": not args.warm}
     command_line = " ".join(["python -m trainscale.bench"] + sys.argv[1:])
-    for python_suite, run in ((FLCE_SUITE, _main_flce), (MUON_SUITE, _main_muon)):
+    for python_suite, run in ((FLCE_SUITE, _main_flce), (MUON_SUITE, _main_muon), (MLP_SUITE, _main_mlp)):
         if python_suite in suites:
             if len(suites) > 1:
                 p.error(f"--suite {python_suite} runs alone (measured in Python, not by the engine)")
@@ -922,6 +1054,24 @@ def _main_muon(p, args, use_gpu, timing, command_line):
     if distributed:
         _run_distributed_muon(args, use_gpu, selected, impls, timing, command_line)  # does not return
     return _run_python_suite(MUON_SUITE, run_muon, selected, impls, args, use_gpu, timing, command_line)
+
+
+def _main_mlp(p, args, use_gpu, timing, command_line):
+    ops, impls = _csv_list(args.ops), _csv_list(args.impl)
+    if any(op not in MLP_OPS for op in ops):
+        p.error(f"--ops: the {MLP_SUITE} suite has {', '.join(MLP_OPS)}")
+    known = [name for name, _, _ in _mlp_implementations(use_gpu)]
+    if any(impl not in known for impl in impls):
+        p.error(f"--impl: the {MLP_SUITE} suite has {', '.join(known)} here")
+    dtypes, configs = _csv_list(args.dtype), _csv_list(args.configs)
+    wanted = not dtypes or any(d in ("bf16", "bfloat16") for d in dtypes)
+    selected = [(op, s) for op in MLP_OPS for s in (MLP_SHAPES if use_gpu else MLP_CPU_SHAPES)
+                if wanted and (not ops or op in ops) and (not configs or "x".join(map(str, s)) in configs)]
+    if args.list:
+        for op, s in selected:
+            print(f"{op} {'x'.join(map(str, s))} bfloat16")
+        return 0
+    return _run_python_suite(MLP_SUITE, run_mlp, selected, impls, args, use_gpu, timing, command_line)
 
 
 def _run_distributed_muon(args, use_gpu, selected, impls, timing, command_line):

@@ -110,9 +110,11 @@ def _fused_loss_hook(model, args, kwargs, output):
                            "the fused loss expects once")
     h = hidden[0].reshape(-1, hidden[0].shape[-1])
     ignore_index = kwargs.get("ignore_index", -100)
+    accumulation = model._trainscale_grad_weight_accumulation
     loss = _causal_lm_loss(lambda target, reduction: linear_cross_entropy(h, head.weight, target, head.bias,
                                                                           ignore_index=ignore_index,
-                                                                          reduction=reduction),
+                                                                          reduction=reduction,
+                                                                          grad_weight_accumulation=accumulation),
                            labels, h.device, kwargs.get("num_items_in_batch"), ignore_index,
                            kwargs.get("shift_labels"))
     if isinstance(output, tuple):  # return_dict=False: transformers puts the loss first
@@ -145,12 +147,12 @@ def _rms_norm(m):
     return new
 
 
-def _mlp(m):
+def _mlp(m, fused):
     if not all(hasattr(m, p) for p in ("gate_proj", "up_proj", "down_proj", "act_fn")) or not _is_silu(m.act_fn):
         return None
     if isinstance(m, SwiGLUMLP):
         return None
-    new = SwiGLUMLP(m.gate_proj.in_features, m.gate_proj.out_features, device="meta")
+    new = SwiGLUMLP(m.gate_proj.in_features, m.gate_proj.out_features, device="meta", fused=fused)
     new.gate_proj, new.up_proj, new.down_proj = m.gate_proj, m.up_proj, m.down_proj
     return new
 
@@ -200,7 +202,7 @@ class PatchReport(Dict[str, List[str]]):
         return "\n".join(lines)
 
 
-def _fuse_loss(m) -> bool:
+def _fuse_loss(m, grad_weight_accumulation) -> bool:
     """Makes a Llama-family causal LM compute its training loss with linear_cross_entropy."""
     if type(m).__name__ not in _FUSED_LOSS_MODELS or type(getattr(m, "lm_head", None)) is not nn.Linear:
         return False
@@ -208,6 +210,7 @@ def _fuse_loss(m) -> bool:
     head = _LMHead(old.in_features, old.out_features, bias=old.bias is not None, device="meta")
     head.weight, head.bias = old.weight, old.bias
     m.lm_head = head
+    m._trainscale_grad_weight_accumulation = grad_weight_accumulation
     m.register_forward_pre_hook(_fused_loss_pre_hook, with_kwargs=True)
     m.register_forward_hook(_fused_loss_hook, with_kwargs=True)
     return True
@@ -215,15 +218,20 @@ def _fuse_loss(m) -> bool:
 
 def patch(model: nn.Module, rms_norm: bool = True, swiglu: bool = True, rope: bool = True,
           cross_entropy: bool = True, linear_cross_entropy: bool = True, attention: bool = True,
+          fused_mlp: bool = True, loss_grad_weight_accumulation: torch.dtype = torch.float32,
           verbose: bool = True) -> PatchReport:
     """Swaps in trainscale, in place: Llama-style RMSNorms -> trainscale.RMSNorm, SiLU-gated MLPs
     (gate_proj / up_proj / down_proj) -> trainscale.SwiGLUMLP (same Linear layers, fused
-    activation), apply_rotary_pos_emb of the model's modeling module -> hf_apply_rotary_pos_emb
+    activation; with fused_mlp its backward recomputes the activation instead of keeping it, a
+    third less saved MLP activation beside the input), apply_rotary_pos_emb of the model's modeling module -> hf_apply_rotary_pos_emb
     (that module's function, so every model of that type in the process uses it), the
     causal-LM loss of each submodule with a settable `loss_function` (transformers' models) ->
     hf_causal_lm_loss, and, in Llama / Mistral / Qwen2 / Qwen3 causal LMs, the training loss
     (labels given, model.training) -> linear_cross_entropy of the last hidden states and
-    lm_head's weight, without the logits (the output's `logits` is then None), and, in Llama /
+    lm_head's weight, without the logits (the output's `logits` is then None; its
+    grad_weight_accumulation is loss_grad_weight_accumulation: the weight's dtype sums the
+    weight gradient in place over chunks of at most 512 MiB of logits, as Liger-Kernel does,
+    instead of all tokens' logits or a float32 buffer), and, in Llama /
     Mistral / Qwen2 / Qwen3 models whose parameters are all on the CPU, or all on Hopper GPUs with
     head dim 64 or 128, attention -> trainscale.hf_attention_forward
     (config._attn_implementation = "trainscale"; masks other than the causal (sliding-window)
@@ -237,7 +245,7 @@ def patch(model: nn.Module, rms_norm: bool = True, swiglu: bool = True, rope: bo
     if rms_norm:
         report["rms_norm"] = _swap(model, _rms_norm)
     if swiglu:
-        report["swiglu_mlp"] = _swap(model, _mlp)
+        report["swiglu_mlp"] = _swap(model, lambda m: _mlp(m, fused_mlp))
     if rope:
         report["rope"] = []
         for mod_name in sorted({type(m).__module__ for m in model.modules()}):
@@ -255,7 +263,7 @@ def patch(model: nn.Module, rms_norm: bool = True, swiglu: bool = True, rope: bo
                 report["cross_entropy"].append(name or type(m).__name__)
     if linear_cross_entropy:
         report["linear_cross_entropy"] = [name or type(m).__name__ for name, m in list(model.named_modules())
-                                          if _fuse_loss(m)]
+                                          if _fuse_loss(m, loss_grad_weight_accumulation)]
     if attention:
         report["attention"] = _patch_attention(model)
     if verbose:

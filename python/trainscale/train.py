@@ -115,6 +115,10 @@ def parse_args(argv=None):
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="clip to this norm (0: no clipping)")
     p.add_argument("--seed", type=int, default=0, help="model initialization and data order")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing of each decoder layer")
+    p.add_argument("--loss-accumulation", choices=("float32", "weight"), default="float32",
+                   help="--impl trainscale: the fused loss's weight-gradient sum over token chunks, in a float32 "
+                        "buffer (or all tokens' logits at once when that is smaller), or in the weight's dtype in "
+                        "place over chunks of at most 512 MiB of logits, as Liger-Kernel does")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--precision", choices=("auto", "fp32", "bf16", "bf16-autocast"), default="auto",
                    help="bf16: parameters, gradients and optimizer state in bf16; bf16-autocast: fp32 "
@@ -173,8 +177,10 @@ def build_model(preset: dict, vocab: int, seq_len: int, seed: int, device: torch
     return model.to(dtype)
 
 
-def apply_impl(model, impl: str, verbose: bool):
-    """Swaps in the implementation's kernels; returns the module to call (compiled or not)."""
+def apply_impl(model, impl: str, verbose: bool, loss_accumulation: str = "float32"):
+    """Swaps in the implementation's kernels; returns the module to call (compiled or not).
+    loss_accumulation (trainscale): the fused loss's weight-gradient sum, "float32" or "weight"
+    (in the weight's dtype, patch's loss_grad_weight_accumulation)."""
     if impl == "liger":
         try:
             from liger_kernel.transformers import apply_liger_kernel_to_llama
@@ -184,7 +190,8 @@ def apply_impl(model, impl: str, verbose: bool):
                                     fused_linear_cross_entropy=True, model=model)
     elif impl == "trainscale":
         from . import patch
-        patch(model, verbose=verbose)
+        accumulation = torch.float32 if loss_accumulation == "float32" else next(model.parameters()).dtype
+        patch(model, loss_grad_weight_accumulation=accumulation, verbose=verbose)
     return model
 
 
@@ -420,7 +427,7 @@ def _train(args, d: Dist) -> dict:
                         torch.bfloat16 if precision == "bf16" else torch.float32)
     flops_per_token = model_flops_per_token(model, preset, args.seq_len)
     n_params = sum(p.numel() for p in model.parameters())
-    model = apply_impl(model, args.impl, verbose=d.main and not args.quiet)
+    model = apply_impl(model, args.impl, verbose=d.main and not args.quiet, loss_accumulation=args.loss_accumulation)
     if args.checkpointing:
         # transformers 5 renamed gradient_checkpointing_enable (deprecated) to activation_checkpointing_enable.
         enable = getattr(model, "activation_checkpointing_enable", None)
@@ -443,7 +450,8 @@ def _train(args, d: Dist) -> dict:
            "grad_accum": args.grad_accum, "global_batch": global_batch, "seq_len": args.seq_len, "vocab": vocab,
            "params": n_params, "model_flops_per_token": flops_per_token, "optimizer": args.optimizer,
            "lr": args.lr, "seed": args.seed,
-           "checkpointing": args.checkpointing, "peak_tflops": args.peak_tflops,
+           "checkpointing": args.checkpointing, "loss_accumulation": args.loss_accumulation,
+           "peak_tflops": args.peak_tflops,
            "measured_peak_tflops": args.measured_peak_tflops, "torch": torch.__version__,
            "commit": git_commit()}
     log = Log(args.jsonl, not args.no_wandb, run) if d.main else None

@@ -97,8 +97,10 @@ void gated_forward(detail::OpChecker& c, Activation act, const TensorView& a, co
   ops::activation::gated_forward_cpu(act, a, b, y);
 }
 
+// With y, also the forward's y = act(a) * b (for a backward that did not keep it).
 void gated_backward(detail::OpChecker& c, Activation act, const TensorView& dy, const TensorView& a,
-                    const TensorView& b, TensorView da, TensorView db, cudaStream_t stream) {
+                    const TensorView& b, TensorView da, TensorView db, const TensorView* y,
+                    cudaStream_t stream) {
   c.float_rows(a, "a");
   c.like(b, "b", a, "a");
   c.like(dy, "dy", a, "a");
@@ -109,11 +111,21 @@ void gated_backward(detail::OpChecker& c, Activation act, const TensorView& dy, 
     c.disjoint_or_in_place(grad, name, b, "b");
   }
   c.no_overlap(da, "da", db, "db");
+  if (y != nullptr) {
+    c.like(*y, "y", a, "a");
+    c.no_overlap(*y, "y", dy, "dy");
+    c.no_overlap(*y, "y", a, "a");
+    c.no_overlap(*y, "y", b, "b");
+    c.no_overlap(*y, "y", da, "da");
+    c.no_overlap(*y, "y", db, "db");
+  }
   if (detail::ran_on_cuda(c, [&] {
-        ops::activation::gated_backward_cuda(act, dy, a, b, da, db, stream, c.op());
+        ops::activation::gated_backward_cuda(act, dy, a, b, da, db, y, stream, c.op());
       })) {
     return;
   }
+  // y first: da / db may be a / b themselves.
+  if (y != nullptr) ops::activation::gated_forward_cpu(act, a, b, *y);
   ops::activation::gated_backward_cpu(act, dy, a, b, da, db);
 }
 
@@ -141,7 +153,7 @@ void packed_backward(detail::OpChecker& c, Activation act, const TensorView& dy,
   const TensorView a = packed_half(ab, Half::kA), b = packed_half(ab, Half::kB);
   const TensorView da = packed_half(dab, Half::kA), db = packed_half(dab, Half::kB);
   if (detail::ran_on_cuda(c, [&] {
-        ops::activation::gated_backward_cuda(act, dy, a, b, da, db, stream, c.op());
+        ops::activation::gated_backward_cuda(act, dy, a, b, da, db, nullptr, stream, c.op());
       })) {
     return;
   }
@@ -184,7 +196,13 @@ void swiglu_forward(const TensorView& a, const TensorView& b, TensorView y,
 void swiglu_backward(const TensorView& dy, const TensorView& a, const TensorView& b, TensorView da,
                      TensorView db, cudaStream_t stream) {
   detail::OpChecker c("swiglu_backward");
-  gated_backward(c, Activation::kSilu, dy, a, b, da, db, stream);
+  gated_backward(c, Activation::kSilu, dy, a, b, da, db, nullptr, stream);
+}
+
+void swiglu_backward_recompute(const TensorView& dy, const TensorView& a, const TensorView& b,
+                               TensorView da, TensorView db, TensorView y, cudaStream_t stream) {
+  detail::OpChecker c("swiglu_backward_recompute");
+  gated_backward(c, Activation::kSilu, dy, a, b, da, db, &y, stream);
 }
 
 void geglu_forward(const TensorView& a, const TensorView& b, TensorView y, GeluApproximation approx,
@@ -198,7 +216,7 @@ void geglu_backward(const TensorView& dy, const TensorView& a, const TensorView&
                     TensorView db, GeluApproximation approx, cudaStream_t stream) {
   detail::OpChecker c("geglu_backward");
   check_approximation(c, approx);
-  gated_backward(c, ops::activation::gelu_activation(approx), dy, a, b, da, db, stream);
+  gated_backward(c, ops::activation::gelu_activation(approx), dy, a, b, da, db, nullptr, stream);
 }
 
 void swiglu_forward_packed(const TensorView& ab, TensorView y, cudaStream_t stream) {

@@ -114,6 +114,17 @@ struct GatedBackward {  // (dy, a, b) -> (da, db)
   }
 };
 
+template <class Act>
+struct GatedBackwardAndForward {  // (dy, a, b) -> (da, db, y): y as GatedForward writes it
+  static constexpr int kIn = 3, kOut = 3;
+  __device__ void operator()(const float (&in)[3], float (&out)[3]) const {
+    const ValueAndDerivative e = Act::eval(in[1]);
+    out[0] = in[0] * in[2] * e.derivative;
+    out[1] = in[0] * e.value;
+    out[2] = e.value * in[2];
+  }
+};
+
 template <template <class> class Form, class Fn>
 void with_form(Activation act, Fn&& fn) {
   switch (act) {
@@ -160,9 +171,13 @@ void gated_forward_cuda(Activation act, const TensorView& a, const TensorView& b
 }
 
 void gated_backward_cuda(Activation act, const TensorView& dy, const TensorView& a,
-                         const TensorView& b, TensorView da, TensorView db, cudaStream_t stream,
-                         const char* op) {
-  run<GatedBackward, 3, 2>(act, op, {dy, a, b}, {da, db}, stream);
+                         const TensorView& b, TensorView da, TensorView db, const TensorView* y,
+                         cudaStream_t stream, const char* op) {
+  if (y != nullptr) {
+    run<GatedBackwardAndForward, 3, 3>(act, op, {dy, a, b}, {da, db, *y}, stream);
+  } else {
+    run<GatedBackward, 3, 2>(act, op, {dy, a, b}, {da, db}, stream);
+  }
 }
 
 }  // namespace trainscale::ops::activation
