@@ -129,6 +129,8 @@ py::dict summary_dict(const tb::SampleSet& samples, const std::string& timer) {
   d["sm_mhz_min"] = samples.sm_mhz_min;
   d["sm_mhz_max"] = samples.sm_mhz_max;
   d["throttled"] = samples.throttled;
+  d["throttle_retakes"] = samples.throttle_retakes;
+  d["throttle_reasons"] = samples.throttle_reasons;
   return d;
 }
 

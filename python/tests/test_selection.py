@@ -156,6 +156,7 @@ def test_time_callable_host():
     stats = _C.time_callable(lambda: calls.append(1), -1, {"min_samples": 7, "min_time_ms": 1.0,
                                                           "warmup_ms": 0.0, "timeout_ms": 100.0})
     assert stats["timer"] == "host" and stats["count"] >= 7 and len(calls) >= stats["count"]
+    assert stats["throttle_retakes"] == 0 and stats["throttle_reasons"] == "" and not stats["throttled"]
     assert 0 <= stats["min"] <= stats["median"] <= stats["max"]
     with pytest.raises(ValueError, match="time_callable: argument 'timing': unknown option 'nope'"):
         _C.time_callable(lambda: None, -1, {"nope": 1})

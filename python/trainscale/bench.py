@@ -483,8 +483,9 @@ def _time_row(row, run, device, timing, gemm_tflops):
                                          "rel_noise")},
                gbps=row["bytes"] / ms / 1e6, tflops=row["flops"] / ms / 1e9,
                pct_roofline=100 * row["flops"] / ms / 1e9 / gemm_tflops if gemm_tflops else None,
-               clocks={"sm_mhz_min": stats["sm_mhz_min"], "sm_mhz_max": stats["sm_mhz_max"], "throttle_retakes": 0,
-                       "throttled": stats["throttled"], "throttle_reasons": ""})
+               clocks={"sm_mhz_min": stats["sm_mhz_min"], "sm_mhz_max": stats["sm_mhz_max"],
+                       "throttle_retakes": stats["throttle_retakes"], "throttled": stats["throttled"],
+                       "throttle_reasons": stats["throttle_reasons"]})
 
 
 MUON_LOCKSTEP_WARMUP = 3
