@@ -223,8 +223,9 @@ def patch(model: nn.Module, rms_norm: bool = True, swiglu: bool = True, rope: bo
     """Swaps in trainscale, in place: Llama-style RMSNorms -> trainscale.RMSNorm, SiLU-gated MLPs
     (gate_proj / up_proj / down_proj) -> trainscale.SwiGLUMLP (same Linear layers, fused
     activation; with fused_mlp its backward recomputes the activation instead of keeping it, a
-    third less saved MLP activation beside the input), apply_rotary_pos_emb of the model's modeling module -> hf_apply_rotary_pos_emb
-    (that module's function, so every model of that type in the process uses it), the
+    third less saved MLP activation beside the input), apply_rotary_pos_emb of the model's
+    modeling module -> hf_apply_rotary_pos_emb (that module's function, so every model of that
+    type in the process uses it), the
     causal-LM loss of each submodule with a settable `loss_function` (transformers' models) ->
     hf_causal_lm_loss, and, in Llama / Mistral / Qwen2 / Qwen3 causal LMs, the training loss
     (labels given, model.training) -> linear_cross_entropy of the last hidden states and
