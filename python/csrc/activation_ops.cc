@@ -77,19 +77,17 @@ std::tuple<Tensor, Tensor> swiglu_backward(const Tensor& dy, const Tensor& a, co
   return {da, db};
 }
 
-std::tuple<Tensor, Tensor, Tensor> swiglu_backward_recompute(const Tensor& dy, const Tensor& a,
-                                                             const Tensor& b) {
-  const char* op = "swiglu_backward_recompute";
+// In place: a <- da, b <- db; returns the forward's y. For a backward that owns a and b (the
+// MLP's saved projections): no [.., F] gradient buffers beside them.
+Tensor swiglu_backward_recompute_(const Tensor& dy, Tensor& a, Tensor& b) {
+  const char* op = "swiglu_backward_recompute_";
   Ctx ctx(a);
-  Tensor da = at::empty_like(a, at::MemoryFormat::Contiguous);
-  Tensor db = at::empty_like(b, at::MemoryFormat::Contiguous);
   Tensor y = at::empty_like(a, at::MemoryFormat::Contiguous);
   guarded([&] {
-    ts::swiglu_backward_recompute(view(dy, op, "dy"), view(a, op, "a"), view(b, op, "b"),
-                                  view(da, op, "da"), view(db, op, "db"), view(y, op, "y"),
-                                  ctx.stream);
+    const TensorView va = view(a, op, "a"), vb = view(b, op, "b");
+    ts::swiglu_backward_recompute(view(dy, op, "dy"), va, vb, va, vb, view(y, op, "y"), ctx.stream);
   });
-  return {da, db, y};
+  return y;
 }
 
 Tensor swiglu_forward_packed(const Tensor& ab) {
@@ -134,8 +132,8 @@ TORCH_LIBRARY_FRAGMENT(trainscale, m) {
          &swiglu_forward);
   def_op(m, "swiglu_backward(Tensor dy, Tensor a, Tensor b) -> (Tensor, Tensor)",
          &swiglu_backward);
-  def_op(m, "swiglu_backward_recompute(Tensor dy, Tensor a, Tensor b) -> (Tensor, Tensor, Tensor)",
-         &swiglu_backward_recompute);
+  def_op(m, "swiglu_backward_recompute_(Tensor dy, Tensor(a!) a, Tensor(b!) b) -> Tensor",
+         &swiglu_backward_recompute_);
   def_op(m, "swiglu_forward_packed(Tensor ab) -> Tensor",
          &swiglu_forward_packed);
   def_op(m, "swiglu_backward_packed(Tensor dy, Tensor ab) -> Tensor",

@@ -230,6 +230,20 @@ def test_fused_swiglu_mlp_matches_the_unfused_chain(bias):
     fused(x).sum().backward()
 
 
+def test_fused_swiglu_mlp_under_torch_compile():
+    """The in-place backward through torch.compile's functionalization: the same gradients."""
+    torch.manual_seed(0)
+    fused, plain = ts.SwiGLUMLP(32, 48, fused=True), ts.SwiGLUMLP(32, 48)
+    plain.load_state_dict(fused.state_dict())
+    x = torch.randn(4, 32, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    torch.compile(fused)(x).sum().backward()
+    plain(x2).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
+    for p1, p2 in zip(fused.parameters(), plain.parameters()):
+        torch.testing.assert_close(p1.grad, p2.grad, rtol=1e-5, atol=1e-5)
+
+
 def _saved_activation_bytes(module, x):
     """Bytes of the distinct tensors autograd saves for module(x), parameters excluded."""
     params = {p.data_ptr() for p in module.parameters()}
@@ -255,12 +269,20 @@ def test_fused_swiglu_mlp_keeps_no_activation_product():
 
 def test_swiglu_backward_recompute_is_backward_plus_forward():
     a, b, dy = torch.randn(5, 37), torch.randn(5, 37), torch.randn(5, 37)
-    da, db, y = ts_ops.swiglu_backward_recompute(dy, a, b)
-    da2, db2 = ts_ops.swiglu_backward(dy, a, b)
-    assert torch.equal(y, ts_ops.swiglu_forward(a, b))
-    assert torch.equal(da, da2) and torch.equal(db, db2)
-    with pytest.raises(ValueError, match=r"swiglu_backward_recompute.*argument .b."):
-        ts_ops.swiglu_backward_recompute(dy, a, b[:, :36])
+    da, db = ts_ops.swiglu_backward(dy, a, b)
+    y_forward = ts_ops.swiglu_forward(a, b)
+    y = ts_ops.swiglu_backward_recompute_(dy, a, b)  # a, b <- da, db
+    assert torch.equal(y, y_forward) and torch.equal(a, da) and torch.equal(b, db)
+    with pytest.raises(ValueError, match=r"swiglu_backward_recompute: argument 'b'"):
+        ts_ops.swiglu_backward_recompute_(dy, a, b[:, :36])
+
+
+def test_fused_swiglu_mlp_second_backward_raises():
+    mlp = ts.SwiGLUMLP(16, 24, fused=True)
+    y = mlp(torch.randn(3, 16, requires_grad=True)).sum()
+    y.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
 
 
 def test_fused_add_module_and_rotary_module():

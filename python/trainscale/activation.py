@@ -45,9 +45,9 @@ def _(dy, a, b):
     return _like(a), _like(b)
 
 
-@register_fake("trainscale::swiglu_backward_recompute")
+@register_fake("trainscale::swiglu_backward_recompute_")
 def _(dy, a, b):
-    return _like(a), _like(b), _like(a)
+    return _like(a)
 
 
 @register_fake("trainscale::swiglu_forward_packed")
@@ -125,8 +125,10 @@ def _swiglu(a, b):
 class _SwiGLUMLP(torch.autograd.Function):
     """down(swiglu(gate(x), up(x))) keeping x, gate(x) and up(x) for the backward, not the
     activation h = silu(gate(x)) * up(x): the backward recomputes h in the same pass that
-    computes swiglu's gradient (swiglu_backward_recompute), for the down projection's weight
-    gradient. The forward runs the same products and kernel as the unfused chain."""
+    computes swiglu's gradient, for the down projection's weight gradient, and writes the
+    gradients over the saved gate(x) and up(x) (swiglu_backward_recompute_), so that pass adds
+    one [..., F] tensor (h) beside them and dh. The forward runs the same products and kernel
+    as the unfused chain."""
 
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, b_gate, b_up, b_down):
@@ -141,8 +143,13 @@ class _SwiGLUMLP(torch.autograd.Function):
         x, g, u, w_gate, w_up, w_down = ctx.saved_tensors
         need = ctx.needs_input_grad
         dy = dy.reshape(-1, dy.shape[-1])
-        dg, du, h = ops.swiglu_backward_recompute(dy @ w_down, g.reshape(dy.shape[0], -1),
-                                                  u.reshape(dy.shape[0], -1))
+        dg, du = g.reshape(dy.shape[0], -1), u.reshape(dy.shape[0], -1)
+        h = ops.swiglu_backward_recompute_(dy @ w_down, dg, du)  # dg, du: gradients from here
+        if not torch.compiler.is_compiling():
+            # A second backward through this graph (retain_graph) must fail at unpacking g and u,
+            # not read their gradients.
+            torch.autograd.graph.increment_version(g)
+            torch.autograd.graph.increment_version(u)
         dw_down = dy.t() @ h if need[3] else None
         del h
         x2 = x.reshape(-1, x.shape[-1])
@@ -163,8 +170,10 @@ def swiglu_mlp(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tens
     down_weight, down_bias), the Llama MLP, saving for the backward x and the two projections but
     not their SwiGLU product [..., F], which the backward recomputes in its SwiGLU pass: a third
     less saved activation than the unfused chain's gate, up and product (beside x). The same
-    forward bits as the unfused chain; the backward sums x's two gradient products in one GEMM
-    accumulation. With config.use_swiglu False, the unfused PyTorch chain."""
+    forward bits as the unfused chain; the backward writes its SwiGLU gradients over the saved
+    projections (as Liger-Kernel's SwiGLU does), so a graph takes one backward: a second one
+    (retain_graph) raises. It sums x's two gradient products in one GEMM accumulation. With
+    config.use_swiglu False, the unfused PyTorch chain."""
     if _config.use_swiglu is False:
         lin = torch.nn.functional.linear
         return lin(_ref.swiglu(lin(x, gate_weight, gate_bias), lin(x, up_weight, up_bias)),

@@ -65,7 +65,8 @@ class SwiGLU(nn.Module):
 class SwiGLUMLP(nn.Module):
     """Llama MLP: down_proj(silu(gate_proj(x)) * up_proj(x)) with the activation fused. With
     fused=True (trainscale.functional.swiglu_mlp) the backward recomputes the activation instead
-    of keeping it: a third less saved activation beside the input, the same forward."""
+    of keeping it: a third less saved activation beside the input, the same forward, one
+    backward per forward (no retain_graph)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
                  device=None, dtype=None, fused: bool = False):
