@@ -36,9 +36,9 @@ namespace {
 // kRing for mid-sized inputs, auto_ring); kAuto falls back to two passes where it cannot run.
 // kRows, one row group per block and no staged tables, from 129 vectors (bf16 N 1032) for
 // RMSNorm and LayerNorm, from 257 (bf16 N 2056) for the fused add: one run of every training
-// shape with the variant forced had it 5-42 % faster than kPipelined at LayerNorm N = 2048,
-// 1-8 % at RMSNorm N = 2048 and 4-19 % at the fused add's N = 4096 / 5120 (kRegisters there
-// before), never more than 1 % slower. Up to there, kPipelined: its next row group's loads
+// shape with the variant forced had it take 12-42 % less time than kPipelined at LayerNorm
+// N = 2048 and 3-9 % at RMSNorm N = 2048; the fused add 0-8 % at N = 4096 and 14-21 % at 5120
+// (kRegisters there before); never more than 1 % more. Up to there, kPipelined: its next row group's loads
 // overlap this group's reduction, which short rows spend most of their time in. Measurements:
 // docs/perf/norm.md.
 NormVariant auto_register_variant(std::int64_t vecs, bool fused_add) {
