@@ -38,9 +38,9 @@ namespace {
 // RMSNorm and LayerNorm, from 257 (bf16 N 2056) for the fused add: one run of every training
 // shape with the variant forced had it take 12-42 % less time than kPipelined at LayerNorm
 // N = 2048 and 3-9 % at RMSNorm N = 2048; the fused add 0-8 % at N = 4096 and 14-21 % at 5120
-// (kRegisters there before); never more than 1 % more. Up to there, kPipelined: its next row group's loads
-// overlap this group's reduction, which short rows spend most of their time in. Measurements:
-// docs/perf/norm.md.
+// (kRegisters there before); never more than 1 % more. Up to there, kPipelined: its next row
+// group's loads overlap this group's reduction, which short rows spend most of their time in.
+// Measurements: docs/perf/norm.md.
 NormVariant auto_register_variant(std::int64_t vecs, bool fused_add) {
   return vecs <= (fused_add ? 256 : 128) ? NormVariant::kPipelined : NormVariant::kRows;
 }
@@ -101,8 +101,8 @@ std::size_t forward_shared_bytes(const ForwardProblem& p, NormVariant variant, i
 //     vectors; 27-64 registers, no spills). Longer rows (16-bit N <= 262144, fp32 N <=
 //     131072), and kAuto's choice for them: a cluster of 2 / 4 / 8 blocks of 1024 threads
 //     per row, one block per SM.
-//   kPipelined (kAuto's choice up to 128 vectors, the fused add's up to 256): kRegisters' threads per row, 40-64 registers, no spills, plus its ring in
-//     shared memory: one row group for RMSNorm and the fused add (one group per block), two for
+//   kPipelined (kAuto's choice up to 128 vectors, the fused add's up to 256): kRegisters'
+//     threads per row, 40-64 registers, no spills, plus its ring in shared memory: one row group for RMSNorm and the fused add (one group per block), two for
 //     LayerNorm's persistent walk. 16-bit RMSNorm N = 4096 32 KB per block (5 blocks per SM),
 //     N = 8192 48 KB (4), N = 32768 192 KB (1); LayerNorm N = 4096 64 KB (3), N = 5120 60 KB
 //     (3), N = 8192 96 KB (2), N = 16384 1 block of 512; the fused add's residual doubles the
