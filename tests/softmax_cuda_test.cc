@@ -1,7 +1,7 @@
 // Softmax kernels, through the public entry points, against the fp64 CPU reference on float64
 // copies of the same rounded inputs: every dtype, row lengths from 1 to 262144 (one thread per
-// row up to a cluster of 16 blocks), strided and misaligned rows, in place, M = 0, NaN / Inf
-// rows, and the error past the longest row.
+// row up to a cluster of 16 blocks), each way a row reaches the registers, strided and
+// misaligned rows, in place, M = 0, NaN / Inf rows, and the error past the longest row.
 #include <cmath>
 #include <limits>
 #include <string>
@@ -142,6 +142,21 @@ TEST(SoftmaxCuda, BackwardMixedLayouts) {
   softmax_backward(dy64.view(), y64.view(), dx64.view());
   EXPECT_TRUE(test::matches_reference(d_dx.values(), test::rounded(dt, dx64), test::tolerance(dt)));
   EXPECT_TRUE(d_dx.padding_untouched());
+}
+
+// Many rows of 256 16-byte slots (bf16 N 2048, fp32 1024) take the forward's dense feed (one
+// block per row, no ring), plain and strided, in place too; rows whose length leaves the
+// backward's 2-slot split slots empty (bf16 N 6144) its sparse occupancy.
+TEST(SoftmaxCuda, DenseFeedAndSparseSplitRows) {
+  TS_REQUIRE_GPU();
+  for (DType dt : kDtypes) {
+    const auto v = static_cast<std::int64_t>(16 / dtype_size(dt));
+    check_forward(dt, {16384, 256 * v, 0, false}, false);
+    check_forward(dt, {16384, 256 * v, v, false}, true);
+    check_backward(dt, {16384, 256 * v, 0, false}, false);
+    check_backward(dt, {40, 768 * v, 0, false}, false);
+    check_backward(dt, {9, 768 * v - 5, 3, true}, true);
+  }
 }
 
 TEST(SoftmaxCuda, RowsLongerThanSupportedThrow) {

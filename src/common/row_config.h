@@ -19,9 +19,13 @@ inline constexpr int kRowVecs = 4;           // slots per thread: 4 loads in fli
 inline constexpr int kRowMaxThreads = 1024;
 inline constexpr int kRowMaxCluster = 16;    // beyond the portable 8: asked for, may not fit
 
-// Threads of a block: 256 (several rows of up to 256 threads each), or one row of more.
-constexpr int row_block_threads(int threads) {
-  return threads > 256 ? threads : 256;
+// Threads of a block: 256 (several rows of fewer threads each), or one row of `threads`. A
+// persistent grid streaming through a row ring keeps rows of up to 256 threads in blocks of 256
+// (the ring is per block); a grid of one block per row group gives rows of kRowAloneThreads or
+// more a block each, so that no row's stores wait on another row's reduction.
+inline constexpr int kRowAloneThreads = 128;
+constexpr int row_block_threads(int threads, bool ring = true) {
+  return threads > 256 || (!ring && threads >= kRowAloneThreads) ? threads : 256;
 }
 
 // Slots a row of `cols` elements can span: its elements, plus up to vec - 1 before them when

@@ -80,7 +80,7 @@ inline constexpr int kRowRingStages = 2;
 // Bytes of the row ring (RowTile::staged) of a block of `threads` per row and `vecs` slots per
 // thread holding `buffers` copies of them (stages times tensors).
 constexpr std::size_t row_ring_bytes(int threads, int vecs, int buffers) {
-  return static_cast<std::size_t>(buffers) * vecs * 16 * row_block_threads(threads);
+  return static_cast<std::size_t>(buffers) * vecs * 16 * row_block_threads(threads, buffers > 0);
 }
 
 // Row groups each cluster takes in turn where rows are loaded straight into registers: one per
@@ -98,7 +98,7 @@ template <class... Params, class... Args>
 bool launch_row_kernel(void (*kernel)(Params...), int threads, int vecs, int cluster,
                        int ring_buffers, std::int64_t rows, cudaStream_t stream,
                        std::string_view op, Args&&... args) {
-  const int block = row_block_threads(threads);
+  const int block = row_block_threads(threads, ring_buffers > 0);
   const std::size_t smem = row_ring_bytes(threads, vecs, ring_buffers);
   const std::int64_t rows_per_block = block / threads;
   const std::int64_t groups = (rows + rows_per_block - 1) / rows_per_block;
@@ -232,12 +232,14 @@ __device__ __forceinline__ void reconvert_after(Vec<T, V> (&held)[kVecs]) {
 // thread and kCluster blocks per row: which rows its block takes (row groups of kRowsPerBlock
 // rows, or one row per cluster) and which slots of them (a contiguous share per block of the
 // cluster, spread over the threads slot by slot so that a warp's accesses are contiguous).
-// kCount values are reduced per row with Op (reduce()). Lives in shared memory (the reduction
-// scratch and the cluster's exchange); every thread runs every row group of its block.
-template <class T, int kThreads, int kVecs, int kCluster, class Op, int kCount>
+// kCount values are reduced per row with Op (reduce()). kRing: the rows stream through a row
+// ring (for_each_row with stages), which sets the block (row_block_threads). Lives in shared
+// memory (the reduction scratch and the cluster's exchange); every thread runs every row group
+// of its block.
+template <class T, int kThreads, int kVecs, int kCluster, class Op, int kCount, bool kRing = true>
 struct RowTile {
   static constexpr int V = kVec16<T>;
-  static constexpr int kBlock = row_block_threads(kThreads);
+  static constexpr int kBlock = row_block_threads(kThreads, kRing);
   static constexpr int kRowsPerBlock = kBlock / kThreads;
   static_assert(kCluster == 1 || kRowsPerBlock == 1, "a cluster shares one row");
   float scratch[kThreads > 32 ? kBlock / 32 * kCount : 1];
@@ -360,6 +362,7 @@ struct RowTile {
   template <int kStages, class Fetch, class Body>
   static __device__ __forceinline__ void for_each_row(std::int64_t rows, Fetch&& fetch,
                                                       Body&& body) {
+    static_assert((kStages > 0) == kRing, "the block was sized for the ring (row_block_threads)");
     const std::int64_t stride = static_cast<std::int64_t>(gridDim.x / kCluster) * kRowsPerBlock;
     const std::int64_t first_base = static_cast<std::int64_t>(blockIdx.x / kCluster) * kRowsPerBlock;
     const int in_group = static_cast<int>(threadIdx.x) / kThreads;

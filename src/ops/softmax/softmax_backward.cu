@@ -28,20 +28,26 @@ constexpr int backward_stages(int threads) { return threads <= kRingMaxThreads ?
 
 // Rows of 129 to 1024 slots (bf16 N 1025-8192) take 2 slots per thread on twice the threads,
 // at 40 registers: 1536 threads per SM instead of 1024 hide more of the loads of a kernel that
-// holds its row. Longer rows keep 4 slots per thread: a 1024-thread block of 2 was slower
-// (docs/perf/softmax.md).
+// holds its row. Where that split leaves slots empty (a row length not a power of two), at 32
+// registers and 2048 threads per SM (kSparse): 2-20 % faster at bf16 N 6144 and 7168 (4096 to
+// 65536 rows), where full rows (N 2048-8192) ran 5-9 % slower so (32 registers spill 28 bytes).
+// Longer rows keep 4 slots per thread: a 1024-thread block of 2 was slower (docs/perf/softmax.md).
 constexpr int kDenseVecs = 2, kDenseMinThreads = 128, kDenseMaxThreads = 512;
-constexpr int backward_sm_threads(int vecs, int cluster) {
-  return vecs == kDenseVecs && cluster == 1 ? 1536 : detail::kRowMaxThreads;
-}
+enum class Occupancy { kDefault, kSparse };
+template <int kVecs, int kCluster, Occupancy kOccupancy>
+constexpr int kSmThreads = kOccupancy == Occupancy::kSparse               ? 2048
+                           : kVecs == kDenseVecs && kCluster == 1 ? 1536
+                                                                  : detail::kRowMaxThreads;
+template <int kThreads>
+constexpr int kBackwardBlock = detail::row_block_threads(kThreads, backward_stages(kThreads) > 0);
 
-template <class T, int kThreads, int kVecs, int kCluster>
-__global__ void __launch_bounds__(detail::row_block_threads(kThreads),
-                                  backward_sm_threads(kVecs, kCluster) / detail::row_block_threads(kThreads))
+template <class T, int kThreads, int kVecs, int kCluster, Occupancy kOccupancy>
+__global__ void __launch_bounds__(kBackwardBlock<kThreads>,
+                                  kSmThreads<kVecs, kCluster, kOccupancy> / kBackwardBlock<kThreads>)
     softmax_backward_kernel(BackwardArgs a) {
-  using Tile = detail::RowTile<T, kThreads, kVecs, kCluster, detail::SumOp, 1>;
-  constexpr int V = Tile::V;
   constexpr int kStages = backward_stages(kThreads);
+  using Tile = detail::RowTile<T, kThreads, kVecs, kCluster, detail::SumOp, 1, (kStages > 0)>;
+  constexpr int V = Tile::V;
   __shared__ Tile tile;
   tile.start();
   const typename Tile::Share share = Tile::share(a.slots);
@@ -122,9 +128,15 @@ void softmax_backward_cuda(const TensorView& dy, const TensorView& y, TensorView
     using T = typename decltype(tag)::type;
     const int max_shift = detail::rows_max_shift(dy.data, r.row_stride, sizeof(T));
     const std::int64_t slots = detail::row_slots(r.cols, detail::kVec16<T>, max_shift);
-    const auto kernel = [](auto threads, auto vecs, auto cluster) {
-      return softmax_backward_kernel<T, decltype(threads)::value, decltype(vecs)::value,
-                                     decltype(cluster)::value>;
+    // The dense split's occupancy where it leaves slots empty.
+    const bool sparse = (slots & (slots - 1)) != 0;
+    const auto kernel = [sparse](auto threads, auto vecs, auto cluster) {
+      constexpr int kThreads = decltype(threads)::value, kVecs = decltype(vecs)::value,
+                    kCluster = decltype(cluster)::value;
+      if constexpr (kVecs == kDenseVecs) {
+        if (sparse) return softmax_backward_kernel<T, kThreads, kVecs, kCluster, Occupancy::kSparse>;
+      }
+      return softmax_backward_kernel<T, kThreads, kVecs, kCluster, Occupancy::kDefault>;
     };
     const auto stages = [](int threads) { return 2 * backward_stages(threads); };
     // Three ranges of the row length, each compiling only the splits it uses.

@@ -22,14 +22,36 @@ struct ForwardArgs {
   int slots;  // 16-byte slots of the longest row
 };
 
+// How a row reaches the registers: through the row ring on a persistent grid (any length), or
+// straight from global memory on a grid of one block per row, 2 slots per thread at 32
+// registers so that 2048 threads share an SM (kDense). kDense takes rows of 256, 512 or 1024
+// slots (bf16 N 2048, 4096, 8192: every thread's slots full) over at least kDenseMinRows rows:
+// 4-7 % faster there (bf16 32768 x 2048-8192, 65536 x 8192), 3 % at 16384 x 8192. The ring
+// stays faster over fewer rows (4096 x 8192: 3 %) and where a split leaves slots empty (N 6144,
+// 7168: 5-12 %); from N 16384, 2 slots per thread spill at 32 registers (1-25 % slower).
+enum class Feed { kRing, kDense };
+constexpr int kDenseVecs = 2, kDenseMinSlots = 256, kDenseMaxSlots = 1024;
+constexpr std::int64_t kDenseMinRows = 16384;
 
-template <class T, int kThreads, int kVecs, int kCluster>
-__global__ void __launch_bounds__(detail::row_block_threads(kThreads),
-                                  detail::kRowMaxThreads / detail::row_block_threads(kThreads))
+template <Feed kFeed>
+constexpr int kFeedStages = kFeed == Feed::kRing ? detail::kRowRingStages : 0;
+template <Feed kFeed, int kThreads>
+constexpr int kFeedBlock = detail::row_block_threads(kThreads, kFeed == Feed::kRing);
+template <Feed kFeed>
+constexpr int kFeedSmThreads = kFeed == Feed::kRing ? detail::kRowMaxThreads : 2048;
+
+bool dense_feed(std::int64_t slots, std::int64_t rows) {
+  return slots >= kDenseMinSlots && slots <= kDenseMaxSlots && (slots & (slots - 1)) == 0 &&
+         rows >= kDenseMinRows;
+}
+
+template <class T, Feed kFeed, int kThreads, int kVecs, int kCluster>
+__global__ void __launch_bounds__(kFeedBlock<kFeed, kThreads>,
+                                  kFeedSmThreads<kFeed> / kFeedBlock<kFeed, kThreads>)
     softmax_forward_kernel(ForwardArgs a) {
-  using Tile = detail::RowTile<T, kThreads, kVecs, kCluster, detail::OnlineSoftmaxOp, 2>;
+  constexpr int kStages = kFeedStages<kFeed>;
+  using Tile = detail::RowTile<T, kThreads, kVecs, kCluster, detail::OnlineSoftmaxOp, 2, (kStages > 0)>;
   constexpr int V = Tile::V;
-  constexpr int kStages = detail::kRowRingStages;
   constexpr float kInf = std::numeric_limits<float>::infinity();
   __shared__ Tile tile;
   tile.start();
@@ -100,11 +122,23 @@ void softmax_forward_cuda(const TensorView& x, TensorView y, cudaStream_t stream
                 static_cast<int>(xr.cols), 0};
   detail::dispatch_activation_dtype(x.dtype, op, [&](auto tag) {
     using T = typename decltype(tag)::type;
+    const int max_shift = detail::rows_max_shift(x.data, xr.row_stride, sizeof(T));
+    const std::int64_t slots = detail::row_slots(xr.cols, detail::kVec16<T>, max_shift);
+    if (dense_feed(slots, xr.rows)) {
+      detail::launch_rows<T, kDenseMinSlots / kDenseVecs, kDenseVecs, kDenseMaxSlots / kDenseVecs>(
+          op, xr.rows, xr.cols, max_shift, stream,
+          [](auto threads, auto vecs, auto cluster) {
+            return softmax_forward_kernel<T, Feed::kDense, decltype(threads)::value,
+                                          decltype(vecs)::value, decltype(cluster)::value>;
+          },
+          [](int) { return 0; }, a);
+      return;
+    }
     detail::launch_rows<T, 1>(
-        op, xr.rows, xr.cols, detail::rows_max_shift(x.data, xr.row_stride, sizeof(T)), stream,
+        op, xr.rows, xr.cols, max_shift, stream,
         [](auto threads, auto vecs, auto cluster) {
-          return softmax_forward_kernel<T, decltype(threads)::value, decltype(vecs)::value,
-                                        decltype(cluster)::value>;
+          return softmax_forward_kernel<T, Feed::kRing, decltype(threads)::value,
+                                        decltype(vecs)::value, decltype(cluster)::value>;
         },
         [](int) { return detail::kRowRingStages; }, a);
   });
