@@ -28,7 +28,7 @@ struct ForwardArgs {
 // slots (bf16 N 2048, 4096, 8192: every thread's slots full) over at least kDenseMinRows rows:
 // 4-7 % faster there (bf16 32768 x 2048-8192, 65536 x 8192), 3 % at 16384 x 8192. The ring
 // stays faster over fewer rows (4096 x 8192: 3 %) and where a split leaves slots empty (N 6144,
-// 7168: 5-12 %); from N 16384, 2 slots per thread spill at 32 registers (1-25 % slower).
+// 7168: 5-12 %); from N 16384, 2 slots per thread spill at 32 registers (1-33 % slower).
 enum class Feed { kRing, kDense };
 constexpr int kDenseVecs = 2, kDenseMinSlots = 256, kDenseMaxSlots = 1024;
 constexpr std::int64_t kDenseMinRows = 16384;
