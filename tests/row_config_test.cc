@@ -38,6 +38,17 @@ TEST(RowConfig, SlotsPerThreadAndThreadCap) {
   EXPECT_EQ(row_config(4097, 512).cluster, 2);
 }
 
+// A ring's persistent grid packs rows of up to 256 threads into blocks of 256; a grid of a block
+// per row group gives rows of 128 threads or more a block of their own.
+TEST(RowConfig, BlockThreads) {
+  EXPECT_EQ(row_block_threads(32), 256);
+  EXPECT_EQ(row_block_threads(128), 256);
+  EXPECT_EQ(row_block_threads(512), 512);
+  EXPECT_EQ(row_block_threads(64, false), 256);
+  EXPECT_EQ(row_block_threads(128, false), 128);
+  EXPECT_EQ(row_block_threads(1024, false), 1024);
+}
+
 TEST(RowConfig, SlotsCountTheFirstRowsShift) {
   // bf16: 8 per slot. 8194 elements starting on 16 bytes span 1025 slots; shifted, up to 1026.
   EXPECT_EQ(row_slots(8194, 8, 0), 1025);
