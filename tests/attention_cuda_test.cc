@@ -665,5 +665,104 @@ TEST(AttentionBackwardCudaErrors, WorkspaceMissingOrSmall) {
   TS_EXPECT_ERROR(attention_backward(args), "attention_backward", "'workspace'", needed.c_str(), "64 bytes");
 }
 
+// ---- packed variable-length sequences ----
+
+// Packed sequences on CUDA (the batched kernels once per sequence) against the CPU varlen
+// reference on float64 copies of the same rounded inputs: sequences without queries, without
+// keys or both, lengths on and off the tiles, GQA, causal and a window; out and lse (the packed
+// [Hq, Tq] layout) NaN-poisoned first; the backward from the forward's out and lse rounded as
+// the CUDA forward stores them.
+TEST(AttentionVarlenCuda, MatchesReference) {
+  TS_REQUIRE_GPU();
+  const std::vector<std::int32_t> q_lens = {37, 0, 130, 1, 0, 64}, k_lens = {37, 5, 130, 0, 0, 80};
+  const std::int64_t hq = 4, hkv = 2;
+  const auto offsets = [](const std::vector<std::int32_t>& lens) {
+    std::vector<double> o{0};
+    for (std::int32_t n : lens) o.push_back(o.back() + n);
+    return HostTensor::from_values(DType::kInt32, {static_cast<std::int64_t>(o.size())}, o);
+  };
+  const HostTensor cu_q = offsets(q_lens), cu_k = offsets(k_lens);
+  const DeviceTensor cu_q_dev(cu_q), cu_k_dev(cu_k);
+  const std::int64_t tq = static_cast<std::int64_t>(cu_q.values().back());
+  const std::int64_t tk = static_cast<std::int64_t>(cu_k.values().back());
+  const AttentionSequences host_seq{cu_q.view(), cu_k.view(), 130, 130};
+  const AttentionSequences dev_seq{cu_q_dev.view(), cu_k_dev.view(), 130, 130};
+  for (const DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+    for (const std::int64_t d : {64, 128}) {
+      for (const AttentionOptions& options :
+           {AttentionOptions{}, AttentionOptions{.causal = true},
+            AttentionOptions{.window_left = 16, .window_right = 8}}) {
+        SCOPED_TRACE(testing::Message() << dtype_name(dtype) << " D=" << d << " causal=" << options.causal
+                                        << " window=" << options.window_left << "/" << options.window_right);
+        const HostTensor q = HostTensor::random(dtype, {tq, hq, d}), k = HostTensor::random(dtype, {tk, hkv, d}),
+                         v = HostTensor::random(dtype, {tk, hkv, d}), dout = HostTensor::random(dtype, {tq, hq, d});
+        const HostTensor q64 = to64(q), k64 = to64(k), v64 = to64(v), dout64 = to64(dout);
+        HostTensor out_ref(DType::kFloat64, {tq, hq, d}), lse_ref(DType::kFloat64, {hq, tq});
+        attention_varlen_forward(q64.view(), k64.view(), v64.view(), host_seq, out_ref.view(), lse_ref.view(),
+                                 options);
+
+        const DeviceTensor q_dev(q), k_dev(k), v_dev(v), dout_dev(dout);
+        HostTensor out(dtype, {tq, hq, d}), lse(DType::kFloat32, {hq, tq});
+        out.fill_nan();
+        lse.fill_nan();
+        DeviceTensor out_dev(out), lse_dev(lse);
+        attention_varlen_forward(q_dev.view(), k_dev.view(), v_dev.view(), dev_seq, out_dev.view(), lse_dev.view(),
+                                 options);
+        test::device_synchronize();
+        out_dev.copy_to(out);
+        lse_dev.copy_to(lse);
+        EXPECT_TRUE(compare("out", out.view(), out_ref.view(), out_tolerance(dtype)));
+        EXPECT_TRUE(compare("lse", lse.view(), lse_ref.view(), kLseTolerance));
+
+        // The backward from out and lse as the CUDA forward stores them.
+        const HostTensor out_rounded = HostTensor::from_values(dtype, out_ref.shape(), out_ref.values());
+        const HostTensor lse_rounded = HostTensor::from_values(DType::kFloat32, lse_ref.shape(), lse_ref.values());
+        const HostTensor out64 = to64(out_rounded), lse64 = to64(lse_rounded);
+        HostTensor dq_ref(DType::kFloat64, {tq, hq, d}), dk_ref(DType::kFloat64, {tk, hkv, d}),
+            dv_ref(DType::kFloat64, {tk, hkv, d});
+        attention_varlen_backward({.dout = dout64.view(), .q = q64.view(), .k = k64.view(), .v = v64.view(),
+                                   .out = out64.view(), .lse = lse64.view(), .dq = dq_ref.view(),
+                                   .dk = dk_ref.view(), .dv = dv_ref.view()},
+                                  host_seq, options);
+        const DeviceTensor out_r_dev(out_rounded), lse_r_dev(lse_rounded);
+        HostTensor dq(dtype, {tq, hq, d}), dk(dtype, {tk, hkv, d}), dv(dtype, {tk, hkv, d});
+        for (HostTensor* t : {&dq, &dk, &dv}) t->fill_nan();
+        DeviceTensor dq_dev(dq), dk_dev(dk), dv_dev(dv);
+        attention_varlen_backward({.dout = dout_dev.view(), .q = q_dev.view(), .k = k_dev.view(), .v = v_dev.view(),
+                                   .out = out_r_dev.view(), .lse = lse_r_dev.view(), .dq = dq_dev.view(),
+                                   .dk = dk_dev.view(), .dv = dv_dev.view()},
+                                  dev_seq, options);
+        test::device_synchronize();
+        dq_dev.copy_to(dq);
+        dk_dev.copy_to(dk);
+        dv_dev.copy_to(dv);
+        EXPECT_TRUE(compare("dq", dq.view(), dq_ref.view(), grad_tolerance(dtype, dq_ref)));
+        EXPECT_TRUE(compare("dk", dk.view(), dk_ref.view(), grad_tolerance(dtype, dk_ref)));
+        EXPECT_TRUE(compare("dv", dv.view(), dv_ref.view(), grad_tolerance(dtype, dv_ref)));
+      }
+    }
+  }
+}
+
+// Offsets on the GPU are checked as on the CPU once read back: the error names the op and the
+// argument.
+TEST(AttentionVarlenCuda, OffsetsCheckedOnTheDevice) {
+  TS_REQUIRE_GPU();
+  const HostTensor q = HostTensor::random(DType::kBFloat16, {5, 2, 64});
+  const HostTensor k = HostTensor::random(DType::kBFloat16, {5, 2, 64});
+  const DeviceTensor q_dev(q), k_dev(k);
+  HostTensor out(DType::kBFloat16, {5, 2, 64});
+  DeviceTensor out_dev(out, /*copy=*/false);
+  const HostTensor good = HostTensor::from_values(DType::kInt32, {3}, {0, 2, 5});
+  const HostTensor decreasing = HostTensor::from_values(DType::kInt32, {3}, {0, 4, 3});
+  const DeviceTensor good_dev(good), decreasing_dev(decreasing);
+  TS_EXPECT_ERROR(attention_varlen_forward(q_dev.view(), k_dev.view(), k_dev.view(),
+                                           {decreasing_dev.view(), good_dev.view(), 5, 5}, out_dev.view(), {}),
+                  "attention_varlen_forward", "'cu_seqlens_q'", "non-decreasing", "4 then 3");
+  TS_EXPECT_ERROR(attention_varlen_forward(q_dev.view(), k_dev.view(), k_dev.view(),
+                                           {good_dev.view(), good_dev.view(), 5, 2}, out_dev.view(), {}),
+                  "attention_varlen_forward", "'cu_seqlens_k'", "max_seqlen_k = 2");
+}
+
 }  // namespace
 }  // namespace trainscale

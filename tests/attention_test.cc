@@ -681,9 +681,21 @@ TEST(Attention, VarlenArgumentErrors) {
   AttentionSequences cuda_sequences = p.sequences();
   cuda_sequences.cu_seqlens_q = on_cuda(cuda_sequences.cu_seqlens_q);
   cuda_sequences.cu_seqlens_k = on_cuda(cuda_sequences.cu_seqlens_k);
+  // CUDA views (of host memory: they never reach a GPU) meet the kernels' checks first, as
+  // batches of one: float32 has no kernel.
+  const char* no_kernel = TRAINSCALE_HAVE_CUDA ? (TRAINSCALE_HAVE_CUTLASS ? "float32" : "CUTLASS") : "no CUDA support";
   TS_EXPECT_ERROR(attention_varlen_forward(on_cuda(in.q.view()), on_cuda(in.k.view()), on_cuda(in.v.view()),
                                            cuda_sequences, on_cuda(out.view()), {}),
-                  op, TRAINSCALE_HAVE_CUDA ? "CPU reference so far" : "no CUDA support");
+                  op, no_kernel);
+  HostTensor lse_packed(DType::kFloat32, {2, 5}), dq(DType::kFloat32, in.q.shape()), dk(DType::kFloat32, in.k.shape()),
+      dv(DType::kFloat32, in.v.shape());
+  TS_EXPECT_ERROR(attention_varlen_backward({.dout = on_cuda(out.view()), .q = on_cuda(in.q.view()),
+                                             .k = on_cuda(in.k.view()), .v = on_cuda(in.v.view()),
+                                             .out = on_cuda(out.view()), .lse = on_cuda(lse_packed.view()),
+                                             .dq = on_cuda(dq.view()), .dk = on_cuda(dk.view()),
+                                             .dv = on_cuda(dv.view())},
+                                            cuda_sequences),
+                  "attention_varlen_backward", no_kernel);
 }
 
 TEST(Attention, ForwardArgumentErrors) {

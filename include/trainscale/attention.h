@@ -80,8 +80,10 @@ std::size_t attention_backward_workspace_bytes(const TensorView& q);
 // [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and keys [cu_seqlens_k[b], cu_seqlens_k[b + 1]), and is
 // attended as attention_forward attends one batch entry (causal and window aligned bottom-right
 // within the sequence; an empty sequence is allowed). cu_seqlens_* are int32 [B + 1] on q's
-// device, non-decreasing from 0 to Tq / Tk (checked on the CPU); max_seqlen_* bound the
-// sequence lengths (what a kernel's grid is sized by, given so that no device value is read).
+// device, non-decreasing from 0 to Tq / Tk, no sequence longer than max_seqlen_* (all checked).
+// On CUDA the batched kernels run once per sequence after the offsets are read back to the host:
+// a synchronization of `stream` per call, and stream-ordered allocations (cudaMallocAsync) for
+// lse rows and the backward's workspace, so the backward takes no workspace argument.
 struct AttentionSequences {
   TensorView cu_seqlens_q;
   TensorView cu_seqlens_k;
@@ -95,7 +97,8 @@ void attention_varlen_forward(const TensorView& q, const TensorView& k, const Te
                               const AttentionSequences& sequences, TensorView out, TensorView lse,
                               const AttentionOptions& options = {}, cudaStream_t stream = nullptr);
 // The backward of attention_varlen_forward: the tensors of AttentionBackwardArgs in the packed
-// layout (dout, out, dq like q; dk, dv like k, v; lse [Hq, Tq] as the forward wrote it).
+// layout (dout, out, dq like q; dk, dv like k, v; lse [Hq, Tq] as the forward wrote it); the
+// workspace is not used.
 void attention_varlen_backward(const AttentionBackwardArgs& args, const AttentionSequences& sequences,
                                const AttentionOptions& options = {}, cudaStream_t stream = nullptr);
 

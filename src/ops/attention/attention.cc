@@ -1,9 +1,11 @@
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <string>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "ops/attention/attention_cuda.h"
 #include "ops/attention/attention_heuristics.h"
@@ -131,17 +133,22 @@ void check_cuda_forward(detail::OpChecker& c, const TensorView& q, const TensorV
 // start, every stride of a dim longer than 1 a multiple of 16 bytes; no TMA, so no other layout
 // rule); lse in float32; sequence lengths whose sum fits its 32-bit in-sequence indices; and the
 // workspace.
-void check_cuda_backward(detail::OpChecker& c, const AttentionBackwardArgs& args) {
+// The tensors of heads only ([B, S, H, D] views; packed sequences check them as batches of one).
+void check_cuda_backward_heads(detail::OpChecker& c, const AttentionBackwardArgs& args) {
   const TensorView& q = args.q;
   c.dtype_in(q, "q", {DType::kBFloat16, DType::kFloat16});
   if (!ops::attention::backward_head_dim_supported(q.size(3)))
     c.fail("q", "a head dim D of 64, 128 or 256 (the CUDA kernel's)", "shape " + q.shape_str());
-  c.dtype_in(args.lse, "lse", {DType::kFloat32});
   check_16_byte_access(c,
                        {{q, "q"}, {args.k, "k"}, {args.v, "v"}, {args.out, "out"}, {args.dout, "dout"},
                         {args.dq, "dq"}, {args.dk, "dk"}, {args.dv, "dv"}},
                        "16-byte loads and stores");
   check_mask_indices(c, q, args.k);
+}
+void check_cuda_backward(detail::OpChecker& c, const AttentionBackwardArgs& args) {
+  check_cuda_backward_heads(c, args);
+  c.dtype_in(args.lse, "lse", {DType::kFloat32});
+  const TensorView& q = args.q;
   const std::size_t needed = attention_backward_workspace_bytes(q);
   const TensorView& w = args.workspace;
   const std::size_t given = w.defined() ? static_cast<std::size_t>(w.numel()) * w.element_size() : 0;
@@ -151,6 +158,26 @@ void check_cuda_backward(detail::OpChecker& c, const AttentionBackwardArgs& args
   if (needed > 0 && (!w.is_contiguous() || reinterpret_cast<std::uintptr_t>(w.data) % 256 != 0))
     c.fail("workspace", "a contiguous, 256-byte aligned view", w.describe());
 }
+
+#if TRAINSCALE_HAVE_CUDA && TRAINSCALE_HAVE_CUTLASS
+// The CUDA kernels of q's head dim, for arguments that passed the checks.
+void forward_kernels(const TensorView& q, const TensorView& k, const TensorView& v, TensorView out,
+                     TensorView lse, const AttentionOptions& options, cudaStream_t stream) {
+  switch (q.size(3)) {
+    case 64: ops::attention::attention_forward_hdim64(q, k, v, out, lse, options, stream); break;
+    case 128: ops::attention::attention_forward_hdim128(q, k, v, out, lse, options, stream); break;
+    default: ops::attention::attention_forward_hdim256(q, k, v, out, lse, options, stream); break;
+  }
+}
+void backward_kernels(const AttentionBackwardArgs& args, const AttentionOptions& options,
+                      cudaStream_t stream) {
+  switch (args.q.size(3)) {
+    case 64: ops::attention::attention_backward_hdim64(args, options, stream); break;
+    case 128: ops::attention::attention_backward_hdim128(args, options, stream); break;
+    default: ops::attention::attention_backward_hdim256(args, options, stream); break;
+  }
+}
+#endif
 
 }  // namespace
 
@@ -169,14 +196,7 @@ void attention_forward(const TensorView& q, const TensorView& k, const TensorVie
     if (lse.defined()) c.dtype_in(lse, "lse", {DType::kFloat32});
   }
 #if TRAINSCALE_HAVE_CUDA && TRAINSCALE_HAVE_CUTLASS
-  if (detail::ran_on_cuda(c, [&] {
-        switch (q.size(3)) {
-          case 64: ops::attention::attention_forward_hdim64(q, k, v, out, lse, options, stream); break;
-          case 128: ops::attention::attention_forward_hdim128(q, k, v, out, lse, options, stream); break;
-          default: ops::attention::attention_forward_hdim256(q, k, v, out, lse, options, stream); break;
-        }
-      }))
-    return;
+  if (detail::ran_on_cuda(c, [&] { forward_kernels(q, k, v, out, lse, options, stream); })) return;
 #else
   (void)stream;
 #endif
@@ -205,14 +225,7 @@ void attention_backward(const AttentionBackwardArgs& args, const AttentionOption
     check_cuda_backward(c, args);
   }
 #if TRAINSCALE_HAVE_CUDA && TRAINSCALE_HAVE_CUTLASS
-  if (detail::ran_on_cuda(c, [&] {
-        switch (q.size(3)) {
-          case 64: ops::attention::attention_backward_hdim64(args, options, stream); break;
-          case 128: ops::attention::attention_backward_hdim128(args, options, stream); break;
-          default: ops::attention::attention_backward_hdim256(args, options, stream); break;
-        }
-      }))
-    return;
+  if (detail::ran_on_cuda(c, [&] { backward_kernels(args, options, stream); })) return;
 #else
   (void)stream;
 #endif
@@ -223,30 +236,31 @@ namespace {
 
 // --- variable-length (packed) sequences ---------------------------------------------------------
 
+// A packed [T, H, D] tensor as the batch of one [1, T, H, D].
+TensorView as_one_batch(const TensorView& t) {
+  return TensorView(t.data, t.dtype, {1, t.size(0), t.size(1), t.size(2)},
+                    {t.size(0) * t.strides[0], t.strides[0], t.strides[1], 1}, t.device);
+}
+
 // Packed q, k, v: 3 dims each, then every check of the batched layout on batch-of-one views.
 void check_packed_qkv(detail::OpChecker& c, const TensorView& q, const TensorView& k,
                       const TensorView& v, const AttentionOptions& options) {
   check_heads(c, q, "q", kPacked);
   check_heads(c, k, "k", kPacked);
   check_heads(c, v, "v", kPacked);
-  auto one = [](const TensorView& t) {
-    return TensorView(t.data, t.dtype, {1, t.size(0), t.size(1), t.size(2)},
-                      {t.size(0) * t.strides[0], t.strides[0], t.strides[1], 1}, t.device);
-  };
-  check_qkv(c, one(q), one(k), one(v), options);
+  check_qkv(c, as_one_batch(q), as_one_batch(k), as_one_batch(v), options);
 }
 
-// lse [Hq, Tq], contiguous.
+// lse [Hq, Tq], contiguous (float32 on CUDA).
 void check_packed_lse(detail::OpChecker& c, const TensorView& lse, const TensorView& q) {
   c.present(lse, "lse").dtype_in(lse, "lse", {DType::kFloat32, DType::kFloat64}).ndim(lse, "lse", 2);
   c.dim_size(lse, "lse", 0, q.size(1), "Hq of 'q'").dim_size(lse, "lse", 1, q.size(0), "Tq of 'q'");
   c.contiguous(lse, "lse");
+  if (c.on_cuda()) c.dtype_in(lse, "lse", {DType::kFloat32});
 }
 
-// cu_seqlens_q / _k: int32 [B + 1] each, one B; on the CPU their values too (from 0 to the token
-// count, non-decreasing, no sequence longer than its max_seqlen). Returns B.
-std::int64_t check_sequences(detail::OpChecker& c, const AttentionSequences& s, std::int64_t q_tokens,
-                             std::int64_t kv_tokens) {
+// cu_seqlens_q / _k: int32 [B + 1] each, one B. Returns B.
+std::int64_t check_sequences(detail::OpChecker& c, const AttentionSequences& s) {
   c.present(s.cu_seqlens_q, "cu_seqlens_q").dtype_in(s.cu_seqlens_q, "cu_seqlens_q", {DType::kInt32});
   c.ndim(s.cu_seqlens_q, "cu_seqlens_q", 1).contiguous(s.cu_seqlens_q, "cu_seqlens_q");
   if (s.cu_seqlens_q.size(0) < 1)
@@ -256,35 +270,49 @@ std::int64_t check_sequences(detail::OpChecker& c, const AttentionSequences& s, 
   c.dim_size(s.cu_seqlens_k, "cu_seqlens_k", 0, s.cu_seqlens_q.size(0), "the B + 1 of 'cu_seqlens_q'");
   for (const auto& [max, name] : {std::pair{s.max_seqlen_q, "max_seqlen_q"}, {s.max_seqlen_k, "max_seqlen_k"}})
     if (max < 0) c.fail(name, "a length >= 0", std::to_string(max));
-  if (!c.on_cuda()) {
-    for (const auto& [offsets, name, tokens, max, max_name] :
-         {std::tuple{s.cu_seqlens_q, "cu_seqlens_q", q_tokens, s.max_seqlen_q, "max_seqlen_q"},
-          std::tuple{s.cu_seqlens_k, "cu_seqlens_k", kv_tokens, s.max_seqlen_k, "max_seqlen_k"}}) {
-      const auto* o = offsets.ptr<const std::int32_t>();
-      const std::int64_t n = offsets.size(0);
-      if (o[0] != 0 || o[n - 1] != tokens)
-        c.fail(name, "offsets from 0 to the " + std::to_string(tokens) + " tokens",
-               "from " + std::to_string(o[0]) + " to " + std::to_string(o[n - 1]));
-      for (std::int64_t b = 0; b + 1 < n; ++b) {
-        if (o[b + 1] < o[b])
-          c.fail(name, "non-decreasing offsets",
-                 std::to_string(o[b]) + " then " + std::to_string(o[b + 1]) + " at " + std::to_string(b));
-        if (o[b + 1] - o[b] > max)
-          c.fail(name, std::string("sequences no longer than ") + max_name + " = " + std::to_string(max),
-                 "sequence " + std::to_string(b) + " of " + std::to_string(o[b + 1] - o[b]));
-      }
-    }
-  }
   return s.cu_seqlens_q.size(0) - 1;
 }
 
-[[noreturn]] void throw_no_varlen_kernel(const char* op) {
-#if !TRAINSCALE_HAVE_CUDA
-  detail::throw_no_cuda_build(op);
-#else
-  detail::throw_op_error(op, "CUDA tensors given, but packed variable-length sequences have only "
-                             "their CPU reference so far");
+// The offsets as the host reads them (on CUDA, copies: a synchronization of `stream`), checked:
+// from 0 to the token count, non-decreasing, no sequence longer than its max_seqlen.
+struct Offsets {
+  std::vector<std::int32_t> q, k;
+};
+Offsets read_offsets(detail::OpChecker& c, const AttentionSequences& s, std::int64_t q_tokens,
+                     std::int64_t kv_tokens, [[maybe_unused]] cudaStream_t stream) {
+  const auto n = static_cast<std::size_t>(s.cu_seqlens_q.size(0));
+  Offsets out{std::vector<std::int32_t>(n), std::vector<std::int32_t>(n)};
+  for (const auto& [from, to] : {std::pair{&s.cu_seqlens_q, &out.q}, {&s.cu_seqlens_k, &out.k}}) {
+    if (c.on_cuda()) {
+#if TRAINSCALE_HAVE_CUDA
+      detail::check_cuda(cudaMemcpyAsync(to->data(), from->data, n * sizeof(std::int32_t),
+                                         cudaMemcpyDeviceToHost, stream),
+                         c.op(), "cudaMemcpyAsync (cu_seqlens)");
 #endif
+    } else {
+      std::copy_n(from->ptr<const std::int32_t>(), n, to->begin());
+    }
+  }
+#if TRAINSCALE_HAVE_CUDA
+  if (c.on_cuda()) detail::check_cuda(cudaStreamSynchronize(stream), c.op(), "cudaStreamSynchronize (cu_seqlens)");
+#endif
+  for (const auto& [o, name, tokens, max, max_name] :
+       {std::tuple{&out.q, "cu_seqlens_q", q_tokens, s.max_seqlen_q, "max_seqlen_q"},
+        std::tuple{&out.k, "cu_seqlens_k", kv_tokens, s.max_seqlen_k, "max_seqlen_k"}}) {
+    const std::vector<std::int32_t>& v = *o;
+    if (v.front() != 0 || v.back() != tokens)
+      c.fail(name, "offsets from 0 to the " + std::to_string(tokens) + " tokens",
+             "from " + std::to_string(v.front()) + " to " + std::to_string(v.back()));
+    for (std::size_t b = 0; b + 1 < v.size(); ++b) {
+      if (v[b + 1] < v[b])
+        c.fail(name, "non-decreasing offsets",
+               std::to_string(v[b]) + " then " + std::to_string(v[b + 1]) + " at " + std::to_string(b));
+      if (v[b + 1] - v[b] > max)
+        c.fail(name, std::string("sequences no longer than ") + max_name + " = " + std::to_string(max),
+               "sequence " + std::to_string(b) + " of " + std::to_string(v[b + 1] - v[b]));
+    }
+  }
+  return out;
 }
 
 // Sequence b of a packed view as a batch of one [1, S, H, D] (or its lse [1, Hq, S], rows Tq apart).
@@ -301,35 +329,134 @@ TensorView lse_of(const TensorView& lse, std::int64_t begin, std::int64_t end) {
                     lse.device);
 }
 
-// fn(b, query begin, query end, key begin, key end) for every sequence.
+// fn(query begin, query end, key begin, key end) for every sequence.
 template <class Fn>
-void for_each_sequence(const AttentionSequences& s, std::int64_t count, Fn&& fn) {
-  const auto* q = s.cu_seqlens_q.ptr<const std::int32_t>();
-  const auto* k = s.cu_seqlens_k.ptr<const std::int32_t>();
-  for (std::int64_t b = 0; b < count; ++b) fn(q[b], q[b + 1], k[b], k[b + 1]);
+void for_each_sequence(const Offsets& o, Fn&& fn) {
+  for (std::size_t b = 0; b + 1 < o.q.size(); ++b) fn(o.q[b], o.q[b + 1], o.k[b], o.k[b + 1]);
 }
+
+#if TRAINSCALE_HAVE_CUDA && TRAINSCALE_HAVE_CUTLASS
+// Packed sequences on CUDA: the batched kernels once per sequence, on batch-of-one views. The
+// kernels keep lse as [B, Hq, S] contiguous, so a sequence's lse rows (Tq apart in [Hq, Tq])
+// pass through a contiguous [Hq, S] buffer; that buffer and the backward's workspace are
+// allocated stream-ordered (cudaMallocAsync) for the longest sequence.
+class StreamBuffer {
+ public:
+  StreamBuffer(std::size_t bytes, cudaStream_t stream, const char* op) : stream_(stream) {
+    if (bytes > 0) detail::check_cuda(cudaMallocAsync(&data_, bytes, stream), op, "cudaMallocAsync");
+  }
+  StreamBuffer(const StreamBuffer&) = delete;
+  StreamBuffer& operator=(const StreamBuffer&) = delete;
+  ~StreamBuffer() {
+    if (data_ != nullptr) (void)cudaFreeAsync(data_, stream_);
+  }
+  void* data() const { return data_; }
+
+ private:
+  void* data_ = nullptr;
+  cudaStream_t stream_;
+};
+
+// Copies lse rows of one sequence between the packed [Hq, Tq] (at `packed`, the sequence's first
+// column) and a contiguous [Hq, S].
+void copy_lse_rows(void* dst, std::size_t dst_pitch, const void* src, std::size_t src_pitch, std::int64_t heads,
+                   std::int64_t len, cudaStream_t stream, const char* op) {
+  detail::check_cuda(cudaMemcpy2DAsync(dst, dst_pitch * sizeof(float), src, src_pitch * sizeof(float),
+                                       static_cast<std::size_t>(len) * sizeof(float),
+                                       static_cast<std::size_t>(heads), cudaMemcpyDeviceToDevice, stream),
+                     op, "cudaMemcpy2DAsync (lse)");
+}
+
+std::int64_t longest(const std::vector<std::int32_t>& offsets) {
+  std::int64_t out = 0;
+  for (std::size_t b = 0; b + 1 < offsets.size(); ++b) out = std::max<std::int64_t>(out, offsets[b + 1] - offsets[b]);
+  return out;
+}
+
+void varlen_forward_cuda(const detail::OpChecker& c, const TensorView& q, const TensorView& k,
+                         const TensorView& v, const Offsets& o, TensorView out, TensorView lse,
+                         const AttentionOptions& options, cudaStream_t stream) {
+  const std::int64_t heads = q.size(1), tokens = q.size(0), max_len = longest(o.q);
+  StreamBuffer staged(lse.defined() ? static_cast<std::size_t>(heads * max_len) * sizeof(float) : 0, stream,
+                      c.op());
+  for_each_sequence(o, [&](std::int64_t qb, std::int64_t qe, std::int64_t kb, std::int64_t ke) {
+    if (qe == qb) return;
+    TensorView seq_lse;
+    if (lse.defined())
+      seq_lse = TensorView(staged.data(), DType::kFloat32, {1, heads, qe - qb}, {heads * (qe - qb), qe - qb, 1},
+                           lse.device);
+    forward_kernels(sequence_of(q, qb, qe), sequence_of(k, kb, ke), sequence_of(v, kb, ke),
+                    sequence_of(out, qb, qe), seq_lse, options, stream);
+    if (lse.defined())
+      copy_lse_rows(static_cast<float*>(lse.data) + qb, tokens, staged.data(), qe - qb, heads, qe - qb, stream,
+                    c.op());
+  });
+}
+
+void varlen_backward_cuda(const detail::OpChecker& c, const AttentionBackwardArgs& args, const Offsets& o,
+                          const AttentionOptions& options, cudaStream_t stream) {
+  const TensorView& q = args.q;
+  const std::int64_t heads = q.size(1), tokens = q.size(0), max_len = longest(o.q);
+  const std::size_t lse_bytes = static_cast<std::size_t>(heads * max_len) * sizeof(float);
+  // The workspace after the lse rows, at 256 bytes.
+  const std::size_t work_offset = (lse_bytes + 255) / 256 * 256;
+  const std::size_t work_bytes = ops::attention::backward_workspace(1, heads, max_len, q.size(2)).bytes;
+  StreamBuffer buffer(work_offset + (work_bytes + sizeof(float) - 1) / sizeof(float) * sizeof(float), stream,
+                      c.op());
+  char* base = static_cast<char*>(buffer.data());
+  for_each_sequence(o, [&](std::int64_t qb, std::int64_t qe, std::int64_t kb, std::int64_t ke) {
+    if (qe == qb && ke == kb) return;
+    const std::int64_t len = qe - qb;
+    const TensorView seq_lse(base, DType::kFloat32, {1, heads, len}, {heads * len, len, 1}, args.lse.device);
+    if (len > 0)
+      copy_lse_rows(base, len, static_cast<const float*>(args.lse.data) + qb, tokens, heads, len, stream, c.op());
+    const std::size_t seq_work = ops::attention::backward_workspace(1, heads, len, q.size(2)).bytes;
+    const TensorView work(base + work_offset, DType::kFloat32,
+                          {static_cast<std::int64_t>((seq_work + sizeof(float) - 1) / sizeof(float))}, {1},
+                          args.lse.device);
+    backward_kernels({.dout = sequence_of(args.dout, qb, qe), .q = sequence_of(q, qb, qe),
+                      .k = sequence_of(args.k, kb, ke), .v = sequence_of(args.v, kb, ke),
+                      .out = sequence_of(args.out, qb, qe), .lse = seq_lse, .dq = sequence_of(args.dq, qb, qe),
+                      .dk = sequence_of(args.dk, kb, ke), .dv = sequence_of(args.dv, kb, ke), .workspace = work},
+                     options, stream);
+  });
+}
+#endif
 
 }  // namespace
 
 void attention_varlen_forward(const TensorView& q, const TensorView& k, const TensorView& v,
                               const AttentionSequences& sequences, TensorView out, TensorView lse,
-                              const AttentionOptions& options, cudaStream_t /*stream*/) {
+                              const AttentionOptions& options, cudaStream_t stream) {
   detail::OpChecker c("attention_varlen_forward");
   check_packed_qkv(c, q, k, v, options);
   check_heads_like(c, out, "out", q, "q", kPacked);
   c.distinct_elements(out, "out");
   if (lse.defined()) check_packed_lse(c, lse, q);
-  const std::int64_t count = check_sequences(c, sequences, q.size(0), k.size(0));
+  check_sequences(c, sequences);
   c.outputs_disjoint({{out, "out"}, {lse, "lse"}}, {{q, "q"}, {k, "k"}, {v, "v"}});
-  if (c.on_cuda()) throw_no_varlen_kernel(c.op());
-  for_each_sequence(sequences, count, [&](std::int64_t qb, std::int64_t qe, std::int64_t kb, std::int64_t ke) {
-    ops::attention::attention_forward_cpu(sequence_of(q, qb, qe), sequence_of(k, kb, ke), sequence_of(v, kb, ke),
-                                          sequence_of(out, qb, qe), lse_of(lse, qb, qe), options);
-  });
+  if (c.on_cuda()) {
+    // As batches of one, the kernels' layout rules: every sequence's view passes them too.
+    require_attention_kernels(c);
+    check_cuda_forward(c, as_one_batch(q), as_one_batch(k), as_one_batch(v));
+  }
+#if TRAINSCALE_HAVE_CUDA && TRAINSCALE_HAVE_CUTLASS
+  if (detail::ran_on_cuda(c, [&] {
+        const Offsets o = read_offsets(c, sequences, q.size(0), k.size(0), stream);
+        varlen_forward_cuda(c, q, k, v, o, out, lse, options, stream);
+      }))
+    return;
+#endif
+  for_each_sequence(read_offsets(c, sequences, q.size(0), k.size(0), stream),
+                    [&](std::int64_t qb, std::int64_t qe, std::int64_t kb, std::int64_t ke) {
+                      ops::attention::attention_forward_cpu(sequence_of(q, qb, qe), sequence_of(k, kb, ke),
+                                                            sequence_of(v, kb, ke), sequence_of(out, qb, qe),
+                                                            lse_of(lse, qb, qe), options);
+                    });
 }
 
 void attention_varlen_backward(const AttentionBackwardArgs& args, const AttentionSequences& sequences,
-                               const AttentionOptions& options, cudaStream_t /*stream*/) {
+                               const AttentionOptions& options, cudaStream_t stream) {
   const auto& [dout, q, k, v, out, lse, dq, dk, dv, workspace] = args;
   detail::OpChecker c("attention_varlen_backward");
   check_packed_qkv(c, q, k, v, options);
@@ -342,17 +469,31 @@ void attention_varlen_backward(const AttentionBackwardArgs& args, const Attentio
   c.distinct_elements(dk, "dk");
   check_heads_like(c, dv, "dv", v, "v", kPacked);
   c.distinct_elements(dv, "dv");
-  c.optional(workspace, "workspace");  // unused: packed sequences have only the CPU reference
-  const std::int64_t count = check_sequences(c, sequences, q.size(0), k.size(0));
+  c.optional(workspace, "workspace");  // unused: the CUDA path allocates its own (see above)
+  check_sequences(c, sequences);
   c.outputs_disjoint({{dv, "dv"}, {dk, "dk"}, {dq, "dq"}, {workspace, "workspace"}},
                      {{dout, "dout"}, {q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}, {lse, "lse"}});
-  if (c.on_cuda()) throw_no_varlen_kernel(c.op());
-  for_each_sequence(sequences, count, [&](std::int64_t qb, std::int64_t qe, std::int64_t kb, std::int64_t ke) {
-    ops::attention::attention_backward_cpu(sequence_of(dout, qb, qe), sequence_of(q, qb, qe), sequence_of(k, kb, ke),
-                                           sequence_of(v, kb, ke), sequence_of(out, qb, qe), lse_of(lse, qb, qe),
-                                           sequence_of(dq, qb, qe), sequence_of(dk, kb, ke), sequence_of(dv, kb, ke),
-                                           options);
-  });
+  if (c.on_cuda()) {
+    require_attention_kernels(c);
+    check_cuda_backward_heads(c, {.dout = as_one_batch(dout), .q = as_one_batch(q), .k = as_one_batch(k),
+                                  .v = as_one_batch(v), .out = as_one_batch(out), .lse = {},
+                                  .dq = as_one_batch(dq), .dk = as_one_batch(dk), .dv = as_one_batch(dv),
+                                  .workspace = {}});
+  }
+#if TRAINSCALE_HAVE_CUDA && TRAINSCALE_HAVE_CUTLASS
+  if (detail::ran_on_cuda(c, [&] {
+        const Offsets o = read_offsets(c, sequences, q.size(0), k.size(0), stream);
+        varlen_backward_cuda(c, args, o, options, stream);
+      }))
+    return;
+#endif
+  for_each_sequence(read_offsets(c, sequences, q.size(0), k.size(0), stream),
+                    [&](std::int64_t qb, std::int64_t qe, std::int64_t kb, std::int64_t ke) {
+                      ops::attention::attention_backward_cpu(
+                          sequence_of(dout, qb, qe), sequence_of(q, qb, qe), sequence_of(k, kb, ke),
+                          sequence_of(v, kb, ke), sequence_of(out, qb, qe), lse_of(lse, qb, qe),
+                          sequence_of(dq, qb, qe), sequence_of(dk, kb, ke), sequence_of(dv, kb, ke), options);
+                    });
 }
 
 std::size_t attention_backward_workspace_bytes(const TensorView& q) {
