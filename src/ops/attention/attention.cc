@@ -357,8 +357,8 @@ class StreamBuffer {
   cudaStream_t stream_;
 };
 
-// Copies lse rows of one sequence between the packed [Hq, Tq] (at `packed`, the sequence's first
-// column) and a contiguous [Hq, S].
+// Copies `heads` rows of `len` floats, src_pitch floats apart in src, dst_pitch apart in dst: a
+// sequence's lse rows between the packed [Hq, Tq] (at its first column) and a contiguous [Hq, S].
 void copy_lse_rows(void* dst, std::size_t dst_pitch, const void* src, std::size_t src_pitch, std::int64_t heads,
                    std::int64_t len, cudaStream_t stream, const char* op) {
   detail::check_cuda(cudaMemcpy2DAsync(dst, dst_pitch * sizeof(float), src, src_pitch * sizeof(float),
