@@ -308,6 +308,27 @@ def test_hf_gemma2_window_and_softcap_match_eager():
         torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7, msg=name)
 
 
+def test_hf_packed_sequences_run_varlen():
+    """A padding-free batch (DataCollatorWithFlattening's FlashAttention kwargs): every sequence
+    attended alone, as the same model on each sequence by itself gives it, gradients included."""
+    model = _tiny_llama("trainscale", torch.float64)
+    lens = [5, 7]
+    ids = torch.randint(0, 97, (1, sum(lens)))
+    position_ids = torch.cat([torch.arange(n) for n in lens])[None]
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    kwargs = dict(position_ids=position_ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=7, max_length_k=7)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="trainscale attention")  # no sdpa fallback
+        logits = model(input_ids=ids, **kwargs).logits
+    alone = torch.cat([model(input_ids=ids[:, a:b]).logits for a, b in ((0, 5), (5, 12))], dim=1)
+    torch.testing.assert_close(logits, alone, rtol=1e-10, atol=1e-10)
+    weights = torch.randn_like(logits)
+    grads = torch.autograd.grad((model(input_ids=ids, **kwargs).logits * weights).sum(), list(model.parameters()))
+    ref = torch.autograd.grad((alone * weights).sum(), list(model.parameters()))
+    for g, r in zip(grads, ref):
+        torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-10)
+
+
 def test_hf_plain_causal_mask_runs_trainscale():
     pytest.importorskip("transformers")
     q, k, v = (torch.randn(2, 4, 6, 8, dtype=torch.float64) for _ in range(3))

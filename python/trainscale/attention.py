@@ -133,8 +133,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     cu_seqlens_q[b]:cu_seqlens_q[b + 1] and keys cu_seqlens_k[b]:cu_seqlens_k[b + 1] (int32
     [B + 1] on q's device, from 0 to Tq / Tk), each attended as `attention` attends one batch
     entry (causal and window_size aligned bottom-right within the sequence). max_seqlen_q / _k
-    bound the lengths. Returns out [Tq, Hq, D]. Differentiable. CPU reference only so far: CUDA
-    tensors raise."""
+    bound the lengths. Returns out [Tq, Hq, D]. Differentiable. On CUDA the kernels of `attention`
+    run once per sequence, after cu_seqlens are read back to the host (a synchronization)."""
     return attention_varlen_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                      scale, window_size, softcap)[0]
 
@@ -175,7 +175,9 @@ def hf_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
     on BSHD views (no copies, grouped-query heads in place) when the call is plain attention:
     no mask (causal from is_causal / module.is_causal, as sdpa decides it) or a boolean mask that
     is exactly the causal pattern, also with a causal sliding window (Mistral, Gemma: query i sees
-    the `sliding_window` keys up to its own) and a logit softcap (Gemma 2). Anything else
+    the `sliding_window` keys up to its own) and a logit softcap (Gemma 2); sequences packed into a
+    batch of one with transformers' FlashAttention kwargs (cu_seq_lens_q / _k, max_length_q / _k)
+    run trainscale.attention_varlen, each sequence attended alone. Anything else
     (padding or other masks, dropout > 0, position bias, attention sinks, a different value head
     dim, and on CUDA a dtype / head dim the kernel lacks) falls back
     to transformers' sdpa_attention_forward (a softcap, which sdpa lacks, to the model module's
@@ -187,6 +189,10 @@ def hf_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     softcap, sliding_window = kwargs.get("softcap"), kwargs.get("sliding_window")
     window_left = sliding_window - 1 if sliding_window is not None else -1
+    # Padding-free batches: the FlashAttention kwargs transformers passes through (e.g. from
+    # DataCollatorWithFlattening(return_flash_attn_kwargs=True)) pack sequences into one row.
+    packing = tuple(kwargs.get(n) for n in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"))
+    packed = all(x is not None for x in packing)
     if dropout:
         reason = "dropout > 0 is not supported"
     elif sliding_window is not None and not (causal and sliding_window >= 1):
@@ -199,6 +205,8 @@ def hf_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
         reason = "query heads are not a multiple of key/value heads"
     elif query.is_cuda and (query.dtype not in (torch.bfloat16, torch.float16) or query.shape[-1] not in (64, 128, 256)):
         reason = "the CUDA kernel needs bfloat16 / float16 and head dim 64, 128 or 256"
+    elif packed and (query.shape[0] != 1 or attention_mask is not None):
+        reason = "packed sequences (cu_seq_lens_q / _k) need a batch of one and no attention mask"
     elif attention_mask is not None:
         if not causal or _is_compiling() or not _is_causal_band(attention_mask, q_len, kv_len, window_left):
             reason = "attention masks other than the causal (sliding-window) one, e.g. padding, are not supported"
@@ -211,6 +219,12 @@ def hf_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
 
+    if packed:
+        cu_q, cu_k, max_q, max_k = packing
+        out = attention_varlen(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                               cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k), causal=bool(causal),
+                               scale=scaling, window_size=(window_left, -1), softcap=softcap or 0.0)
+        return out[None], None
     # As sdpa: one query attends to every key; without a mask, a longer key/value (an empty
     # static cache's prefill) is cut to the query length (sdpa's causal mask is top-left aligned).
     causal = bool(causal) and q_len > 1
