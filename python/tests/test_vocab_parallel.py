@@ -111,7 +111,7 @@ def check_all(rank, ranks, group=None, device="cpu"):
     check_nonfinite(rank, ranks, group, device)
 
 
-# ---- pytest: one process, then 2 gloo processes ----
+# ---- pytest: one process, 2 gloo processes, 2 NCCL processes ----
 
 def test_one_process():
     check_all(0, 1)
