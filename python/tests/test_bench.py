@@ -159,6 +159,26 @@ def test_mlp_cpu(tmp_path):
     assert run.returncode == 0 and run.stdout.splitlines() == [f"{op} 64x32x96 bfloat16" for op in bench.MLP_OPS]
 
 
+def test_varlen_cpu(tmp_path):
+    """The varlen suite on its CPU shape: ours against our batched kernel on the padded batch and
+    SDPA with the block-diagonal causal mask, on the same packed inputs, gated on out and dq
+    against every sequence alone, timed."""
+    assert bench._varlen_lengths(40, 8) == [4, 12, 2, 14, 4, 4]
+    out = tmp_path / "varlen.json"
+    rc = bench.main(["--suite", "varlen", "--impl", "cpu-ref,trainscale-padded,torch-sdpa-mask", "--json", str(out)]
+                    + CPU)
+    doc = json.load(open(out))
+    assert rc == 0 and doc["meta"]["suite"] == "varlen"
+    rows = {(r["op"], r["impl"]): r for r in doc["rows"]}
+    assert set(rows) == {(op, i) for op in bench.VARLEN_OPS for i in ("cpu-ref", "trainscale-padded", "torch-sdpa-mask")}
+    for r in rows.values():
+        assert r["status"] == "ok", r["message"]
+        assert r["shape"] == "40x4x2x16x8" and r["gate"]["rel_l2"] <= bench.VARLEN_TOLERANCE and r["ms"]["count"] >= 1
+    run = subprocess.run([sys.executable, "-m", "trainscale.bench", "--suite", "varlen", "--list", "--device", "cpu"],
+                         capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.splitlines() == [f"{op} 40x4x2x16x8 bfloat16" for op in bench.VARLEN_OPS]
+
+
 def test_flce_gate_oom_and_usage(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "_flce_eager", lambda h, w, t: 2 * tF.cross_entropy(tF.linear(h, w), t))
     rc, doc = flce_rows(tmp_path, "--impl", "torch", "--configs", "37x24x1001")

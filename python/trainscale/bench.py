@@ -17,7 +17,8 @@ muon suite times the Muon step of one process against the distributed one
 (trainscale-distributed: each rank orthogonalizes its share, then all-gathers), every rank in
 lockstep; rank 0 reports. So is the mlp suite (the Llama MLP with the activation recomputed in
 the backward against the unfused chain, eager and torch.compile, with what autograd keeps for
-the backward; section "mlp").
+the backward; section "mlp"), and the varlen suite (attention over packed sequences against our
+batched kernel on the padded batch and PyTorch's SDPA; section "varlen").
 """
 import argparse
 import contextlib
@@ -882,6 +883,138 @@ def run_mlp(result, configs, impls, device, timing, seed, progress):
     result["meta"]["wall_seconds"] = result["meta"].get("wall_seconds", 0.0) + time.monotonic() - started
 
 
+# ---- varlen: attention over packed sequences (a padding-free batch), causal, forward and forward
+# + backward through autograd: ours (attention_varlen) against our batched kernel on the batch
+# padded to the longest sequence, PyTorch's SDPA on nested (jagged) tensors (FlashAttention's
+# varlen kernel on CUDA) and SDPA with a block-diagonal causal mask over the packed row (what a
+# model's sdpa attention does with such a mask); each gated on the relative L2 error of out (and
+# dq) against a float32 run of every sequence alone.
+
+VARLEN_SUITE = "varlen"
+VARLEN_DTYPE = torch.bfloat16
+VARLEN_TOLERANCE = 1e-2  # the engine's bf16 tolerance (relative L2 error)
+# (tokens, query heads, kv heads, head dim, mean sequence length): Llama-3 8B's heads.
+VARLEN_SHAPES = [(16384, 32, 8, 128, 2048), (16384, 32, 8, 128, 512), (16384, 32, 8, 128, 128)]
+VARLEN_CPU_SHAPES = [(40, 4, 2, 16, 8)]
+VARLEN_OPS = ("attention_varlen_forward", "attention_varlen_forward_backward")
+
+
+def _varlen_lengths(tokens, mean):
+    """Sequence lengths cycling through 1/2, 3/2, 1/4 and 7/4 of the mean, the last one cut so
+    that they sum to `tokens`."""
+    pattern = [max(1, mean * k // 4) for k in (2, 6, 1, 7)]
+    lengths = []
+    while sum(lengths) < tokens:
+        lengths.append(min(pattern[len(lengths) % 4], tokens - sum(lengths)))
+    return lengths
+
+
+def _varlen_implementations(use_gpu):
+    """(name, is ours, fn) per implementation; fn(q, k, v, lengths, cu) -> out [T, Hq, D] for the
+    packed q [T, Hq, D], k / v [T, Hkv, D], cu the int32 offsets on q's device."""
+    from .attention import attention, attention_varlen
+
+    def varlen(q, k, v, lengths, cu):
+        return attention_varlen(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
+
+    def padded(q, k, v, lengths, cu):
+        # Causal: a query never sees the keys padded after its sequence's end.
+        batch = torch.repeat_interleave(torch.arange(len(lengths), device=q.device),
+                                        torch.tensor(lengths, device=q.device))
+        position = torch.arange(q.shape[0], device=q.device) - cu.long()[batch]
+
+        def pad(t):
+            out = t.new_zeros(len(lengths), max(lengths), *t.shape[1:])
+            return out.index_put((batch, position), t)
+        return attention(pad(q), pad(k), pad(v), causal=True)[batch, position]
+
+    def nested(q, k, v, lengths, cu):
+        group = q.shape[1] // k.shape[1]
+        offsets = cu.long()
+        qn, kn, vn = (torch.nested.nested_tensor_from_jagged(t, offsets).transpose(1, 2)
+                      for t in (q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)))
+        return F.scaled_dot_product_attention(qn, kn, vn, is_causal=True).transpose(1, 2).values()
+
+    def masked(q, k, v, lengths, cu):
+        batch = torch.repeat_interleave(torch.arange(len(lengths), device=q.device),
+                                        torch.tensor(lengths, device=q.device))
+        mask = (batch[:, None] == batch[None, :]).tril()
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                             v.transpose(0, 1)[None], attn_mask=mask, enable_gqa=True)
+        return out[0].transpose(0, 1)
+    return [("trainscale" if use_gpu else "cpu-ref", True, varlen), ("trainscale-padded", False, padded),
+            ("torch-sdpa-nested", False, nested), ("torch-sdpa-mask", False, masked)]
+
+
+def _varlen_float32(q, k, v, lengths, cu, dout):
+    """The gate's reference: out, and q's gradient for dout, every sequence alone in float32."""
+    q32, k32, v32 = (t.detach().float().requires_grad_(t is q) for t in (q, k, v))
+    outs = []
+    for b, n in enumerate(lengths):
+        s = slice(int(cu[b]), int(cu[b]) + n)
+        outs.append(F.scaled_dot_product_attention(q32[s].transpose(0, 1)[None], k32[s].transpose(0, 1)[None],
+                                                   v32[s].transpose(0, 1)[None], is_causal=True,
+                                                   enable_gqa=True)[0].transpose(0, 1))
+    out = torch.cat(outs)
+    out.backward(dout.float())
+    return out.detach(), q32.grad
+
+
+def run_varlen(result, configs, impls, device, timing, seed, progress):
+    """Appends the varlen suite's rows (result: the JSON document of docs/bench-json.md): each
+    implementation on the same packed inputs, gated on out (and dq for forward + backward), then
+    timed. FLOPs: the causal half of 4 L^2 D per query head and sequence (x 3.5 with the
+    backward)."""
+    gemm_tflops = (result.get("roofline") or {}).get("gemm_bf16_tflops")
+    available = [i for i in _varlen_implementations(device.type == "cuda") if not impls or i[0] in impls]
+    generator = torch.Generator(device=device).manual_seed(seed)
+    elem = torch.tensor([], dtype=VARLEN_DTYPE).element_size()
+    started = time.monotonic()
+    try:
+        for n, (op, (tokens, hq, hkv, d, mean)) in enumerate(configs):
+            lengths = _varlen_lengths(tokens, mean)
+            cu = torch.tensor([0] + lengths, device=device).cumsum(0).to(torch.int32)
+            q = torch.randn(tokens, hq, d, generator=generator, device=device, dtype=VARLEN_DTYPE)
+            k, v = (torch.randn(tokens, hkv, d, generator=generator, device=device, dtype=VARLEN_DTYPE)
+                    for _ in range(2))
+            dout = torch.randn(tokens, hq, d, generator=generator, device=device, dtype=VARLEN_DTYPE)
+            ref_out, ref_dq = _varlen_float32(q, k, v, lengths, cu, dout)
+            backward = op == "attention_varlen_forward_backward"
+            forward_flops = sum(2 * n_ * n_ * d * hq for n_ in lengths)
+            for x in (q, k, v):
+                x.requires_grad_(backward)
+            for name, ours, fn in available:
+                row = _row(op, "attention", f"{tokens}x{hq}x{hkv}x{d}x{mean}", VARLEN_DTYPE, name, ours, device,
+                           device.type == "cuda" and timing["flush_l2"],
+                           (2 * hq + 2 * hkv) * tokens * d * elem * (2 if backward else 1),
+                           forward_flops * (3.5 if backward else 1.0),
+                           {"tolerance": VARLEN_TOLERANCE, "rows_checked": tokens, "rows_total": tokens, "rows": "all"})
+                if progress:
+                    print(f"[varlen {n + 1}/{len(configs)}] {row['case']} [{name}]", file=sys.stderr, flush=True)
+                with _recorded(row, ours, result, device):
+                    def call():
+                        for x in (q, k, v):
+                            x.grad = None
+                        out = fn(q, k, v, lengths, cu)
+                        if backward:
+                            out.backward(dout)
+                        return out
+                    out = call()  # warms up, untimed; the gate's outputs
+                    rel = _rel_l2(out.detach(), ref_out)
+                    if backward:
+                        rel = max(rel, _rel_l2(q.grad, ref_dq))
+                    row["gate"].update(rel_l2=rel)
+                    del out
+                    if not rel <= VARLEN_TOLERANCE:
+                        row.update(status="failed", message=f"relative L2 error {rel:.3g} > tolerance {VARLEN_TOLERANCE:g}")
+                        continue
+                    _time_row(row, call, device, timing, gemm_tflops)
+            del q, k, v, dout, ref_out, ref_dq
+    except KeyboardInterrupt:
+        result["meta"]["interrupted"] = True
+    result["meta"]["wall_seconds"] = result["meta"].get("wall_seconds", 0.0) + time.monotonic() - started
+
+
 def _format_gib(n):
     return f"{n / 2**30:.2f}"
 
@@ -953,7 +1086,8 @@ def main(argv=None):
                "130 when interrupted (Ctrl-C writes the results so far). On a GPU, ops that have only their CPU "
                "reference are listed as such and not run.")
     p.add_argument("--suite", default=None, help="suites, comma-separated (default: llama on a GPU, smoke on the CPU); "
-                                                 f"{FLCE_SUITE}, {MUON_SUITE} and {MLP_SUITE} run alone")
+                                                 f"{FLCE_SUITE}, {MUON_SUITE}, {MLP_SUITE} and {VARLEN_SUITE} run "
+                                                 "alone")
     p.add_argument("--ops", default="", help="only these ops (--list shows them)")
     p.add_argument("--dtype", default="", help="only these dtypes (fp32, fp16, bf16, ...)")
     p.add_argument("--configs", default="", help="only these shapes (dims joined by x)")
@@ -983,7 +1117,8 @@ def main(argv=None):
               "min_time_ms": args.min_time_ms, "timeout_ms": args.timeout_ms, "warmup_ms": args.warmup_ms,
               "flush_l2": not args.warm}
     command_line = " ".join(["python -m trainscale.bench"] + sys.argv[1:])
-    for python_suite, run in ((FLCE_SUITE, _main_flce), (MUON_SUITE, _main_muon), (MLP_SUITE, _main_mlp)):
+    for python_suite, run in ((FLCE_SUITE, _main_flce), (MUON_SUITE, _main_muon), (MLP_SUITE, _main_mlp),
+                              (VARLEN_SUITE, _main_varlen)):
         if python_suite in suites:
             if len(suites) > 1:
                 p.error(f"--suite {python_suite} runs alone (measured in Python, not by the engine)")
@@ -1073,6 +1208,24 @@ def _main_mlp(p, args, use_gpu, timing, command_line):
             print(f"{op} {'x'.join(map(str, s))} bfloat16")
         return 0
     return _run_python_suite(MLP_SUITE, run_mlp, selected, impls, args, use_gpu, timing, command_line)
+
+
+def _main_varlen(p, args, use_gpu, timing, command_line):
+    ops, impls = _csv_list(args.ops), _csv_list(args.impl)
+    if any(op not in VARLEN_OPS for op in ops):
+        p.error(f"--ops: the {VARLEN_SUITE} suite has {', '.join(VARLEN_OPS)}")
+    known = [name for name, _, _ in _varlen_implementations(use_gpu)]
+    if any(impl not in known for impl in impls):
+        p.error(f"--impl: the {VARLEN_SUITE} suite has {', '.join(known)} here")
+    dtypes, configs = _csv_list(args.dtype), _csv_list(args.configs)
+    wanted = not dtypes or any(d in ("bf16", "bfloat16") for d in dtypes)
+    selected = [(op, s) for op in VARLEN_OPS for s in (VARLEN_SHAPES if use_gpu else VARLEN_CPU_SHAPES)
+                if wanted and (not ops or op in ops) and (not configs or "x".join(map(str, s)) in configs)]
+    if args.list:
+        for op, s in selected:
+            print(f"{op} {'x'.join(map(str, s))} bfloat16")
+        return 0
+    return _run_python_suite(VARLEN_SUITE, run_varlen, selected, impls, args, use_gpu, timing, command_line)
 
 
 def _run_distributed_muon(args, use_gpu, selected, impls, timing, command_line):
