@@ -1192,40 +1192,31 @@ def _main_muon(p, args, use_gpu, timing, command_line):
     return _run_python_suite(MUON_SUITE, run_muon, selected, impls, args, use_gpu, timing, command_line)
 
 
-def _main_mlp(p, args, use_gpu, timing, command_line):
-    ops, impls = _csv_list(args.ops), _csv_list(args.impl)
-    if any(op not in MLP_OPS for op in ops):
-        p.error(f"--ops: the {MLP_SUITE} suite has {', '.join(MLP_OPS)}")
-    known = [name for name, _, _ in _mlp_implementations(use_gpu)]
-    if any(impl not in known for impl in impls):
-        p.error(f"--impl: the {MLP_SUITE} suite has {', '.join(known)} here")
-    dtypes, configs = _csv_list(args.dtype), _csv_list(args.configs)
-    wanted = not dtypes or any(d in ("bf16", "bfloat16") for d in dtypes)
-    selected = [(op, s) for op in MLP_OPS for s in (MLP_SHAPES if use_gpu else MLP_CPU_SHAPES)
-                if wanted and (not ops or op in ops) and (not configs or "x".join(map(str, s)) in configs)]
-    if args.list:
-        for op, s in selected:
-            print(f"{op} {'x'.join(map(str, s))} bfloat16")
-        return 0
-    return _run_python_suite(MLP_SUITE, run_mlp, selected, impls, args, use_gpu, timing, command_line)
+def _main_bf16_suite(suite, ops_of_suite, implementations, shapes, cpu_shapes, run):
+    """main() of a bf16 suite measured in Python whose configs are its ops times its shapes (on the
+    CPU its CPU shapes): checks --ops / --impl, selects by --dtype / --configs, lists or runs."""
+    def main_suite(p, args, use_gpu, timing, command_line):
+        ops, impls = _csv_list(args.ops), _csv_list(args.impl)
+        if any(op not in ops_of_suite for op in ops):
+            p.error(f"--ops: the {suite} suite has {', '.join(ops_of_suite)}")
+        known = [name for name, _, _ in implementations(use_gpu)]
+        if any(impl not in known for impl in impls):
+            p.error(f"--impl: the {suite} suite has {', '.join(known)} here")
+        dtypes, configs = _csv_list(args.dtype), _csv_list(args.configs)
+        wanted = not dtypes or any(d in ("bf16", "bfloat16") for d in dtypes)
+        selected = [(op, s) for op in ops_of_suite for s in (shapes if use_gpu else cpu_shapes)
+                    if wanted and (not ops or op in ops) and (not configs or "x".join(map(str, s)) in configs)]
+        if args.list:
+            for op, s in selected:
+                print(f"{op} {'x'.join(map(str, s))} bfloat16")
+            return 0
+        return _run_python_suite(suite, run, selected, impls, args, use_gpu, timing, command_line)
+    return main_suite
 
 
-def _main_varlen(p, args, use_gpu, timing, command_line):
-    ops, impls = _csv_list(args.ops), _csv_list(args.impl)
-    if any(op not in VARLEN_OPS for op in ops):
-        p.error(f"--ops: the {VARLEN_SUITE} suite has {', '.join(VARLEN_OPS)}")
-    known = [name for name, _, _ in _varlen_implementations(use_gpu)]
-    if any(impl not in known for impl in impls):
-        p.error(f"--impl: the {VARLEN_SUITE} suite has {', '.join(known)} here")
-    dtypes, configs = _csv_list(args.dtype), _csv_list(args.configs)
-    wanted = not dtypes or any(d in ("bf16", "bfloat16") for d in dtypes)
-    selected = [(op, s) for op in VARLEN_OPS for s in (VARLEN_SHAPES if use_gpu else VARLEN_CPU_SHAPES)
-                if wanted and (not ops or op in ops) and (not configs or "x".join(map(str, s)) in configs)]
-    if args.list:
-        for op, s in selected:
-            print(f"{op} {'x'.join(map(str, s))} bfloat16")
-        return 0
-    return _run_python_suite(VARLEN_SUITE, run_varlen, selected, impls, args, use_gpu, timing, command_line)
+_main_mlp = _main_bf16_suite(MLP_SUITE, MLP_OPS, _mlp_implementations, MLP_SHAPES, MLP_CPU_SHAPES, run_mlp)
+_main_varlen = _main_bf16_suite(VARLEN_SUITE, VARLEN_OPS, _varlen_implementations, VARLEN_SHAPES, VARLEN_CPU_SHAPES,
+                                run_varlen)
 
 
 def _run_distributed_muon(args, use_gpu, selected, impls, timing, command_line):
