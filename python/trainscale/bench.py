@@ -801,6 +801,21 @@ def _saved_bytes(fn, inputs):
     return sum(seen.values())
 
 
+def _gate_call(row, call, ref_out, grad, ref_grad, tolerance):
+    """Runs call() once (compiles / warms up, untimed) and gates its output, and with ref_grad
+    the gradient grad() then returns, on the relative L2 error; False, the row failed, when it
+    exceeds tolerance."""
+    out = call()
+    rel = _rel_l2(out.detach(), ref_out)
+    if ref_grad is not None:
+        rel = max(rel, _rel_l2(grad(), ref_grad))
+    row["gate"].update(rel_l2=rel)
+    if not rel <= tolerance:
+        row.update(status="failed", message=f"relative L2 error {rel:.3g} > tolerance {tolerance:g}")
+        return False
+    return True
+
+
 def _mlp_float32(x, wg, wu, wd, dy):
     """The gate's reference: y, and x's gradient for dy, in float32 without TF32."""
     precision = torch.get_float32_matmul_precision()
@@ -855,14 +870,7 @@ def run_mlp(result, configs, impls, device, timing, seed, progress):
                         if backward:
                             y.backward(dy)
                         return y
-                    y = call()  # compiles / warms up, untimed; the gate's outputs
-                    rel = _rel_l2(y.detach(), ref_y)
-                    if backward:
-                        rel = max(rel, _rel_l2(x.grad, ref_dx))
-                    row["gate"].update(rel_l2=rel)
-                    del y
-                    if not rel <= MLP_TOLERANCE:
-                        row.update(status="failed", message=f"relative L2 error {rel:.3g} > tolerance {MLP_TOLERANCE:g}")
+                    if not _gate_call(row, call, ref_y, lambda: x.grad, ref_dx if backward else None, MLP_TOLERANCE):
                         continue
                     if not backward:
                         row["extra_memory_bytes"] = _saved_bytes(fn, inputs)
@@ -999,14 +1007,8 @@ def run_varlen(result, configs, impls, device, timing, seed, progress):
                         if backward:
                             out.backward(dout)
                         return out
-                    out = call()  # warms up, untimed; the gate's outputs
-                    rel = _rel_l2(out.detach(), ref_out)
-                    if backward:
-                        rel = max(rel, _rel_l2(q.grad, ref_dq))
-                    row["gate"].update(rel_l2=rel)
-                    del out
-                    if not rel <= VARLEN_TOLERANCE:
-                        row.update(status="failed", message=f"relative L2 error {rel:.3g} > tolerance {VARLEN_TOLERANCE:g}")
+                    if not _gate_call(row, call, ref_out, lambda: q.grad, ref_dq if backward else None,
+                                      VARLEN_TOLERANCE):
                         continue
                     _time_row(row, call, device, timing, gemm_tflops)
             del q, k, v, dout, ref_out, ref_dq
