@@ -537,6 +537,18 @@ def flce_configs(use_gpu, configs=()):
 
 
 @contextlib.contextmanager
+def _suite_run(result):
+    """The measuring loop of a suite run in Python: Ctrl-C stops it with the rows so far
+    (meta.interrupted), and its wall time adds to meta.wall_seconds."""
+    started = time.monotonic()
+    try:
+        yield
+    except KeyboardInterrupt:
+        result["meta"]["interrupted"] = True
+    result["meta"]["wall_seconds"] = result["meta"].get("wall_seconds", 0.0) + time.monotonic() - started
+
+
+@contextlib.contextmanager
 def _recorded(row, ours, result, device):
     """One row's measurement: a failure goes into the row as the engine reports it (out of memory:
     failed for ours, whose memory is bounded, unsupported for a baseline; NotImplementedError:
@@ -568,8 +580,7 @@ def run_flce(result, shapes, impls, device, timing, seed, progress):
     available = [i for i in _flce_implementations(device.type == "cuda") if not impls or i[0] in impls]
     generator = torch.Generator(device=device).manual_seed(seed)  # inputs made where they are used
     sampler = torch.Generator().manual_seed(seed)  # the gated rows
-    started = time.monotonic()
-    try:
+    with _suite_run(result):
         for n, shape in enumerate(shapes):
             t, h, v = shape
             hidden = torch.randn(t, h, generator=generator, device=device, dtype=FLCE_DTYPE)
@@ -584,9 +595,6 @@ def run_flce(result, shapes, impls, device, timing, seed, progress):
                 with _recorded(row, ours, result, device):
                     _flce_measure(row, make, (hidden, weight, target), ref, device, timing, gemm_tflops)
             del hidden, weight, target, ref
-    except KeyboardInterrupt:
-        result["meta"]["interrupted"] = True
-    result["meta"]["wall_seconds"] = result["meta"].get("wall_seconds", 0.0) + time.monotonic() - started
 
 
 # ---- muon: Newton-Schulz and the Muon step against eager PyTorch, torch.compile and
@@ -719,9 +727,8 @@ def run_muon(result, configs, impls, device, timing, seed, progress):
     gemm_tflops = (result.get("roofline") or {}).get("gemm_bf16_tflops")
     available = [i for i in _muon_implementations(device.type == "cuda", distributed) if not impls or i[1] in impls]
     generator = torch.Generator(device=device).manual_seed(seed)
-    started = time.monotonic()
     elem = torch.tensor([], dtype=MUON_DTYPE).element_size()
-    try:
+    with _suite_run(result):
         for n, (op, dims, shapes) in enumerate(configs):
             ref, make_run = _muon_case(op, shapes, device, generator)
             numel = sum(r * c for r, c in shapes)
@@ -748,9 +755,6 @@ def run_muon(result, configs, impls, device, timing, seed, progress):
                         _time_row_lockstep(row, run, device, gemm_tflops, gpus)
                     else:
                         _time_row(row, run, device, timing, gemm_tflops)
-    except KeyboardInterrupt:
-        result["meta"]["interrupted"] = True
-    result["meta"]["wall_seconds"] = result["meta"].get("wall_seconds", 0.0) + time.monotonic() - started
 
 
 # ---- mlp: the Llama MLP (gate / up / down projections around SwiGLU), forward and forward +
@@ -839,8 +843,7 @@ def run_mlp(result, configs, impls, device, timing, seed, progress):
     available = [i for i in _mlp_implementations(device.type == "cuda") if not impls or i[0] in impls]
     generator = torch.Generator(device=device).manual_seed(seed)
     elem = torch.tensor([], dtype=MLP_DTYPE).element_size()
-    started = time.monotonic()
-    try:
+    with _suite_run(result):
         for n, (op, (t, h, f)) in enumerate(configs):
             x = torch.randn(t, h, generator=generator, device=device, dtype=MLP_DTYPE)
             weights = [torch.randn(shape, generator=generator, device=device, dtype=MLP_DTYPE).mul_(shape[1] ** -0.5)
@@ -886,9 +889,6 @@ def run_mlp(result, configs, impls, device, timing, seed, progress):
                     _time_row(row, call, device, timing, gemm_tflops)
             x.requires_grad_(False)
             del x, weights, dy, ref_y, ref_dx
-    except KeyboardInterrupt:
-        result["meta"]["interrupted"] = True
-    result["meta"]["wall_seconds"] = result["meta"].get("wall_seconds", 0.0) + time.monotonic() - started
 
 
 # ---- varlen: attention over packed sequences (a padding-free batch), causal, forward and forward
@@ -977,8 +977,7 @@ def run_varlen(result, configs, impls, device, timing, seed, progress):
     available = [i for i in _varlen_implementations(device.type == "cuda") if not impls or i[0] in impls]
     generator = torch.Generator(device=device).manual_seed(seed)
     elem = torch.tensor([], dtype=VARLEN_DTYPE).element_size()
-    started = time.monotonic()
-    try:
+    with _suite_run(result):
         for n, (op, (tokens, hq, hkv, d, mean)) in enumerate(configs):
             lengths = _varlen_lengths(tokens, mean)
             cu = torch.tensor([0] + lengths, device=device).cumsum(0).to(torch.int32)
@@ -1012,9 +1011,6 @@ def run_varlen(result, configs, impls, device, timing, seed, progress):
                         continue
                     _time_row(row, call, device, timing, gemm_tflops)
             del q, k, v, dout, ref_out, ref_dq
-    except KeyboardInterrupt:
-        result["meta"]["interrupted"] = True
-    result["meta"]["wall_seconds"] = result["meta"].get("wall_seconds", 0.0) + time.monotonic() - started
 
 
 def _format_gib(n):
