@@ -754,11 +754,11 @@ TEST(AttentionVarlenCuda, OffsetsCheckedOnTheDevice) {
   HostTensor out(DType::kBFloat16, {5, 2, 64});
   DeviceTensor out_dev(out, /*copy=*/false);
   const HostTensor good = HostTensor::from_values(DType::kInt32, {3}, {0, 2, 5});
-  const HostTensor decreasing = HostTensor::from_values(DType::kInt32, {3}, {0, 4, 3});
+  const HostTensor decreasing = HostTensor::from_values(DType::kInt32, {3}, {0, 6, 5});
   const DeviceTensor good_dev(good), decreasing_dev(decreasing);
   TS_EXPECT_ERROR(attention_varlen_forward(q_dev.view(), k_dev.view(), k_dev.view(),
-                                           {decreasing_dev.view(), good_dev.view(), 5, 5}, out_dev.view(), {}),
-                  "attention_varlen_forward", "'cu_seqlens_q'", "non-decreasing", "4 then 3");
+                                           {decreasing_dev.view(), good_dev.view(), 6, 5}, out_dev.view(), {}),
+                  "attention_varlen_forward", "'cu_seqlens_q'", "non-decreasing", "6 then 5");
   TS_EXPECT_ERROR(attention_varlen_forward(q_dev.view(), k_dev.view(), k_dev.view(),
                                            {good_dev.view(), good_dev.view(), 5, 2}, out_dev.view(), {}),
                   "attention_varlen_forward", "'cu_seqlens_k'", "max_seqlen_k = 2");

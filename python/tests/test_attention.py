@@ -403,7 +403,8 @@ def test_cuda_varlen_matches_each_sequence(causal):
         g = torch.autograd.grad(o, (qb, kb, vb), dout[None, qs])
         # dQ's accumulation order may differ between runs (not deterministic by default).
         for got, ref in zip((grads[0][qs], grads[1][ks], grads[2][ks]), g):
-            torch.testing.assert_close(got, ref[0], rtol=1e-2, atol=1e-2 * max(ref.abs().max().item(), 1e-3))
+            scale = ref.abs().max().item() if ref.numel() else 0.0  # a query with no keys has none
+            torch.testing.assert_close(got, ref[0], rtol=1e-2, atol=1e-2 * max(scale, 1e-3))
 
 
 @cuda
