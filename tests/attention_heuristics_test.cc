@@ -141,5 +141,36 @@ TEST(AttentionHeuristics, BackwardWorkspaceParts) {
   EXPECT_EQ(backward_workspace(1, 1, 0, 64).bytes, 0u);
 }
 
+// The Hopper backward's CTA numbering: every (batch, kv head, key block) once in either order; a
+// head's key blocks in increasing order (the deterministic dQ order waits on earlier ones); with
+// key blocks outermost the first CTAs are every head's key block 0 (the heaviest under causal).
+TEST(AttentionHeuristics, BackwardCtaOrder) {
+  const int n_blocks = 5, kv_heads = 3, batch = 2;
+  for (bool key_blocks_outermost : {false, true}) {
+    std::vector<int> seen(n_blocks * kv_heads * batch, 0);
+    std::vector<int> last_block(kv_heads * batch, -1);
+    for (int i = 0; i < n_blocks * kv_heads * batch; ++i) {
+      const BackwardCta c = backward_cta(i, n_blocks, kv_heads, batch, key_blocks_outermost);
+      ASSERT_GE(c.batch, 0);
+      ASSERT_LT(c.batch, batch);
+      ASSERT_GE(c.kv_head, 0);
+      ASSERT_LT(c.kv_head, kv_heads);
+      ASSERT_GE(c.n_block, 0);
+      ASSERT_LT(c.n_block, n_blocks);
+      const int head = c.batch * kv_heads + c.kv_head;
+      ++seen[head * n_blocks + c.n_block];
+      EXPECT_GT(c.n_block, last_block[head]) << "CTA " << i;
+      last_block[head] = c.n_block;
+      if (key_blocks_outermost && i < kv_heads * batch) {
+        EXPECT_EQ(c.n_block, 0);
+      }
+      if (!key_blocks_outermost && i < n_blocks) {
+        EXPECT_EQ(head, 0);
+      }
+    }
+    for (int count : seen) EXPECT_EQ(count, 1);
+  }
+}
+
 }  // namespace
 }  // namespace trainscale::ops::attention

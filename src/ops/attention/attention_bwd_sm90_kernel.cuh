@@ -13,7 +13,8 @@
 // dQ's partials arrive in any order by default. In the deterministic mode each (query head,
 // query block) has a counter in the workspace and the key blocks add their partials in key-block
 // order: the CTA of key block n waits until every earlier key block that sees the query block
-// has added its part (CTAs start in blockIdx order, so the ones waited for are running or done).
+// has added its part (CTAs start in blockIdx order, and backward_cta numbers a head's earlier key blocks first, so
+// the ones waited for are running or done).
 //
 // The scores' scale and softcap enter as in the sm_80 kernels (attention_bwd_kernel.cuh): dS
 // leaves out the factor scale, which the epilogue (dK) and the postprocess (dQ) apply.
@@ -53,7 +54,8 @@ struct BackwardSm90Params {
   const float* delta;                  // [B, Hq, stats_len]
   float* dq_accum;                     // [B, Hq, m_blocks, kDqFloats], zeroed
   int* dq_semaphore;                   // [B, Hq, m_blocks], zeroed; null: any order
-  int q_len, kv_len, q_heads, kv_heads, group, m_blocks;
+  int batch, q_len, kv_len, q_heads, kv_heads, group, m_blocks;
+  bool key_blocks_outermost;  // the CTA order (backward_cta)
   float scale_log2;  // scale * log2(e)
   float scale;
   float softcap;  // 0: off
@@ -186,10 +188,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   SharedStorage& storage = *reinterpret_cast<SharedStorage*>(smem);
   const int warp_group = threadIdx.x / 128;
 
-  const int n_blocks = (p.kv_len + kBlockN - 1) / kBlockN;
-  const int n_block = static_cast<int>(blockIdx.x % n_blocks);
-  const int kv_head = static_cast<int>(blockIdx.x / n_blocks % p.kv_heads);
-  const int batch = static_cast<int>(blockIdx.x / n_blocks / p.kv_heads);
+  const BackwardCta cta = backward_cta(blockIdx.x, (p.kv_len + kBlockN - 1) / kBlockN, p.kv_heads, p.batch,
+                                       p.key_blocks_outermost);
+  const int n_block = cta.n_block, kv_head = cta.kv_head, batch = cta.batch;
   const QueryBlocks blocks = query_blocks(p, n_block);
   const int tiles = blocks.count * p.group;  // (query head, query block), heads outermost
 

@@ -87,6 +87,7 @@ void launch_backward_sm90(const AttentionBackwardArgs& args, const AttentionOpti
   p.delta = reinterpret_cast<const float*>(workspace + layout.delta);
   p.dq_accum = reinterpret_cast<float*>(workspace + layout.dq_accum);
   p.dq_semaphore = options.deterministic ? reinterpret_cast<int*>(workspace + layout.dq_semaphore) : nullptr;
+  p.batch = static_cast<int>(batch);
   p.q_len = static_cast<int>(q_len);
   p.kv_len = static_cast<int>(kv_len);
   p.q_heads = static_cast<int>(q_heads);
@@ -98,6 +99,7 @@ void launch_backward_sm90(const AttentionBackwardArgs& args, const AttentionOpti
   p.scale_log2 = static_cast<float>(scale * M_LOG2E);
   p.softcap = static_cast<float>(options.softcap);
   p.mask = kernel_attention_mask(q_len, kv_len, options);
+  p.key_blocks_outermost = p.mask.right >= 0;
 
   if (kv_len > 0) {  // Sq = 0 included: every CTA writes dK = dV = 0
     const int64_t n_blocks = (kv_len + plan.block_n - 1) / plan.block_n;

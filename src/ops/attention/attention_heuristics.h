@@ -115,6 +115,29 @@ constexpr BackwardSm90Plan backward_sm90_plan(std::int64_t head_dim) {
   }
 }
 
+// The Hopper backward's CTAs: (batch, kv head, key block) from blockIdx.x. Without a mask every
+// CTA does the same work and the kv heads are outermost, so the CTAs running together share
+// their heads' Q and dO in L2. Under a mask with a right side (causal), key block n is seen by
+// fewer query blocks the larger n is, so key blocks go outermost: every head's heaviest CTAs start
+// in the first wave and the lightest fill the tail (with kv heads outermost, the last heads'
+// heaviest CTAs started last: 32 % slower at batch 1 x 8 kv heads x 8192 causal). Either way a
+// key block's CTA starts after every earlier key block's CTA of its head, which the deterministic
+// dQ order waits on.
+struct BackwardCta {
+  int batch, kv_head, n_block;
+};
+
+TS_ATTN_HOST_DEVICE inline BackwardCta backward_cta(std::int64_t index, int n_blocks, int kv_heads, int batch,
+                                                    bool key_blocks_outermost) {
+  if (key_blocks_outermost) {
+    const std::int64_t heads = static_cast<std::int64_t>(kv_heads) * batch;
+    const std::int64_t head = index % heads;
+    return {static_cast<int>(head / kv_heads), static_cast<int>(head % kv_heads), static_cast<int>(index / heads)};
+  }
+  return {static_cast<int>(index / n_blocks / kv_heads), static_cast<int>(index / n_blocks % kv_heads),
+          static_cast<int>(index % n_blocks)};
+}
+
 // The backward's workspace, byte offsets into it (each 256-byte aligned): the fp32 row terms
 // delta [B, Hq, stats_len]; for a head dim with a Hopper kernel also lse * log2(e) in the same
 // layout, the fp32 dQ accumulator [B, Hq, m_blocks, block_m x D] and one int32 counter per
