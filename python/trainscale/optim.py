@@ -1,5 +1,6 @@
-"""The Newton-Schulz family (include/trainscale/newton_schulz.h) in PyTorch: newton_schulz and the
-Muon optimizer, on one process or distributed over torch.distributed.
+"""The optimizers in PyTorch: AdamW with gradient clipping folded in (include/trainscale/optim.h),
+and the Newton-Schulz family (include/trainscale/newton_schulz.h): newton_schulz and the Muon
+optimizer, on one process or distributed over torch.distributed.
 
 Muon (``ts.optim.Muon``) updates 2-D parameters with the orthogonalized momentum
 (torch.ops.trainscale.muon_step_: the CUDA kernels on the GPU, the fp64 reference on the CPU) and
@@ -17,7 +18,7 @@ from torch.library import register_fake
 from ._common import like as _like
 from ._common import ops
 
-__all__ = ["Muon", "newton_schulz", "DEFAULT_NS_COEFFICIENTS"]
+__all__ = ["AdamW", "Muon", "newton_schulz", "DEFAULT_NS_COEFFICIENTS"]
 
 DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 _LR_RULES = ("original", "match_rms_adamw", "spectral_unclamped")
@@ -59,6 +60,85 @@ def _owners(sizes: Sequence[int], world: int):
         owner[i] = r
         load[r] += sizes[i]
     return owner
+
+
+@register_fake("trainscale::grad_norm")
+def _(grads, max_norm):
+    return grads[0].new_empty((), dtype=torch.float32), grads[0].new_empty((), dtype=torch.float32)
+
+
+class AdamW(torch.optim.Optimizer):
+    """torch.optim.AdamW's update (decoupled weight decay, bias-corrected moments), one pass over
+    each parameter (torch.ops.trainscale.adamw_step_: float32 math, each output rounded once;
+    the CUDA kernels on the GPU, the fp64 reference on the CPU)::
+
+        g = grad * clip;  m <- m + (1 - beta1) (g - m);  v <- beta2 v + (1 - beta2) g^2
+        param <- param (1 - lr weight_decay) - lr / (1 - beta1^t) m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+
+    max_grad_norm: clip the gradients as torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    does, without writing them: the global norm of every gradient of the optimizer
+    (torch.ops.trainscale.grad_norm, deterministic) gives clip = min(1, max_grad_norm /
+    (norm + 1e-6)), which the update reads on the device (no host synchronization; a NaN norm
+    makes the update NaN, as clipping by NaN does). The norm of the last step is ``grad_norm``
+    (a float32 tensor on the parameters' device). Needs every gradient on one device and no
+    DTensor (FSDP2 shards: the local norm is not the global one); None: no clipping.
+    moments_dtype: the dtype of exp_avg and exp_avg_sq, torch.float32 or None (the parameter's,
+    as torch.optim.AdamW keeps them). The state (``step``, ``exp_avg``, ``exp_avg_sq``) has
+    torch.optim.AdamW's names and layout, so state_dicts load either way.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, max_grad_norm: Optional[float] = None,
+                 moments_dtype: Optional[torch.dtype] = None):
+        for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"AdamW: {name} must be finite and >= 0, got {value}")
+        if not all(0 <= beta < 1 for beta in betas):
+            raise ValueError(f"AdamW: betas must lie in [0, 1), got {betas}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"AdamW: max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        if moments_dtype not in (None, torch.float32):
+            raise ValueError(f"AdamW: moments_dtype must be None or torch.float32, got {moments_dtype}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.max_grad_norm = max_grad_norm
+        self.moments_dtype = moments_dtype
+        self.grad_norm: Optional[torch.Tensor] = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        calls = defaultdict(list)  # (group, step, device): parameters updated in one call
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("AdamW: sparse gradients are not supported")
+                state = self.state[p]
+                if not state:
+                    local, dtype = _local(p), self.moments_dtype or p.dtype
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(local, dtype=dtype, memory_format=torch.contiguous_format)
+                    state["exp_avg_sq"] = torch.zeros_like(local, dtype=dtype, memory_format=torch.contiguous_format)
+                state["step"] += 1
+                calls[(gi, int(state["step"].item()), p.device)].append(p)
+        scale = None
+        if self.max_grad_norm is not None and calls:
+            params = [p for ps in calls.values() for p in ps]
+            if len({p.device for p in params}) > 1 or any(_is_dtensor(p) for p in params):
+                raise ValueError("AdamW: max_grad_norm needs every gradient on one device and no DTensor "
+                                 "(clip with torch.nn.utils.clip_grad_norm_ instead)")
+            self.grad_norm, scale = ops.grad_norm([p.grad for p in params], float(self.max_grad_norm))
+        for (gi, step, _), ps in calls.items():
+            group = self.param_groups[gi]
+            beta1, beta2 = group["betas"]
+            ops.adamw_step_([_local(p) for p in ps], [_local(p.grad) for p in ps], [self.state[p]["exp_avg"] for p in ps],
+                            [self.state[p]["exp_avg_sq"] for p in ps], group["lr"], beta1, beta2, group["eps"],
+                            group["weight_decay"], step, scale)
+        return loss
 
 
 class Muon(torch.optim.Optimizer):

@@ -106,7 +106,8 @@ def parse_args(argv=None):
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's)")
     p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
-                   help="adamw: torch.optim.AdamW; muon: trainscale.optim.Muon for the decoder layers' matrices "
+                   help="adamw: torch.optim.AdamW (fused), with --impl trainscale trainscale.optim.AdamW, which "
+                        "clips in its step (torch's under FSDP2); muon: trainscale.optim.Muon for the decoder layers' matrices "
                         "(RMS matched to AdamW, so --lr serves both) and AdamW for embeddings, head and norms; "
                         "under torchrun it orthogonalizes each matrix on one rank (distributed=True)")
     p.add_argument("--lr", type=float, help="learning rate (default: the preset's)")
@@ -272,6 +273,11 @@ def build_optimizer(model, params, args, device: torch.device, d: Dist) -> torch
     """AdamW, or Muon for the 2-D weights of the decoder layers with AdamW for the rest (the
     embedding and the LM head, whose rows are tokens, and the norms), as the Muon recipe does."""
     if args.optimizer == "adamw":
+        if args.impl == "trainscale" and not (d.world > 1 and args.parallel == "fsdp2"):
+            # Ours, with the clipping folded into the update (one pass over the gradients fewer).
+            from .optim import AdamW
+            return AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95),
+                         max_grad_norm=args.max_grad_norm or None)
         return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95),
                                  fused=device.type == "cuda")
     from .optim import Muon
@@ -477,10 +483,14 @@ def _train(args, d: Dist) -> dict:
                 loss = forward(input_ids=ids, labels=ids).loss
                 (loss / args.grad_accum).backward()
             loss_sum += loss.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
-        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
-            grad_norm = grad_norm.full_tensor()
-        optimizer.step()
+        if getattr(optimizer, "max_grad_norm", None) is not None:  # trainscale.optim.AdamW clips in its step
+            optimizer.step()
+            grad_norm = optimizer.grad_norm
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
+            if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
+                grad_norm = grad_norm.full_tensor()
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss_value, grad_norm = float(loss_sum) / args.grad_accum, float(grad_norm)  # both synchronize
         step_time = time.perf_counter() - start
