@@ -170,6 +170,9 @@ TEST(AttentionHeuristics, BackwardCtaOrder) {
     }
     for (int count : seen) EXPECT_EQ(count, 1);
   }
+  EXPECT_TRUE(backward_key_blocks_outermost(true, 528, 132));
+  EXPECT_FALSE(backward_key_blocks_outermost(true, 529, 132));
+  EXPECT_FALSE(backward_key_blocks_outermost(false, 64, 132));
 }
 
 }  // namespace

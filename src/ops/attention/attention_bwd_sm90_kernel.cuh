@@ -55,7 +55,7 @@ struct BackwardSm90Params {
   float* dq_accum;                     // [B, Hq, m_blocks, kDqFloats], zeroed
   int* dq_semaphore;                   // [B, Hq, m_blocks], zeroed; null: any order
   int batch, q_len, kv_len, q_heads, kv_heads, group, m_blocks;
-  bool key_blocks_outermost;  // the CTA order (backward_cta)
+  bool key_blocks_outermost = false;  // the CTA order (backward_cta)
   float scale_log2;  // scale * log2(e)
   float scale;
   float softcap;  // 0: off

@@ -99,10 +99,11 @@ void launch_backward_sm90(const AttentionBackwardArgs& args, const AttentionOpti
   p.scale_log2 = static_cast<float>(scale * M_LOG2E);
   p.softcap = static_cast<float>(options.softcap);
   p.mask = kernel_attention_mask(q_len, kv_len, options);
-  p.key_blocks_outermost = p.mask.right >= 0;
 
   if (kv_len > 0) {  // Sq = 0 included: every CTA writes dK = dV = 0
     const int64_t n_blocks = (kv_len + plan.block_n - 1) / plan.block_n;
+    p.key_blocks_outermost = backward_key_blocks_outermost(p.mask.right >= 0, n_blocks * kv_heads * batch,
+                                                           detail::current_device_info().sm_count);
     constexpr int kSmem = Traits::kSharedBytes;
     detail::check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
                        kBackwardOp, "cudaFuncSetAttribute");

@@ -115,17 +115,24 @@ constexpr BackwardSm90Plan backward_sm90_plan(std::int64_t head_dim) {
   }
 }
 
-// The Hopper backward's CTAs: (batch, kv head, key block) from blockIdx.x. Without a mask every
-// CTA does the same work and the kv heads are outermost, so the CTAs running together share
-// their heads' Q and dO in L2. Under a mask with a right side (causal), key block n is seen by
-// fewer query blocks the larger n is, so key blocks go outermost: every head's heaviest CTAs start
-// in the first wave and the lightest fill the tail (with kv heads outermost, the last heads'
-// heaviest CTAs started last: 32 % slower at batch 1 x 8 kv heads x 8192 causal). Either way a
-// key block's CTA starts after every earlier key block's CTA of its head, which the deterministic
-// dQ order waits on.
+// The Hopper backward's CTAs: (batch, kv head, key block) from blockIdx.x. By default the kv
+// heads are outermost, so the CTAs running together share their heads' Q and dO in L2. Under a
+// causal mask key block n is seen by fewer query blocks the larger n is; when the grid is only a
+// few waves (backward_key_blocks_outermost), the last heads' heaviest CTAs would start last and
+// run alone, so key blocks go outermost: every head's heaviest CTAs start in the first wave, the
+// lightest fill the tail. Either way a key block's CTA starts after every earlier key block's CTA
+// of its head, which the deterministic dQ order waits on.
 struct BackwardCta {
   int batch, kv_head, n_block;
 };
+
+// Key blocks outermost for a causal-like mask (a bounded right side) on a grid of at most four
+// waves. Measured on an H100 (docs/perf/attention.md): 1 x 32 x 8 x 8192 causal (512 CTAs) 3.38
+// against 4.15 ms; on grids of 8+ waves key blocks outermost lost up to 1.5x (their CTAs read
+// every head's Q and dO at once, more than L2 holds).
+constexpr bool backward_key_blocks_outermost(bool right_bounded, std::int64_t ctas, int sm_count) {
+  return right_bounded && ctas <= 4 * static_cast<std::int64_t>(sm_count);
+}
 
 TS_ATTN_HOST_DEVICE inline BackwardCta backward_cta(std::int64_t index, int n_blocks, int kv_heads, int batch,
                                                     bool key_blocks_outermost) {
