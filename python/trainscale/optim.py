@@ -62,6 +62,14 @@ def _owners(sizes: Sequence[int], world: int):
     return owner
 
 
+def _closure_loss(closure):
+    """An optimizer step's closure run with gradients on (its loss), None without one."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 @register_fake("trainscale::grad_norm")
 def _(grads, max_norm):
     return grads[0].new_empty((), dtype=torch.float32), grads[0].new_empty((), dtype=torch.float32)
@@ -106,10 +114,7 @@ class AdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         calls = defaultdict(list)  # (group, step, device): parameters updated in one call
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
@@ -206,10 +211,7 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         matrices = []  # (group, param) in group and parameter order: the same on every rank
         for group in self.param_groups:
             for p in group["params"]:
