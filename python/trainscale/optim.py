@@ -70,6 +70,25 @@ def _closure_loss(closure):
         return closure()
 
 
+def _adamw_count_step(state, p, moments_dtype=None):
+    """AdamW's state of p (created zero on first use, moments in moments_dtype or p's dtype),
+    its step count advanced; returns the new step number."""
+    if not state:
+        local, dtype = _local(p), moments_dtype or p.dtype
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(local, dtype=dtype, memory_format=torch.contiguous_format)
+        state["exp_avg_sq"] = torch.zeros_like(local, dtype=dtype, memory_format=torch.contiguous_format)
+    state["step"] += 1
+    return int(state["step"].item())
+
+
+def _adamw_update(states, params, lr, betas, eps, weight_decay, step, grad_scale=None):
+    """One adamw_step_ over params (one device, one step number), each on its local tensor."""
+    ops.adamw_step_([_local(p) for p in params], [_local(p.grad) for p in params],
+                    [states[p]["exp_avg"] for p in params], [states[p]["exp_avg_sq"] for p in params],
+                    lr, betas[0], betas[1], eps, weight_decay, step, grad_scale)
+
+
 @register_fake("trainscale::grad_norm")
 def _(grads, max_norm):
     return grads[0].new_empty((), dtype=torch.float32), grads[0].new_empty((), dtype=torch.float32)
@@ -122,14 +141,7 @@ class AdamW(torch.optim.Optimizer):
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError("AdamW: sparse gradients are not supported")
-                state = self.state[p]
-                if not state:
-                    local, dtype = _local(p), self.moments_dtype or p.dtype
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(local, dtype=dtype, memory_format=torch.contiguous_format)
-                    state["exp_avg_sq"] = torch.zeros_like(local, dtype=dtype, memory_format=torch.contiguous_format)
-                state["step"] += 1
-                calls[(gi, int(state["step"].item()), p.device)].append(p)
+                calls[(gi, _adamw_count_step(self.state[p], p, self.moments_dtype), p.device)].append(p)
         scale = None
         if self.max_grad_norm is not None and calls:
             params = [p for ps in calls.values() for p in ps]
@@ -139,10 +151,7 @@ class AdamW(torch.optim.Optimizer):
             self.grad_norm, scale = ops.grad_norm([p.grad for p in params], float(self.max_grad_norm))
         for (gi, step, _), ps in calls.items():
             group = self.param_groups[gi]
-            beta1, beta2 = group["betas"]
-            ops.adamw_step_([_local(p) for p in ps], [_local(p.grad) for p in ps], [self.state[p]["exp_avg"] for p in ps],
-                            [self.state[p]["exp_avg_sq"] for p in ps], group["lr"], beta1, beta2, group["eps"],
-                            group["weight_decay"], step, scale)
+            _adamw_update(self.state, ps, group["lr"], group["betas"], group["eps"], group["weight_decay"], step, scale)
         return loss
 
 
@@ -160,7 +169,8 @@ class Muon(torch.optim.Optimizer):
     Newton-Schulz iteration (``ns_steps``, ``ns_coefficients``, ``eps``). The momentum buffer is
     kept in float32.
 
-    AdamW (decoupled weight decay, bias-corrected moments) for the parameters that are not 2-D
+    AdamW (torch.ops.trainscale.adamw_step_, as ``AdamW`` without clipping; moments in the
+    parameter's dtype) for the parameters that are not 2-D
     and for every parameter of a group with ``use_muon=False``, with the group's ``adamw_lr``,
     ``adamw_betas``, ``adamw_eps`` and ``adamw_weight_decay``. ``use_muon=True`` asserts that every
     parameter of the group is 2-D. Every option may be set per parameter group.
@@ -213,6 +223,7 @@ class Muon(torch.optim.Optimizer):
     def step(self, closure=None):
         loss = _closure_loss(closure)
         matrices = []  # (group, param) in group and parameter order: the same on every rank
+        others = defaultdict(list)  # AdamW's parameters per (group, step, device)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -224,31 +235,16 @@ class Muon(torch.optim.Optimizer):
                         raise ValueError("Muon: a DTensor (FSDP2) parameter needs Muon(..., distributed=True)")
                     matrices.append((group, p))
                 else:
-                    self._adamw(group, p)
+                    others[(id(group), _adamw_count_step(self.state[p], p), p.device)].append((group, p))
+        for (_, step, _), entries in others.items():
+            group, params = entries[0][0], [p for _, p in entries]
+            _adamw_update(self.state, params, group["adamw_lr"], group["adamw_betas"], group["adamw_eps"],
+                          group["adamw_weight_decay"], step)
         if self.distributed:
             self._distributed_muon(matrices)
         else:
             self._muon([(group, p, p, p.grad) for group, p in matrices])
         return loss
-
-    def _adamw(self, group, p):
-        param, grad = _local(p), _local(p.grad)
-        state = self.state[p]
-        if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        beta1, beta2 = group["adamw_betas"]
-        lr = group["adamw_lr"]
-        state["step"] += 1
-        step = state["step"].item()
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        exp_avg.lerp_(grad, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        bias_correction2 = 1 - beta2 ** step
-        denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(group["adamw_eps"])
-        param.mul_(1 - lr * group["adamw_weight_decay"])
-        param.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1 ** step))
 
     def _muon(self, work):
         """work: (group, state key, parameter, gradient) with plain tensors; one muon_step_ per

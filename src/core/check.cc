@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdio>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #if TRAINSCALE_HAVE_CUDA
 #include <nvtx3/nvToolsExt.h>
@@ -161,6 +163,12 @@ OpChecker& OpChecker::same_shape(const TensorView& t, const char* name, const Te
   return *this;
 }
 
+OpChecker& OpChecker::finite(double value, const char* name, bool non_negative) {
+  if (!(std::isfinite(value) && (!non_negative || value >= 0)))
+    fail(name, non_negative ? "a finite value >= 0" : "a finite value", format_number(value));
+  return *this;
+}
+
 OpChecker& OpChecker::contiguous(const TensorView& t, const char* name) {
   if (!t.is_contiguous()) {
     throw_arg_error(op_, name, "a contiguous tensor", "strides " + t.strides_str() +
@@ -272,6 +280,38 @@ OpChecker& OpChecker::outputs_disjoint(std::initializer_list<Arg> outputs,
     for (auto earlier = outputs.begin(); earlier != out; ++earlier) {
       no_overlap(out->view, out->name, earlier->view, earlier->name);
     }
+  }
+  return *this;
+}
+
+OpChecker& OpChecker::updates_disjoint(std::span<const Arg> written, std::span<const Arg> read) {
+  struct Extent {
+    std::uintptr_t lo, hi;
+    bool written;
+    const char* name;
+  };
+  std::vector<Extent> extents;
+  extents.reserve(written.size() + read.size());
+  for (auto [args, is_written] : {std::pair{written, true}, std::pair{read, false}}) {
+    for (const Arg& a : args) {
+      const auto [lo, hi] = byte_extent(a.view);
+      if (lo != hi) extents.push_back({lo, hi, is_written, a.name});
+    }
+  }
+  // By address; at one address reads first, so the error names the updated tensor.
+  std::stable_sort(extents.begin(), extents.end(), [](const Extent& a, const Extent& b) {
+    return a.lo != b.lo ? a.lo < b.lo : (!a.written && b.written);
+  });
+  const Extent *reach_all = nullptr, *reach_written = nullptr;  // the earlier extents reaching furthest
+  for (const Extent& e : extents) {
+    const Extent* hit = e.written ? reach_all : reach_written;
+    if (hit != nullptr && e.lo < hit->hi) {
+      fail(e.name, std::string("memory disjoint from '") + hit->name + "' (" + (e.written ? "updated" : "read") +
+                       " while the other is " + (hit->written ? "updated" : "read") + ")",
+           "overlapping views");
+    }
+    if (reach_all == nullptr || e.hi > reach_all->hi) reach_all = &e;
+    if (e.written && (reach_written == nullptr || e.hi > reach_written->hi)) reach_written = &e;
   }
   return *this;
 }

@@ -5,6 +5,7 @@
 #include <array>
 #include <cstdint>
 #include <initializer_list>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -106,6 +107,9 @@ class OpChecker {
   Rows matrix(const TensorView& t, const char* name,
               std::initializer_list<DType> allowed = kFloatDTypes);
 
+  // A scalar option: finite, and >= 0 when `non_negative`.
+  OpChecker& finite(double value, const char* name, bool non_negative = false);
+
   // a and b are disjoint (absent views are disjoint from everything).
   OpChecker& no_overlap(const TensorView& a, const char* a_name, const TensorView& b,
                         const char* b_name, Disjoint how = Disjoint::kBytes);
@@ -120,6 +124,11 @@ class OpChecker {
   OpChecker& outputs_disjoint(std::initializer_list<Arg> outputs, std::initializer_list<Arg> inputs,
                               const char* in_place_output = nullptr,
                               const char* in_place_input = nullptr);
+
+  // Updated tensors that share no byte with any other argument, written or read (absent views
+  // are skipped). Checked by sorted byte ranges: lists of a model's hundreds of tensors cost
+  // O(n log n), not a check per pair.
+  OpChecker& updates_disjoint(std::span<const Arg> written, std::span<const Arg> read);
 
   // Throws the argument error. Callers test their condition first, so the message strings are
   // only built for a failing call, never on the hot path of a valid one.

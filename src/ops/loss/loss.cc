@@ -44,8 +44,7 @@ void check_options(detail::OpChecker& c, const CrossEntropyOptions& o) {
   const double e = o.label_smoothing;
   if (!(std::isfinite(e) && e >= 0 && e <= 1))
     c.fail("options.label_smoothing", "a value in [0, 1]", detail::format_number(e));
-  if (!(std::isfinite(o.z_loss) && o.z_loss >= 0))
-    c.fail("options.z_loss", "a finite value >= 0", detail::format_number(o.z_loss));
+  c.finite(o.z_loss, "options.z_loss", true);
   if (!(std::isfinite(o.softcap) && o.softcap >= 0))
     c.fail("options.softcap", "a finite value >= 0 (0 turns it off)",
            detail::format_number(o.softcap));

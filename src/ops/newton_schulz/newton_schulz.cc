@@ -1,4 +1,3 @@
-#include <cmath>
 #include <span>
 #include <string>
 #include <vector>
@@ -11,21 +10,13 @@ namespace {
 
 using detail::Arg;
 
-void check_finite(detail::OpChecker& c, double value, const std::string& name, bool non_negative) {
-  const bool ok = std::isfinite(value) && (!non_negative || value >= 0);
-  if (!ok)
-    c.fail(name.c_str(), non_negative ? "a finite value >= 0" : "a finite value",
-           std::to_string(value));
-}
-
 // `prefix` names the options in messages ("options." or "options.newton_schulz.").
 void check_newton_schulz_options(detail::OpChecker& c, const NewtonSchulzOptions& options,
                                  const std::string& prefix) {
   if (!(options.steps >= 0))
     c.fail((prefix + "steps").c_str(), "steps >= 0", std::to_string(options.steps));
-  check_finite(c, options.a, prefix + "a", false);
-  check_finite(c, options.b, prefix + "b", false);
-  check_finite(c, options.c, prefix + "c", false);
+  c.finite(options.a, (prefix + "a").c_str()).finite(options.b, (prefix + "b").c_str())
+      .finite(options.c, (prefix + "c").c_str());
   if (!options.per_step.empty()) {
     if (!(options.per_step.size() == static_cast<std::size_t>(options.steps)))
       c.fail((prefix + "per_step").c_str(),
@@ -33,11 +24,11 @@ void check_newton_schulz_options(detail::OpChecker& c, const NewtonSchulzOptions
              std::to_string(options.per_step.size()) + " entries");
     for (std::size_t step = 0; step < options.per_step.size(); ++step) {
       for (double coefficient : options.per_step[step]) {
-        check_finite(c, coefficient, prefix + "per_step[" + std::to_string(step) + "]", false);
+        c.finite(coefficient, (prefix + "per_step[" + std::to_string(step) + "]").c_str());
       }
     }
   }
-  check_finite(c, options.eps, prefix + "eps", true);
+  c.finite(options.eps, (prefix + "eps").c_str(), true);
 }
 
 constexpr std::int64_t kMaxMatrices = 65535;
@@ -117,23 +108,18 @@ void check_muon_arguments(detail::OpChecker& c, std::span<const TensorView> para
     c.rows(buffers[i], b.c_str());
   }
   c.optional(workspace, "workspace");
-  // Parameters and buffers are updated in place, grads are read only: every output (parameters
-  // and buffers in order, then the workspace) disjoint from every grad and earlier output.
-  std::vector<Arg> outputs, inputs;
+  // Parameters, buffers and the workspace are written, grads only read.
+  std::vector<Arg> written, read;
   for (std::size_t i = 0; i < params.size(); ++i) {
-    outputs.push_back({params[i], names[3 * i].c_str()});
-    outputs.push_back({buffers[i], names[3 * i + 2].c_str()});
-    inputs.push_back({grads[i], names[3 * i + 1].c_str()});
+    written.push_back({params[i], names[3 * i].c_str()});
+    written.push_back({buffers[i], names[3 * i + 2].c_str()});
+    read.push_back({grads[i], names[3 * i + 1].c_str()});
   }
-  outputs.push_back({workspace, "workspace"});
-  for (std::size_t o = 0; o < outputs.size(); ++o) {
-    for (const Arg& in : inputs) c.no_overlap(outputs[o].view, outputs[o].name, in.view, in.name);
-    for (std::size_t e = 0; e < o; ++e)
-      c.no_overlap(outputs[o].view, outputs[o].name, outputs[e].view, outputs[e].name);
-  }
-  check_finite(c, options.lr, "options.lr", true);
-  check_finite(c, options.momentum, "options.momentum", true);
-  check_finite(c, options.weight_decay, "options.weight_decay", true);
+  written.push_back({workspace, "workspace"});
+  c.updates_disjoint(written, read);
+  c.finite(options.lr, "options.lr", true)
+      .finite(options.momentum, "options.momentum", true)
+      .finite(options.weight_decay, "options.weight_decay", true);
   check_newton_schulz_options(c, options.newton_schulz, "options.newton_schulz.");
 }
 

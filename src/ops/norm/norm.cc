@@ -1,4 +1,3 @@
-#include <cmath>
 #include <string>
 
 #include "ops/norm/norm_internal.h"
@@ -58,8 +57,7 @@ void check_optional_stat(OpChecker& c, const TensorView& s, const char* name,
 }
 
 void check_eps(OpChecker& c, double eps) {
-  if (!(std::isfinite(eps) && eps >= 0))
-    c.fail("options.eps", "a finite value >= 0", detail::format_number(eps));
+  c.finite(eps, "options.eps", true);
 }
 
 void check_variant(OpChecker& c, NormVariant variant) {
@@ -71,8 +69,7 @@ void check_variant(OpChecker& c, NormVariant variant) {
 void check_options(OpChecker& c, const RMSNormOptions& options) {
   check_eps(c, options.eps);
   check_variant(c, options.variant);
-  if (!std::isfinite(options.weight_offset))
-    c.fail("options.weight_offset", "a finite value", detail::format_number(options.weight_offset));
+  c.finite(options.weight_offset, "options.weight_offset");
 }
 
 void check_options(OpChecker& c, const LayerNormOptions& options) {
