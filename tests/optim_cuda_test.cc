@@ -1,7 +1,8 @@
-// adamw_step and grad_norm on the GPU against the fp64 CPU reference on the same rounded inputs:
-// every parameter / moment dtype pair, sizes with and without a tail (0, 1, 7, 8, 9, 4099,
-// 300001), views 2 bytes off alignment (the element path), grad_scale read on the device, NaN
-// and Inf, the norm's bits run to run, and the workspace error.
+// adamw_step, grad_norm and scale_by_device_factor on the GPU against the fp64 CPU reference on
+// the same rounded inputs: every parameter / moment dtype pair, sizes with and without a tail
+// (0, 1, 7, 8, 9, 4099, 300001), views 2 bytes off alignment (the element path), grad_scale and
+// the scaling factor read on the device, NaN and Inf, the norm's bits run to run, and the
+// workspace error.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -9,6 +10,7 @@
 #include <memory>
 #include <vector>
 
+#include "core/host_dtype.h"
 #include "trainscale/optim.h"
 #include "util/gpu_util.h"
 
@@ -143,6 +145,44 @@ TEST(GradNormCuda, MatchesReferenceAndRepeats) {
   test::device_synchronize();
   EXPECT_TRUE(std::isnan(norm_dev.to_host().at(0)));
   EXPECT_TRUE(std::isnan(factor_dev.to_host().at(0)));
+}
+
+// Sizes past the capped grid (4 waves of 16-byte units: 8.6M bf16 elements on 132 SMs) too, so
+// the grid-stride loop runs.
+TEST(ScaleByDeviceFactorCuda, MatchesReference) {
+  TS_REQUIRE_GPU();
+  std::vector<HostTensor> host;
+  std::vector<std::unique_ptr<Both>> dev;
+  int k = 0;
+  for (DType dt : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    std::vector<std::int64_t> sizes(std::begin(kSizes), std::end(kSizes));
+    sizes.push_back(dt == DType::kFloat32 ? 4'500'001 : 9'000'001);
+    for (std::int64_t n : sizes) {
+      host.push_back(HostTensor::random(dt, {n}));
+      if (n > 8) host.back().set(n / 2, std::numeric_limits<double>::quiet_NaN());
+      dev.push_back(std::make_unique<Both>(host.back(), ++k % 2 == 0));
+    }
+  }
+  std::vector<TensorView> views;
+  for (const auto& d : dev) views.push_back(d->view);
+  for (double f : {1.0, 1.7, std::numeric_limits<double>::infinity()}) {
+    const DeviceTensor factor(HostTensor::from_values(DType::kFloat32, {1}, {f}));
+    scale_by_device_factor(views, factor.view());
+    test::device_synchronize();
+    for (std::size_t t = 0; t < host.size(); ++t) {
+      std::vector<double> want = host[t].values();
+      for (double& x : want) x = detail::round_to(host[t].dtype(), x * f);
+      const std::vector<double> got = dev[t]->values();
+      if (f == 1.0) {
+        for (std::size_t i = 0; i < got.size(); ++i) {
+          ASSERT_TRUE(got[i] == want[i] || (std::isnan(got[i]) && std::isnan(want[i]))) << t << " " << i;
+        }
+      } else {
+        EXPECT_TRUE(test::matches_reference(got, want, test::tolerance(host[t].dtype()))) << t;
+      }
+      for (std::size_t i = 0; i < want.size(); ++i) host[t].set(static_cast<std::int64_t>(i), got[i]);
+    }
+  }
 }
 
 TEST(GradNormCuda, WorkspaceChecked) {

@@ -1,12 +1,14 @@
-// adamw_step and grad_norm on the CPU: values worked out by hand, the update rounded once per
-// dtype, several steps against torch.optim.AdamW's recurrence written out here, NaN and Inf,
-// and every argument error.
+// adamw_step, grad_norm and scale_by_device_factor on the CPU: values worked out by hand, the
+// update rounded once per dtype, several steps against torch.optim.AdamW's recurrence written
+// out here, NaN and Inf, and every argument error.
 #include "trainscale/optim.h"
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
+#include "core/host_dtype.h"
 #include "util/gpu_util.h"
 
 namespace trainscale {
@@ -167,6 +169,54 @@ TEST(GradNorm, NormAndClipFactor) {
   grad_norm(gs, 1.0, norm.view(), factor.view());
   EXPECT_TRUE(std::isnan(norm.at(0)));
   EXPECT_TRUE(std::isnan(factor.at(0)));
+}
+
+TEST(ScaleByDeviceFactor, ScalesEachTensorOrLeavesItAtOne) {
+  std::vector<HostTensor> ts;
+  for (DType dt : {DType::kFloat64, DType::kFloat32, DType::kBFloat16, DType::kFloat16})
+    ts.push_back(HostTensor::random(dt, {5, 3}));
+  ts[1].set(4, std::numeric_limits<double>::quiet_NaN());
+  ts[2].set(7, -std::numeric_limits<double>::infinity());
+  const std::vector<HostTensor> before = ts;
+  std::vector<TensorView> views;
+  for (HostTensor& t : ts) views.push_back(t.view());
+  HostTensor factor = HostTensor::from_values(DType::kFloat32, {1}, {1.0});
+  scale_by_device_factor(views, factor.view());
+  for (std::size_t t = 0; t < ts.size(); ++t)
+    EXPECT_EQ(std::memcmp(ts[t].data(), before[t].data(), static_cast<std::size_t>(ts[t].storage_bytes())), 0);
+  factor.set(0, -0.375);
+  scale_by_device_factor(views, factor.view());
+  for (std::size_t t = 0; t < ts.size(); ++t) {
+    for (std::int64_t i = 0; i < ts[t].numel(); ++i) {
+      const double want = detail::round_to(ts[t].dtype(), before[t].at(i) * -0.375);
+      if (std::isnan(want)) {
+        EXPECT_TRUE(std::isnan(ts[t].at(i)));
+      } else {
+        EXPECT_EQ(ts[t].at(i), want) << t << " " << i;
+      }
+    }
+  }
+  factor.set(0, std::numeric_limits<double>::quiet_NaN());
+  scale_by_device_factor(views, factor.view());
+  for (const HostTensor& t : ts) EXPECT_TRUE(std::isnan(t.at(0)));
+  scale_by_device_factor({}, factor.view());
+}
+
+TEST(ScaleByDeviceFactor, ArgumentErrors) {
+  HostTensor a = HostTensor::random(DType::kFloat32, {4, 2}), b = HostTensor::random(DType::kFloat32, {4});
+  HostTensor factor = HostTensor::from_values(DType::kFloat32, {1}, {2.0});
+  HostTensor factor64(DType::kFloat64, {1}), factor2(DType::kFloat32, {2}), ints(DType::kInt32, {4});
+  const char* op = "scale_by_device_factor";
+  const TensorView ab[] = {a.view(), b.view()}, aa[] = {a.view(), a.view()}, just_factor[] = {factor.view()};
+  TS_EXPECT_ERROR(scale_by_device_factor(ab, factor64.view()), op, "'factor'", "float32", "float64");
+  TS_EXPECT_ERROR(scale_by_device_factor(ab, factor2.view()), op, "'factor'", "one element", "[2]");
+  TS_EXPECT_ERROR(scale_by_device_factor(ab, {}), op, "'factor'");
+  TS_EXPECT_ERROR(scale_by_device_factor(aa, factor.view()), op, "'tensors[1]'", "disjoint from 'tensors[0]'");
+  TS_EXPECT_ERROR(scale_by_device_factor(just_factor, factor.view()), op, "'tensors[0]'", "disjoint from 'factor'");
+  HostTensor strided = HostTensor::random(DType::kFloat32, {2, 4}, -1, 1, 1);
+  const TensorView padded_rows[] = {strided.view()}, integer[] = {ints.view()};
+  TS_EXPECT_ERROR(scale_by_device_factor(padded_rows, factor.view()), op, "'tensors[0]'", "contiguous");
+  TS_EXPECT_ERROR(scale_by_device_factor(integer, factor.view()), op, "'tensors[0]'", "int32");
 }
 
 TEST(GradNorm, ArgumentErrors) {

@@ -47,4 +47,14 @@ void grad_norm(std::span<const TensorView> grads, double max_norm, TensorView no
                TensorView workspace = {}, cudaStream_t stream = nullptr);
 std::size_t grad_norm_workspace_bytes(std::span<const TensorView> grads);
 
+// Every tensor multiplied in place by `factor`, read on the device: a loss's upstream gradient
+// applied to gradients computed beforehand, without a host synchronization. Where the factor
+// is exactly 1 (loss.backward() of a mean or a sum) the kernels return before touching the
+// tensors. tensors: any shape, contiguous, float32 / float16 / bfloat16 (float64 on the CPU),
+// one device, pairwise disjoint; factor: a float32 tensor of one element on their device,
+// disjoint from them. CUDA: the float32 product rounded to the tensor's dtype; NaN and Inf
+// propagate.
+void scale_by_device_factor(std::span<const TensorView> tensors, const TensorView& factor,
+                            cudaStream_t stream = nullptr);
+
 }  // namespace trainscale

@@ -49,6 +49,13 @@ std::tuple<Tensor, Tensor> grad_norm(at::TensorList grads, double max_norm) {
   return {norm, factor};
 }
 
+void scale_by_device_factor_(at::TensorList tensors, const Tensor& factor) {
+  constexpr const char* op = "scale_by_device_factor";
+  if (tensors.empty()) return;
+  Ctx ctx(tensors[0]);
+  guarded([&] { ts::scale_by_device_factor(views(tensors, op, "tensors"), view(factor, op, "factor"), ctx.stream); });
+}
+
 }  // namespace
 }  // namespace trainscale::binding
 
@@ -59,4 +66,5 @@ TORCH_LIBRARY_FRAGMENT(trainscale, m) {
          "float beta1, float beta2, float eps, float weight_decay, int step, Tensor? grad_scale) -> ()",
          &adamw_step_);
   def_op(m, "grad_norm(Tensor[] grads, float max_norm) -> (Tensor, Tensor)", &grad_norm);
+  def_op(m, "scale_by_device_factor_(Tensor(a!)[] tensors, Tensor factor) -> ()", &scale_by_device_factor_);
 }

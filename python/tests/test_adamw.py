@@ -1,7 +1,8 @@
 """trainscale.optim.AdamW against torch.optim.AdamW: the update over several steps (float32 and
 bfloat16 parameters, float32 moments, groups with their own lr), clipping against
 torch.nn.utils.clip_grad_norm_ (the norm, the update, gradients left unwritten, NaN), the
-state_dict round trip both ways, and argument errors. CUDA tests skip without a GPU."""
+state_dict round trip both ways, and argument errors; the device-factor scaling op. CUDA tests
+skip without a GPU."""
 import pytest
 import torch
 
@@ -140,3 +141,23 @@ def test_cuda_matches_torch_fused_adamw_with_clipping(moments):
         assert abs(opt.grad_norm.item() / norm.item() - 1) < 1e-2
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a.detach().float(), b.detach().float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_scale_by_device_factor(device):
+    """The op the fused linear cross-entropy's backward scales its saved gradients with: a no-op
+    at exactly 1, the product otherwise, NaN kept; errors name the op and the argument."""
+    ops = torch.ops.trainscale
+    xs = [torch.randn(1000, 3, device=device), torch.randn(77, device=device).bfloat16()]
+    xs[0][5, 1] = float("nan")
+    before = [x.clone() for x in xs]
+    ops.scale_by_device_factor_(xs, torch.tensor(1.0, device=device))
+    for x, b in zip(xs, before):
+        assert torch.equal(x.isnan(), b.isnan()) and torch.equal(x.nan_to_num(), b.nan_to_num())
+    ops.scale_by_device_factor_(xs, torch.tensor(-2.5, device=device))
+    for x, b in zip(xs, before):
+        torch.testing.assert_close(x, b * -2.5, equal_nan=True)
+    with pytest.raises(ValueError, match="scale_by_device_factor: argument 'factor'.*float32"):
+        ops.scale_by_device_factor_(xs, torch.tensor(1.0, dtype=torch.float64, device=device))
+    with pytest.raises(ValueError, match=r"scale_by_device_factor: argument 'tensors\[1\]'.*disjoint"):
+        ops.scale_by_device_factor_([xs[0], xs[0][1:]], torch.tensor(2.0, device=device))

@@ -94,6 +94,11 @@ def _(grads, max_norm):
     return grads[0].new_empty((), dtype=torch.float32), grads[0].new_empty((), dtype=torch.float32)
 
 
+@register_fake("trainscale::scale_by_device_factor_")
+def _(tensors, factor):
+    return None
+
+
 class AdamW(torch.optim.Optimizer):
     """torch.optim.AdamW's update (decoupled weight decay, bias-corrected moments), one pass over
     each parameter (torch.ops.trainscale.adamw_step_: float32 math, each output rounded once;

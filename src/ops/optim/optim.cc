@@ -71,11 +71,23 @@ void adamw_step(std::span<const TensorView> params, std::span<const TensorView> 
 
 namespace {
 
-void check_grads(detail::OpChecker& c, std::span<const TensorView> grads) {
-  for (std::size_t i = 0; i < grads.size(); ++i) {
-    const std::string g = item("grads", i);
-    c.present(grads[i], g.c_str()).dtype_in(grads[i], g.c_str(), detail::kFloatDTypes).contiguous(grads[i], g.c_str());
+// Each tensor of a list present, of a float dtype and contiguous; returns their names
+// ("list[i]", storage for the checker's later messages).
+std::vector<std::string> check_float_list(detail::OpChecker& c, const char* list, std::span<const TensorView> ts) {
+  std::vector<std::string> names;
+  names.reserve(ts.size());
+  for (std::size_t i = 0; i < ts.size(); ++i) {
+    const char* name = names.emplace_back(item(list, i)).c_str();
+    c.present(ts[i], name).dtype_in(ts[i], name, detail::kFloatDTypes).contiguous(ts[i], name);
   }
+  return names;
+}
+
+std::vector<detail::Arg> args(std::span<const TensorView> ts, const std::vector<std::string>& names) {
+  std::vector<detail::Arg> out;
+  out.reserve(ts.size());
+  for (std::size_t i = 0; i < ts.size(); ++i) out.push_back({ts[i], names[i].c_str()});
+  return out;
 }
 
 }  // namespace
@@ -83,17 +95,13 @@ void check_grads(detail::OpChecker& c, std::span<const TensorView> grads) {
 void grad_norm(std::span<const TensorView> grads, double max_norm, TensorView norm, TensorView clip_factor,
                TensorView workspace, cudaStream_t stream) {
   detail::OpChecker c("grad_norm");
-  check_grads(c, grads);
+  const std::vector<std::string> names = check_float_list(c, "grads", grads);
   if (!(max_norm > 0)) c.fail("max_norm", "a value > 0 (+inf: no clipping)", detail::format_number(max_norm));
   check_scalar(c, norm, "norm");
   check_scalar(c, clip_factor, "clip_factor");
   c.optional(workspace, "workspace");
   const detail::Arg written[] = {{norm, "norm"}, {clip_factor, "clip_factor"}, {workspace, "workspace"}};
-  std::vector<std::string> names;
-  names.reserve(grads.size());
-  std::vector<detail::Arg> read;
-  for (std::size_t i = 0; i < grads.size(); ++i) read.push_back({grads[i], names.emplace_back(item("grads", i)).c_str()});
-  c.updates_disjoint(written, read);
+  c.updates_disjoint(written, args(grads, names));
   if (detail::ran_on_cuda(c, [&] {
         const std::size_t needed = ops::optim::grad_norm_workspace_bytes_cuda(grads);
         const std::size_t given = workspace.defined() ? workspace.numel() * workspace.element_size() : 0;
@@ -111,12 +119,22 @@ void grad_norm(std::span<const TensorView> grads, double max_norm, TensorView no
 
 std::size_t grad_norm_workspace_bytes(std::span<const TensorView> grads) {
   detail::OpChecker c("grad_norm_workspace_bytes");
-  check_grads(c, grads);
+  check_float_list(c, "grads", grads);
 #if TRAINSCALE_HAVE_CUDA
   return ops::optim::grad_norm_workspace_bytes_cuda(grads);
 #else
   return 0;
 #endif
+}
+
+void scale_by_device_factor(std::span<const TensorView> tensors, const TensorView& factor, cudaStream_t stream) {
+  detail::OpChecker c("scale_by_device_factor");
+  const std::vector<std::string> names = check_float_list(c, "tensors", tensors);
+  check_scalar(c, factor, "factor");
+  const detail::Arg read[] = {{factor, "factor"}};
+  c.updates_disjoint(args(tensors, names), read);
+  if (detail::ran_on_cuda(c, [&] { ops::optim::scale_by_device_factor_cuda(tensors, factor, stream); })) return;
+  ops::optim::scale_by_device_factor_cpu(tensors, factor);
 }
 
 }  // namespace trainscale

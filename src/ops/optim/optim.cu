@@ -1,9 +1,11 @@
-// The optimizer family's CUDA kernels: AdamW and the global gradient norm, one launch per
-// tensor. Both stream their tensors once; a thread takes one 16-byte unit of the parameter (8
-// elements of 16 bits, 4 of float32) and the same elements of the other tensors, and the grid
-// covers the tensor (common/cuda_check.h: a grid as large as the work streams best).
+// The optimizer family's CUDA kernels: AdamW, the global gradient norm and the scaling by a
+// device factor, one launch per tensor. They stream their tensors once; a thread takes one
+// 16-byte unit of the parameter (8 elements of 16 bits, 4 of float32) and the same elements of
+// the other tensors, and the grid covers the tensor (common/cuda_check.h: a grid as large as the
+// work streams best).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -143,6 +145,45 @@ void launch_sum_squares(const TensorView& g, double* partials, cudaStream_t stre
   detail::check_launch("grad_norm");
 }
 
+// Every block reads the factor first and returns at exactly 1, so the common case costs one
+// launch and no traffic; the grid is capped at a few resident waves for the same reason.
+template <int kVec, class T>
+__global__ void __launch_bounds__(kThreads) scale_kernel(T* x, std::int64_t n, const float* factor) {
+  const float f = *factor;
+  if (f == 1.0f) return;
+  const std::int64_t units = n / kVec, work = units + n % kVec;
+  for (std::int64_t t = blockIdx.x * static_cast<std::int64_t>(kThreads) + threadIdx.x; t < work;
+       t += static_cast<std::int64_t>(gridDim.x) * kThreads) {
+    if (t < units) {
+      float v[kVec];
+      detail::load_floats<T, kVec>(x + t * kVec, v);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) v[j] *= f;
+      detail::store_floats<T, kVec>(x + t * kVec, v);
+    } else {
+      const std::int64_t i = units * kVec + (t - units);
+      x[i] = detail::from_float<T>(detail::to_float(x[i]) * f);
+    }
+  }
+}
+
+template <class T>
+void launch_scale(const TensorView& t, const float* factor, cudaStream_t stream) {
+  constexpr int kVec = 16 / sizeof(T);
+  constexpr int kWaves = 4, kBlocksPerSm = 2048 / kThreads;
+  const std::int64_t n = t.numel();
+  const bool vector = aligned16(t);
+  const std::int64_t cap = static_cast<std::int64_t>(detail::current_device_info().sm_count) * kBlocksPerSm * kWaves;
+  const auto grid = static_cast<unsigned>(
+      std::min(detail::grid_for_tiles(vector ? n / kVec + n % kVec : n, kThreads), cap));
+  if (vector) {
+    scale_kernel<kVec, T><<<grid, kThreads, 0, stream>>>(t.ptr<T>(), n, factor);
+  } else {
+    scale_kernel<1, T><<<grid, kThreads, 0, stream>>>(t.ptr<T>(), n, factor);
+  }
+  detail::check_launch("scale_by_device_factor");
+}
+
 template <class F>
 void dispatch_float(DType dtype, F&& f) {
   switch (dtype) {
@@ -199,6 +240,13 @@ void grad_norm_cuda(std::span<const TensorView> grads, double max_norm, TensorVi
   norm_finish_kernel<<<1, kThreads, 0, stream>>>(partials, offset, max_norm, norm.ptr<float>(),
                                                  clip_factor.ptr<float>());
   detail::check_launch("grad_norm");
+}
+
+void scale_by_device_factor_cuda(std::span<const TensorView> tensors, const TensorView& factor, cudaStream_t stream) {
+  for (const TensorView& t : tensors) {
+    if (t.numel() == 0) continue;
+    dispatch_float(t.dtype, [&](auto v) { launch_scale<decltype(v)>(t, factor.ptr<const float>(), stream); });
+  }
 }
 
 }  // namespace trainscale::ops::optim

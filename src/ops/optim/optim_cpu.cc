@@ -42,4 +42,13 @@ void grad_norm_cpu(std::span<const TensorView> grads, double max_norm, TensorVie
   detail::store_from_double(clip_factor.dtype, clip_factor.data, 0, clip_factor_of(n, max_norm));
 }
 
+void scale_by_device_factor_cpu(std::span<const TensorView> tensors, const TensorView& factor) {
+  const double f = detail::load_as_double(factor.dtype, factor.data, 0);
+  if (f == 1.0) return;
+  for (const TensorView& t : tensors) {
+    for (std::int64_t i = 0; i < t.numel(); ++i)
+      detail::store_from_double(t.dtype, t.data, i, detail::load_as_double(t.dtype, t.data, i) * f);
+  }
+}
+
 }  // namespace trainscale::ops::optim

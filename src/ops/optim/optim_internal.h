@@ -41,6 +41,7 @@ void adamw_step_cpu(std::span<const TensorView> params, std::span<const TensorVi
                     std::span<const TensorView> exp_avgs, std::span<const TensorView> exp_avg_sqs,
                     const AdamWOptions& options, const TensorView& grad_scale);
 void grad_norm_cpu(std::span<const TensorView> grads, double max_norm, TensorView norm, TensorView clip_factor);
+void scale_by_device_factor_cpu(std::span<const TensorView> tensors, const TensorView& factor);
 
 // optim.cu
 void adamw_step_cuda(std::span<const TensorView> params, std::span<const TensorView> grads,
@@ -49,5 +50,6 @@ void adamw_step_cuda(std::span<const TensorView> params, std::span<const TensorV
 std::size_t grad_norm_workspace_bytes_cuda(std::span<const TensorView> grads);
 void grad_norm_cuda(std::span<const TensorView> grads, double max_norm, TensorView norm, TensorView clip_factor,
                     TensorView workspace, cudaStream_t stream);
+void scale_by_device_factor_cuda(std::span<const TensorView> tensors, const TensorView& factor, cudaStream_t stream);
 
 }  // namespace trainscale::ops::optim
