@@ -157,7 +157,7 @@ def test_scale_by_device_factor(device):
     ops.scale_by_device_factor_(xs, torch.tensor(-2.5, device=device))
     for x, b in zip(xs, before):
         torch.testing.assert_close(x, b * -2.5, equal_nan=True)
-    with pytest.raises(ValueError, match="scale_by_device_factor: argument 'factor'.*float32"):
+    with pytest.raises(ValueError, match="scale_by_device_factor: argument 'factor'.*float64"):
         ops.scale_by_device_factor_(xs, torch.tensor(1.0, dtype=torch.float64, device=device))
     with pytest.raises(ValueError, match=r"scale_by_device_factor: argument 'tensors\[1\]'.*disjoint"):
         ops.scale_by_device_factor_([xs[0], xs[0][1:]], torch.tensor(2.0, device=device))

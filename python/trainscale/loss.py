@@ -113,12 +113,12 @@ def _flce_backward(ctx, dloss, *_):
     in_place = type(dloss) is torch.Tensor and not _keeps_graph()
     grads = [(g if in_place else g * dloss) if w and have else None
              for g, w, have in zip(saved, wanted, ctx.with_grads)]
-    if in_place:
+    scaled = [g for g in grads if g is not None]
+    if in_place and scaled:
         # By the factor read on the device: at exactly 1 (loss.backward() of a mean or a sum) the
         # kernels return at once, saving a pass over every gradient (grad_weight: V x H, 0.7 ms at
         # Llama-3 8B's head) without a host sync, which would leave the GPU idle while the host
         # queues the rest of the backward.
-        scaled = [g for g in grads if g is not None]
         if dloss.dtype == torch.float32:
             ops.scale_by_device_factor_(scaled, dloss.reshape(()))
         else:

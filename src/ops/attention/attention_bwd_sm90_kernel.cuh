@@ -473,18 +473,23 @@ __global__ void __launch_bounds__(Traits::kConsumerThreads)
 
   typename Traits::TiledMmaDQ mma_dq;
   Tensor coords = mma_dq.get_thread_slice(thread).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  const float* source =
-      p.dq_accum + chunk * Traits::kDqFloats + consumer_group * Traits::kDqFloatsPerWarpGroup;
+  const float4* source = reinterpret_cast<const float4*>(p.dq_accum + chunk * Traits::kDqFloats +
+                                                        consumer_group * Traits::kDqFloatsPerWarpGroup);
+  // Every load issued before the first store (the stores could alias the workspace as far as the
+  // compiler knows, so interleaved they would wait on each load in turn); read once, streamed.
+  constexpr int kUnits = decltype(size(coords))::value / 4;
+  float4 sums[kUnits];
   CUTE_UNROLL
-  for (int e = 0; e < size(coords); e += 4) {
-    const float4 sum = *reinterpret_cast<const float4*>(source + (e / 4 * 128 + group_thread) * 4);
-    const float values[4] = {sum.x, sum.y, sum.z, sum.w};
+  for (int u = 0; u < kUnits; ++u) sums[u] = __ldcs(source + u * 128 + group_thread);
+  CUTE_UNROLL
+  for (int u = 0; u < kUnits; ++u) {
+    const float values[4] = {sums[u].x, sums[u].y, sums[u].z, sums[u].w};
     CUTE_UNROLL
     for (int pair_start = 0; pair_start < 4; pair_start += 2) {
-      const int row = m_block * kBlockM + get<0>(coords(e + pair_start));
+      const int row = m_block * kBlockM + get<0>(coords(4 * u + pair_start));
       if (row >= p.q_len) continue;
-      store_pair(dq_out.row<Element>(batch, row, head) + get<1>(coords(e + pair_start)), values[pair_start] * p.scale,
-                 values[pair_start + 1] * p.scale);
+      store_pair(dq_out.row<Element>(batch, row, head) + get<1>(coords(4 * u + pair_start)),
+                 values[pair_start] * p.scale, values[pair_start + 1] * p.scale);
     }
   }
 #else
