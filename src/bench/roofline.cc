@@ -30,8 +30,7 @@ std::string roofline_cache_path(const Environment& env) {
   } else {
     dir = std::filesystem::temp_directory_path();
   }
-  // "v2": the ceilings include the in-place forms; a cache measured without them is not reused.
-  return (dir / "trainscale" / ("roofline-v2-" + slug(env.gpu_name) + "-" + slug(env.driver) + ".json")).string();
+  return (dir / "trainscale" / ("roofline-" + slug(env.gpu_name) + "-" + slug(env.driver) + ".json")).string();
 }
 
 #if TRAINSCALE_HAVE_CUDA
@@ -91,23 +90,19 @@ Roofline measure(const Environment& env, const TimingOptions& timing) {
     const char* what = "cudaMalloc (roofline)";
     DeviceBuffer src(buffer, what), dst(buffer, what), sink(16, what);
     cuda_check(cudaMemset(src.data, 1, buffer), "cudaMemset (roofline)");
-    // Each ceiling is the fastest of several forms: one kernel alone sat up to 1 % under the
-    // best memory-bound kernels. Copy: our 16-byte kernel, the driver's device-to-device copy
-    // and the kernel in place; two reads per write: into a third buffer or over the first
-    // input, as an in-place backward writes dx over dy (the write then hits rows just read).
+    // The faster of our 16-byte copy kernel and the driver's device-to-device copy: a ceiling
+    // set by one copy kernel alone sat up to 1 % under the best memory-bound kernels.
     const double kernel_ms = median_ms(gpu, timing, [&](cudaStream_t s) { launch_copy(dst.data, src.data, buffer, s); });
     const double driver_ms = median_ms(gpu, timing, [&](cudaStream_t s) {
       cuda_check(cudaMemcpyAsync(dst.data, src.data, buffer, cudaMemcpyDeviceToDevice, s), "cudaMemcpyAsync (roofline)");
     });
-    const double in_place_ms = median_ms(gpu, timing, [&](cudaStream_t s) { launch_copy(dst.data, dst.data, buffer, s); });
-    const double copy_ms = std::min({kernel_ms, driver_ms, in_place_ms});
+    const double copy_ms = std::min(kernel_ms, driver_ms);
     const double read_ms = median_ms(gpu, timing, [&](cudaStream_t s) { launch_read(src.data, buffer, sink.data, s); });
-    // The two halves of src into the first half of dst, or over the first half of src.
+    // The two halves of src into the first half of dst.
     const std::int64_t half = buffer / 32 * 16;
-    char* second = static_cast<char*>(src.data) + half;
-    const double mix_out_ms = median_ms(gpu, timing, [&](cudaStream_t s) { launch_read2_write1(dst.data, src.data, second, half, s); });
-    const double mix_in_place_ms = median_ms(gpu, timing, [&](cudaStream_t s) { launch_read2_write1(src.data, src.data, second, half, s); });
-    const double mix_ms = std::min(mix_out_ms, mix_in_place_ms);
+    const double mix_ms = median_ms(gpu, timing, [&](cudaStream_t s) {
+      launch_read2_write1(dst.data, src.data, static_cast<const char*>(src.data) + half, half, s);
+    });
     r.copy_bytes = 2 * buffer;
     r.read_bytes = buffer;
     r.read2_write1_bytes = 3 * half;
@@ -172,13 +167,13 @@ void write_roofline_markdown(std::ostream& out, const Roofline& r, const Environ
       << r.measured_at << " at commit `" << env.git_commit << "`.\n\n";
   out << "| Ceiling | Value | How |\n|---|---:|---|\n";
   out << "| HBM copy bandwidth | " << format_fixed(r.copy_gbps, 0)
-      << " GB/s | the fastest of a 16-byte vector copy kernel, cudaMemcpyAsync and the kernel in place, "
+      << " GB/s | the faster of a 16-byte vector copy kernel and cudaMemcpyAsync, "
       << format_bytes(static_cast<double>(r.copy_bytes / 2)) << " read + written, bytes counted both ways |\n";
   out << "| HBM read bandwidth | " << format_fixed(r.read_gbps, 0) << " GB/s | 16-byte vector loads over "
       << format_bytes(static_cast<double>(r.read_bytes)) << " |\n";
   out << "| HBM bandwidth, 2 reads per write | " << format_fixed(r.read2_write1_gbps, 0)
       << " GB/s | 16-byte vector kernel, two streams of " << format_bytes(static_cast<double>(r.read2_write1_bytes / 3))
-      << " read, one written (the faster of a third buffer and in place over the first) |\n";
+      << " read, one written |\n";
   out << "| bf16 GEMM | " << format_fixed(r.gemm_bf16_tflops, 1) << " TFLOP/s | cuBLASLt " << r.gemm_n << "^3, fp32 "
       << "accumulation, random inputs |\n";
   out << "| Empty kernel | " << format_fixed(r.empty_kernel_us, 2) << " us | timed as the rows are: launch and "
