@@ -54,6 +54,7 @@ struct BackwardParams {
   const float* lse;               // [B, Hq, Sq]
   float* delta;                   // [B, Hq, stats_len], the workspace
   float* lse_log2;                // [B, Hq, stats_len] or null: lse * log2(e) for the Hopper kernel
+  float* dq_accum;                // [B, Hq, stats_len, D] or null: the Hopper kernel's dQ sums, zeroed here
   int stats_len;                  // Sq, or Sq padded to the Hopper kernel's query blocks
   int batch, q_len, kv_len, q_heads, kv_heads, group;
   float scale;
@@ -65,7 +66,9 @@ struct BackwardParams {
 
 // One warp per row (b, h, i) of [B, Hq, stats_len]; each lane reads D / 32 elements of dout and
 // out. Rows past Sq (padding) get delta = 0 and lse * log2(e) = +inf, and so does a query that
-// sees no key (lse = -inf): P = 2^(s - inf) = 0 there without a test.
+// sees no key (lse = -inf): P = 2^(s - inf) = 0 there without a test. Each warp also zeroes D
+// floats of the dQ accumulator: the (b, h, query block) chunks of block_m x D floats lie in row
+// order, so row r's share is floats [r D, (r + 1) D) whatever the order inside a chunk.
 template <class Traits>
 __global__ void __launch_bounds__(256) attention_backward_preprocess_kernel(const BackwardParams p) {
 #if TS_ATTENTION_BWD_BODY
@@ -77,6 +80,12 @@ __global__ void __launch_bounds__(256) attention_backward_preprocess_kernel(cons
   const int i = static_cast<int>(row % p.stats_len);
   const int h = static_cast<int>(row / p.stats_len % p.q_heads);
   const int b = static_cast<int>(row / p.stats_len / p.q_heads);
+  if (p.dq_accum != nullptr) {
+    static_assert(kPerLane % 2 == 0, "a lane zeroes whole float2 units");
+    float* zero = p.dq_accum + row * Traits::kHeadDim + lane * kPerLane;
+    CUTE_UNROLL
+    for (int j = 0; j < kPerLane; j += 2) *reinterpret_cast<float2*>(zero + j) = make_float2(0.f, 0.f);
+  }
   if (i >= p.q_len) {
     if (lane == 0) {
       p.delta[row] = 0.f;

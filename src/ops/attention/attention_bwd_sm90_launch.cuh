@@ -53,6 +53,7 @@ void launch_backward_sm90(const AttentionBackwardArgs& args, const AttentionOpti
     pre.lse = static_cast<const float*>(args.lse.data);
     pre.delta = reinterpret_cast<float*>(workspace + layout.delta);
     pre.lse_log2 = reinterpret_cast<float*>(workspace + layout.lse_log2);
+    pre.dq_accum = reinterpret_cast<float*>(workspace + layout.dq_accum);
     pre.stats_len = static_cast<int>(layout.stats_len);
     pre.batch = static_cast<int>(batch);
     pre.q_len = static_cast<int>(q_len);
@@ -62,8 +63,10 @@ void launch_backward_sm90(const AttentionBackwardArgs& args, const AttentionOpti
     attention_backward_preprocess_kernel<PreprocessTraits>
         <<<grid_of((rows + kRowsPerBlock - 1) / kRowsPerBlock), 32 * kRowsPerBlock, 0, stream>>>(pre);
     detail::check_launch(kBackwardOp);
-    detail::check_cuda(cudaMemsetAsync(workspace + layout.dq_semaphore, 0, layout.bytes - layout.dq_semaphore, stream),
-                       kBackwardOp, "cudaMemsetAsync");
+    if (options.deterministic) {
+      detail::check_cuda(cudaMemsetAsync(workspace + layout.dq_semaphore, 0, layout.dq_accum - layout.dq_semaphore, stream),
+                         kBackwardOp, "cudaMemsetAsync");
+    }
   }
   BackwardSm90Params<Traits> p{};
   if (q_len > 0 && kv_len > 0) {
