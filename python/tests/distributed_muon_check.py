@@ -1,13 +1,17 @@
-"""Distributed ts.optim.Muon against the single-process optimizer, under torchrun:
+"""Distributed ts.optim.Muon (or ts.optim.AdamW with clipping) against the single-process
+optimizer, under torchrun:
 
     torchrun --standalone --nproc-per-node 2 python/tests/distributed_muon_check.py --parallel ddp
     torchrun --standalone --nproc-per-node 2 python/tests/distributed_muon_check.py --parallel fsdp2 --device cuda
+    torchrun --standalone --nproc-per-node 2 python/tests/distributed_muon_check.py --parallel fsdp2 --optimizer adamw
 
 Each rank builds the same model and feeds the same gradients (seeded per step) to the
 distributed optimizer on a DDP-wrapped or FSDP2-sharded copy and to a single-process optimizer on
-a plain copy; after every step the full parameters must be bit-identical. A last step runs a real
-forward and backward through the wrapper and checks that the ranks still agree. gloo on the CPU,
-NCCL on CUDA (one GPU per rank). Prints "OK <parallel> <device>" on rank 0 and exits 0."""
+a plain copy; after every step the full parameters must be bit-identical (AdamW: within float
+rounding, its clipping norm summed over the ranks in another order), and so must AdamW's norm. A
+last step runs a real forward and backward through the wrapper and checks that the ranks still
+agree. gloo on the CPU, NCCL on CUDA (one GPU per rank). Prints "OK <parallel> <device>" on rank
+0 and exits 0."""
 import argparse
 import copy
 import os
@@ -55,6 +59,7 @@ def main():
     parser.add_argument("--parallel", choices=["ddp", "fsdp2"], required=True)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--optimizer", choices=["muon", "adamw"], default="muon")
     args = parser.parse_args()
     cuda = args.device == "cuda"
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -77,9 +82,14 @@ def main():
             fully_shard(layer, mesh=mesh)
         fully_shard(wrapped, mesh=mesh)
         inner = wrapped
-    options = dict(lr=0.05, weight_decay=0.1, adamw_lr=1e-2)
-    single_opt = ts.optim.Muon(groups(single), **options)
-    dist_opt = ts.optim.Muon(groups(inner), distributed=True, **options)
+    if args.optimizer == "muon":
+        options = dict(lr=0.05, weight_decay=0.1, adamw_lr=1e-2)
+        single_opt = ts.optim.Muon(groups(single), **options)
+        dist_opt = ts.optim.Muon(groups(inner), distributed=True, **options)
+    else:  # a norm of about 18 against 1: every step clips
+        options = dict(lr=1e-2, weight_decay=0.1, max_grad_norm=1.0)
+        single_opt = ts.optim.AdamW(single.parameters(), **options)
+        dist_opt = ts.optim.AdamW(inner.parameters(), **options)
 
     for step in range(args.steps):
         generator = torch.Generator().manual_seed(100 + step)
@@ -94,7 +104,14 @@ def main():
         single_opt.step()
         dist_opt.step()
         for (name, p), q in zip(single.named_parameters(), inner.parameters()):
-            assert torch.equal(p, full(q)), f"rank {rank} step {step}: {name} differs from the single-process update"
+            if args.optimizer == "muon":
+                assert torch.equal(p, full(q)), f"rank {rank} step {step}: {name} differs from the single-process update"
+            else:
+                torch.testing.assert_close(full(q), p, rtol=2e-6 if dtype == torch.float32 else 1e-2, atol=1e-6,
+                                           msg=lambda m: f"rank {rank} step {step}: {name}: {m}")
+        if args.optimizer == "adamw":
+            torch.testing.assert_close(dist_opt.grad_norm, single_opt.grad_norm, rtol=1e-6, atol=0)
+            assert 0 < single_opt.grad_norm.item() and single_opt.grad_norm.item() > 1.0
 
     # A real step through the wrapper: every rank ends with the same parameters.
     tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(rank)).to(device)
@@ -106,6 +123,8 @@ def main():
         gathered = [torch.empty_like(value) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, value)
         assert all(torch.equal(gathered[0], v) for v in gathered), f"{name}: ranks disagree after a real step"
+    if args.optimizer == "adamw" and args.parallel == "fsdp2":  # the moments keep the parameters' sharding
+        assert all(hasattr(s["exp_avg"], "full_tensor") for s in dist_opt.state.values())
     if rank == 0:
         print(f"OK {args.parallel} {args.device}", flush=True)
     from trainscale._distributed import exit_worker

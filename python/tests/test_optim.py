@@ -177,10 +177,10 @@ def _env():
     return env
 
 
-def run_distributed(parallel, device):
+def run_distributed(parallel, device, optimizer="muon"):
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed_muon_check.py")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script,
-               "--parallel", parallel, "--device", device]
+               "--parallel", parallel, "--device", device, "--optimizer", optimizer]
     done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"OK {parallel} {device}" in done.stdout
@@ -195,6 +195,13 @@ def test_distributed_gloo_matches_one_process(parallel):
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
 def test_distributed_nccl_matches_one_process(parallel):
     run_distributed(parallel, "cuda")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"))])
+def test_adamw_clipping_on_fsdp2_shards_matches_one_process(device):
+    """ts.optim.AdamW(max_grad_norm=...) on FSDP2 shards: the norm all-reduced over the ranks."""
+    run_distributed("fsdp2", device, optimizer="adamw")
 
 
 @cuda

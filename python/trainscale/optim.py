@@ -71,13 +71,15 @@ def _closure_loss(closure):
 
 
 def _adamw_count_step(state, p, moments_dtype=None):
-    """AdamW's state of p (created zero on first use, moments in moments_dtype or p's dtype),
-    its step count advanced; returns the new step number."""
+    """AdamW's state of p (created zero on first use, moments in moments_dtype or p's dtype, a
+    DTensor like p's for a DTensor, so distributed checkpoints see its sharding), its step count
+    advanced; returns the new step number."""
     if not state:
-        local, dtype = _local(p), moments_dtype or p.dtype
+        dtype = moments_dtype or p.dtype
+        like = p.detach() if _is_dtensor(p) else p
         state["step"] = torch.zeros((), dtype=torch.float32)
-        state["exp_avg"] = torch.zeros_like(local, dtype=dtype, memory_format=torch.contiguous_format)
-        state["exp_avg_sq"] = torch.zeros_like(local, dtype=dtype, memory_format=torch.contiguous_format)
+        state["exp_avg"] = torch.zeros_like(like, dtype=dtype, memory_format=torch.contiguous_format)
+        state["exp_avg_sq"] = torch.zeros_like(like, dtype=dtype, memory_format=torch.contiguous_format)
     state["step"] += 1
     return int(state["step"].item())
 
@@ -85,8 +87,32 @@ def _adamw_count_step(state, p, moments_dtype=None):
 def _adamw_update(states, params, lr, betas, eps, weight_decay, step, grad_scale=None):
     """One adamw_step_ over params (one device, one step number), each on its local tensor."""
     ops.adamw_step_([_local(p) for p in params], [_local(p.grad) for p in params],
-                    [states[p]["exp_avg"] for p in params], [states[p]["exp_avg_sq"] for p in params],
+                    [_local(states[p]["exp_avg"]) for p in params], [_local(states[p]["exp_avg_sq"]) for p in params],
                     lr, betas[0], betas[1], eps, weight_decay, step, grad_scale)
+
+
+def _clip_factor(params, max_norm):
+    """(global gradient norm, clip factor), float32 tensors on the gradients' device. Plain
+    tensors: grad_norm over them. DTensors sharded over one 1-D mesh (FSDP2): each rank's float64
+    sum of squares of its shards, all-reduced over the mesh, then the factor as grad_norm forms it."""
+    if len({_local(p).device for p in params}) > 1:
+        raise ValueError("AdamW: max_grad_norm needs every gradient on one device "
+                         "(clip with torch.nn.utils.clip_grad_norm_ instead)")
+    sharded = [_is_dtensor(p) for p in params]
+    if not any(sharded):
+        return ops.grad_norm([p.grad for p in params], max_norm)
+    from torch.distributed.tensor import Shard
+    meshes = {p.device_mesh for p in params if _is_dtensor(p)}
+    mesh = next(iter(meshes))
+    if not all(sharded) or len(meshes) > 1 or mesh.ndim != 1 or not all(
+            isinstance(pl, Shard) for p in params for pl in p.placements):
+        raise ValueError("AdamW: max_grad_norm needs plain tensors or DTensors sharded over one 1-D mesh "
+                         "(clip with torch.nn.utils.clip_grad_norm_ instead)")
+    local_norm, _ = ops.grad_norm([_local(p.grad) for p in params], math.inf)
+    total = local_norm.double().square()
+    dist.all_reduce(total, group=mesh.get_group())
+    norm = total.sqrt()
+    return norm.float(), (max_norm / (norm + 1e-6)).clamp(max=1.0).float()
 
 
 @register_fake("trainscale::grad_norm")
@@ -112,8 +138,9 @@ class AdamW(torch.optim.Optimizer):
     (torch.ops.trainscale.grad_norm, deterministic) gives clip = min(1, max_grad_norm /
     (norm + 1e-6)), which the update reads on the device (no host synchronization; a NaN norm
     makes the update NaN, as clipping by NaN does). The norm of the last step is ``grad_norm``
-    (a float32 tensor on the parameters' device). Needs every gradient on one device and no
-    DTensor (FSDP2 shards: the local norm is not the global one); None: no clipping.
+    (a float32 tensor on the parameters' device). Needs every gradient on one device; FSDP2
+    parameters (DTensors sharded over one 1-D mesh) too: each rank's sum of squares of its
+    shards, all-reduced over the mesh; None: no clipping.
     moments_dtype: the dtype of exp_avg and exp_avg_sq, torch.float32 or None (the parameter's,
     as torch.optim.AdamW keeps them). The state (``step``, ``exp_avg``, ``exp_avg_sq``) has
     torch.optim.AdamW's names and layout, so state_dicts load either way.
@@ -149,11 +176,7 @@ class AdamW(torch.optim.Optimizer):
                 calls[(gi, _adamw_count_step(self.state[p], p, self.moments_dtype), p.device)].append(p)
         scale = None
         if self.max_grad_norm is not None and calls:
-            params = [p for ps in calls.values() for p in ps]
-            if len({p.device for p in params}) > 1 or any(_is_dtensor(p) for p in params):
-                raise ValueError("AdamW: max_grad_norm needs every gradient on one device and no DTensor "
-                                 "(clip with torch.nn.utils.clip_grad_norm_ instead)")
-            self.grad_norm, scale = ops.grad_norm([p.grad for p in params], float(self.max_grad_norm))
+            self.grad_norm, scale = _clip_factor([p for ps in calls.values() for p in ps], float(self.max_grad_norm))
         for (gi, step, _), ps in calls.items():
             group = self.param_groups[gi]
             _adamw_update(self.state, ps, group["lr"], group["betas"], group["eps"], group["weight_decay"], step, scale)

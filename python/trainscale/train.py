@@ -273,8 +273,9 @@ def build_optimizer(model, params, args, device: torch.device, d: Dist) -> torch
     """AdamW, or Muon for the 2-D weights of the decoder layers with AdamW for the rest (the
     embedding and the LM head, whose rows are tokens, and the norms), as the Muon recipe does."""
     if args.optimizer == "adamw":
-        if args.impl == "trainscale" and not (d.world > 1 and args.parallel == "fsdp2"):
-            # Ours, with the clipping folded into the update (one pass over the gradients fewer).
+        if args.impl == "trainscale":
+            # Ours, with the clipping folded into the update (one pass over the gradients fewer);
+            # under FSDP2 on each rank's shards, the norm all-reduced.
             from .optim import AdamW
             return AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95),
                          max_grad_norm=args.max_grad_norm or None)
