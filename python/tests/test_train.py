@@ -163,15 +163,16 @@ def _env():
     return env
 
 
-@pytest.mark.parametrize("parallel,optimizer", [("ddp", "adamw"), ("fsdp2", "adamw"), ("fsdp2", "muon")])
-def test_two_process_gloo_matches_one(small_run, cache, tmp_path, parallel, optimizer):
+@pytest.mark.parametrize("parallel,optimizer,flags", [("ddp", "adamw", ()), ("fsdp2", "adamw", ()), ("fsdp2", "muon", ()),
+                                                      ("fsdp2", "adamw", ("--fsdp2-keep-gathered",))])
+def test_two_process_gloo_matches_one(small_run, cache, tmp_path, parallel, optimizer, flags):
     # The same global batch (2 sequences) as 1 process x 2 or 2 processes x 1.
     single = small_run if optimizer == "adamw" else run(*SMALL, "--batch-size", 2, "--steps", 3,
                                                         "--optimizer", optimizer, *cache)
     log = tmp_path / f"{parallel}.jsonl"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "-m", "trainscale.train", *map(str, SMALL), "--batch-size", "1", "--steps", "3",
-               "--parallel", parallel, "--optimizer", optimizer, "--jsonl", str(log), *cache]
+               "--parallel", parallel, "--optimizer", optimizer, *flags, "--jsonl", str(log), *cache]
     done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     records = read_jsonl(log)

@@ -126,6 +126,10 @@ def parse_args(argv=None):
                         "parameters, bf16 autocast; auto: bf16 on CUDA, fp32 on the CPU")
     p.add_argument("--parallel", choices=("ddp", "fsdp2"), default="ddp",
                    help="under torchrun: DistributedDataParallel, or fully_shard per decoder layer and the root")
+    p.add_argument("--fsdp2-keep-gathered", action="store_true",
+                   help="--parallel fsdp2: the decoder layers keep their gathered parameters from the forward to "
+                        "the backward (fully_shard(reshard_after_forward=False)): no all-gather in the backward, "
+                        "every layer's full parameters held through the step")
     p.add_argument("--data", choices=("corpus", "random"), default="corpus",
                    help="corpus: the Python standard library's source, BPE-tokenized (see docs/train.md); "
                         "random: uniform token ids (throughput runs)")
@@ -264,7 +268,7 @@ def wrap_parallel(model, args, d: Dist, device: torch.device):
     # The mesh on the run's device: without one, fully_shard picks CUDA whenever it is available.
     mesh = init_device_mesh(device.type, (d.world,))
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=not args.fsdp2_keep_gathered)
     fully_shard(model, mesh=mesh)
     return model
 
