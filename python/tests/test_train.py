@@ -1,7 +1,8 @@
 """python -m trainscale.train on the CPU: the tiny preset learns the standard-library corpus, runs
 are reproducible, --impl trainscale follows eager, gradient accumulation and 2-process gloo
-runs (DDP, FSDP2) train on the same global batch as one process, and the JSONL log, --plot and
-train_bench write what they promise. Skipped when transformers is not installed."""
+runs (DDP, FSDP2) train on the same global batch as one process, and the JSONL log, --plot,
+--profile-step (with its idle-gap summary on a synthetic trace) and train_bench write what they
+promise. Skipped when transformers is not installed."""
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 modeling_llama = pytest.importorskip("transformers.models.llama.modeling_llama")
 
+from trainscale import step_profile  # noqa: E402
 from trainscale import train as ts_train  # noqa: E402
 
 STEP_KEYS = {"type", "step", "warmup", "loss", "grad_norm", "lr", "tokens", "step_time_s", "tokens_per_s",
@@ -143,6 +145,45 @@ def test_flag_errors(cache):
     except ImportError:
         with pytest.raises(SystemExit, match="--impl liger: Liger-Kernel is not importable"):
             run(*SMALL, "--impl", "liger", "--steps", 1, *cache)
+
+
+def test_profile_step(cache, tmp_path):
+    prefix = tmp_path / "prof" / "step"
+    result = run(*SMALL, "--data", "random", "--vocab-size", 512, "--steps", 3, "--warmup-steps", 0,
+                 "--profile-step", 2, "--profile-prefix", prefix, *cache)
+    with open(f"{prefix}.trace.json") as f:
+        events = json.load(f)["traceEvents"]
+    assert any(e.get("name") == step_profile.STEP_RANGE for e in events)
+    summary = open(f"{prefix}.summary.txt").read()
+    assert summary.startswith("step: ") and ("no GPU activity" in summary or "GPU: " in summary)
+    assert [s.get("profiled", False) for s in result["steps"]] == [False, True, False]
+    assert result["summary"]["timed_steps"] == 2  # the profiled step is left out
+    with pytest.raises(SystemExit):
+        ts_train.parse_args(["--steps", "3", "--profile-step", "4"])
+
+
+def test_step_profile_summary_finds_idle_gaps():
+    """Synthetic trace: kernel A, a 50 us gap, kernel B launched by rmsnorm after A ended
+    (starved), then kernel C launched while B ran (no gap)."""
+    def x(name, cat, ts, dur, tid=1, **args):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "tid": tid, "args": args}
+    events = [
+        x(step_profile.STEP_RANGE, "user_annotation", 0, 400),
+        x("model.py(10): forward", "python_function", 5, 300),
+        x("trainscale::rmsnorm_forward", "cpu_op", 140, 20),
+        x("cudaLaunchKernel", "cuda_runtime", 10, 5, correlation=1),
+        x("cudaLaunchKernel", "cuda_runtime", 150, 5, correlation=2),
+        x("cudaLaunchKernel", "cuda_runtime", 170, 5, correlation=3),
+        x("kernel_a", "kernel", 20, 100, tid=7, correlation=1),
+        x("kernel_b", "kernel", 170, 40, tid=7, correlation=2),
+        x("kernel_c", "kernel", 210, 30, tid=7, correlation=3),
+    ]
+    text = step_profile.summarize_trace(events)
+    assert "busy 0.17 ms, idle 0.05 ms in 1 gaps" in text
+    gap_line = next(line for line in text.splitlines() if line.strip().startswith("50.0 |"))
+    assert "kernel_a" in gap_line and "kernel_b" in gap_line and "starved" in gap_line
+    assert "model.py(10): forward > trainscale::rmsnorm_forward" in gap_line
+    assert "0.040 ms  kernel_b" in text
 
 
 def test_plot(tiny_run, cache, tmp_path):

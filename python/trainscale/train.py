@@ -144,6 +144,12 @@ def parse_args(argv=None):
                    help="a measured peak in TFLOP/s, or 'auto': time the model's largest GEMM (tokens x hidden "
                         "by hidden x FFN, bf16) before training; adds mfu_measured")
     p.add_argument("--jsonl", help="JSONL file: one run record, one record per step, one summary")
+    p.add_argument("--profile-step", type=int, metavar="N",
+                   help="run step N under torch.profiler (rank 0): PREFIX.trace.json (chrome trace) and "
+                        "PREFIX.summary.txt (kernel time, the GPU's idle gaps and the host stacks behind them); "
+                        "the step is left out of the timing summary")
+    p.add_argument("--profile-prefix", default="trainscale-step",
+                   help="path prefix of --profile-step's files (default: trainscale-step, in the working directory)")
     p.add_argument("--no-wandb", action="store_true", help="no Weights & Biases logging even if importable")
     p.add_argument("--quiet", action="store_true", help="no per-step progress line")
     p.add_argument("--plot", metavar="PNG", help="plot the JSONL logs given as arguments into PNG and exit")
@@ -162,6 +168,8 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')}: expected a positive integer, got {getattr(args, name)}")
     if args.warmup_steps < 0:
         p.error(f"--warmup-steps: expected 0 or more, got {args.warmup_steps}")
+    if args.profile_step is not None and not 1 <= args.profile_step <= args.steps:
+        p.error(f"--profile-step: expected a step from 1 to --steps ({args.steps}), got {args.profile_step}")
     return args
 
 
@@ -363,9 +371,9 @@ def _peak_rss_gib() -> float:
 
 
 def summarize(steps: list, warmup: int, world: int = 1) -> dict:
-    """Means over the steps after the warm-up (world: the number of processes); final_loss: the
-    mean of the last five losses."""
-    timed = [s for s in steps if s["step"] > warmup]
+    """Means over the steps after the warm-up and not profiled (world: the number of processes);
+    final_loss: the mean of the last five losses."""
+    timed = [s for s in steps if s["step"] > warmup and not s.get("profiled")]
     out = {"timed_steps": len(timed), "final_loss": sum(s["loss"] for s in steps[-5:]) / len(steps[-5:])}
     keys = ("step_time_s", "tokens_per_s", "tflops", "mfu", "mfu_measured")
     for key in keys:
@@ -480,25 +488,30 @@ def _train(args, d: Dist) -> dict:
         batch = batches.step(step - 1)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        loss_sum = 0.0
-        for micro in range(args.grad_accum):
-            ids = micro_batch(batch, micro, d, args.batch_size).to(device, non_blocking=True)
-            with _grad_sync(model, micro == args.grad_accum - 1), autocast:
-                loss = forward(input_ids=ids, labels=ids).loss
-                (loss / args.grad_accum).backward()
-            loss_sum += loss.detach()
-        if getattr(optimizer, "max_grad_norm", None) is not None:  # trainscale.optim.AdamW clips in its step
-            optimizer.step()
-            grad_norm = optimizer.grad_norm
-        else:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
-            if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
-                grad_norm = grad_norm.full_tensor()
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss_value, grad_norm = float(loss_sum) / args.grad_accum, float(grad_norm)  # both synchronize
-        step_time = time.perf_counter() - start
+        profiler = contextlib.nullcontext()
+        if step == args.profile_step and d.main:
+            from .step_profile import profiled_step
+            profiler = profiled_step(args.profile_prefix, device.type == "cuda")
+        with profiler:
+            start = time.perf_counter()
+            loss_sum = 0.0
+            for micro in range(args.grad_accum):
+                ids = micro_batch(batch, micro, d, args.batch_size).to(device, non_blocking=True)
+                with _grad_sync(model, micro == args.grad_accum - 1), autocast:
+                    loss = forward(input_ids=ids, labels=ids).loss
+                    (loss / args.grad_accum).backward()
+                loss_sum += loss.detach()
+            if getattr(optimizer, "max_grad_norm", None) is not None:  # trainscale.optim.AdamW clips in its step
+                optimizer.step()
+                grad_norm = optimizer.grad_norm
+            else:
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
+                if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
+                    grad_norm = grad_norm.full_tensor()
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss_value, grad_norm = float(loss_sum) / args.grad_accum, float(grad_norm)  # both synchronize
+            step_time = time.perf_counter() - start
         mem_alloc, mem_reserved = _peak_memory(device)
         (loss_value,) = [v / d.world for v in _reduce([loss_value], d, dist.ReduceOp.SUM)]
         step_time, mem_alloc_max, mem_reserved_max, rss = _reduce(
@@ -512,6 +525,8 @@ def _train(args, d: Dist) -> dict:
              "peak_mem_allocated_gib": mem_alloc_max if mem_alloc is not None else None,
              "peak_mem_reserved_gib": mem_reserved_max if mem_reserved is not None else None,
              "peak_rss_gib": rss}
+        if step == args.profile_step:
+            r["profiled"] = True
         records.append(r)
         if d.main:
             log.write(r)
