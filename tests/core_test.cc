@@ -221,6 +221,31 @@ TEST(OpChecker, OutputsDisjointNamesTheLaterOutputAndAllowsOneInPlacePair) {
                   "argument 'db'", "memory disjoint from 'dw'");
 }
 
+// Reads may share memory with each other; an update may share none with anything. Extents nested
+// in a long earlier one, a read between two updates and the same address for a read and an
+// update (reported against the update) are the cases a check of neighbours alone would miss.
+TEST(OpChecker, UpdatesDisjointBySortedExtents) {
+  float buf[64];
+  const TensorView a(buf, DType::kFloat32, {8}), b(buf + 8, DType::kFloat32, {8}), c(buf + 16, DType::kFloat32, {8});
+  const TensorView whole(buf, DType::kFloat32, {32}), inside(buf + 20, DType::kFloat32, {2}), absent;
+  const Arg ab[] = {{a, "a"}, {b, "b"}}, c_twice[] = {{c, "c1"}, {c, "c2"}}, none[] = {{absent, "w"}};
+  OpChecker("op").updates_disjoint(ab, c_twice);  // two reads of one tensor
+  OpChecker("op").updates_disjoint(none, ab);
+  const Arg whole_read[] = {{whole, "x"}}, inside_read[] = {{inside, "y"}};
+  TS_EXPECT_ERROR(OpChecker("op").updates_disjoint(ab, whole_read), "argument 'a'",
+                  "memory disjoint from 'x' (updated while the other is read)", "overlapping views");
+  const Arg a_whole[] = {{a, "a"}, {whole, "w"}};
+  TS_EXPECT_ERROR(OpChecker("op").updates_disjoint(a_whole, {}), "argument 'w'", "disjoint from 'a'",
+                  "(updated while the other is updated)");
+  const Arg whole_written[] = {{whole, "w"}};
+  TS_EXPECT_ERROR(OpChecker("op").updates_disjoint(whole_written, inside_read), "argument 'y'",
+                  "disjoint from 'w' (read while the other is updated)");
+  const TensorView bc(buf + 12, DType::kFloat32, {8});
+  const Arg a_c[] = {{a, "a"}, {c, "c"}}, b_read[] = {{b, "b"}}, b_and_c[] = {{bc, "bc"}};
+  OpChecker("op").updates_disjoint(a_c, b_read);
+  TS_EXPECT_ERROR(OpChecker("op").updates_disjoint(a_c, b_and_c), "argument 'c'", "disjoint from 'bc'");
+}
+
 TEST(OpChecker, DistinctElements) {
   float buf[64];
   OpChecker("op").distinct_elements(TensorView(buf, DType::kFloat32, {2, 3, 4}, {12, 4, 1}), "out");
