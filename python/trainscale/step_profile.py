@@ -38,7 +38,8 @@ def profiled_step(stem: str, cuda: bool) -> Iterator[None]:
 
 
 def _short_stack(frames: List[str], depth: int = 5) -> str:
-    """The innermost frames of the model's code and of the ops (not the interpreter's built-ins)."""
+    """The innermost frames of the model's code and of the ops (not built-ins, nor nn.Module's call
+    machinery)."""
     keep = [f for f in frames if "<built-in" not in f and not f.startswith("torch/nn/modules/module.py")]
     return " > ".join(f.split("/")[-1][:70] for f in keep[-depth:]) or "?"
 
