@@ -145,8 +145,8 @@ TEST(NewtonSchulzCuda, BatchEqualsOneCallPerMatrix) {
 
 // The Gram products by blocks (only the lower block triangle computed, then mirrored), forced
 // at sizes whose fp64 reference is cheap (newton_schulz takes them only from p = 4096,
-// gram_blocks): against the reference, wide and tall, and a batch (all blocks of all matrices in
-// one pointer-array product) bit-identical to one call per matrix.
+// gram_blocks): against the reference, wide and tall, and a batch (a call per block over the
+// matrices) bit-identical to one call per matrix (a call per band of blocks).
 TEST(NewtonSchulzCuda, BlockedGramProductsMatchReferenceAndBatchBits) {
   TS_REQUIRE_GPU();
   const auto run_blocked = [](DType dt, std::int64_t count, const Layout& l, const Values& x, int k) {
@@ -177,8 +177,7 @@ TEST(NewtonSchulzCuda, BlockedGramProductsMatchReferenceAndBatchBits) {
   for (DType dt : {DType::kBFloat16, DType::kFloat32}) {
     for (const Case& c : {Case{2, 1, {64, 96, 0, false}}, Case{4, 1, {256, 384, 0, false}},
                           Case{4, 1, {384, 256, 3, false}}, Case{2, 1, {192, 192, 0, false}},
-                          Case{4, 3, {128, 160, 0, false}}, Case{2, 2, {160, 64, 0, false}},
-                          Case{8, 1, {256, 288, 0, false}}, Case{8, 2, {320, 256, 1, false}}}) {
+                          Case{4, 3, {128, 160, 0, false}}, Case{2, 2, {160, 64, 0, false}}}) {
       const Layout& l = c.l;
       SCOPED_TRACE(test::describe(dt, l) + " x " + std::to_string(c.count) + " blocks " + std::to_string(c.k));
       const Values x = test::random_inputs(dt, c.count * l.rows * l.cols, 0, -1, 1, false);

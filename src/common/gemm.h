@@ -54,19 +54,6 @@ struct GemmBatch {
   bool batch_invariant = false;
 };
 
-// `count` products of one shape whose operands lie anywhere: product i reads a[i], b[i] and
-// addend[i] and writes out[i], each a device array of `count` pointers (cuBLASLt's pointer-array
-// batch). The shapes, leading dimensions and dtypes are those of the GemmOperand / GemmResult
-// given with them; their data pointers stand for every product's (the algorithm is chosen for
-// their alignment). Always batch-invariant: each product gets the bits it would alone.
-struct GemmPointerArrays {
-  const void* const* a = nullptr;
-  const void* const* b = nullptr;
-  const void* const* addend = nullptr;
-  void** out = nullptr;
-  std::int64_t count = 0;
-};
-
 // out = alpha * a @ b + beta * addend (+ row_bias), on `stream`, for each product of `batch`. a: [M, K], b: [K, N], out: [M, N]; a and b of
 // one dtype (float32, float16, bfloat16), out of theirs or float32. workspace: cuBLASLt's
 // scratch (16-byte aligned; 32 MiB lets it choose any algorithm). The algorithm for a shape is
@@ -74,13 +61,5 @@ struct GemmPointerArrays {
 void gemm(const char* op, const GemmOperand& a, const GemmOperand& b, const GemmResult& out,
           const GemmScalars& scalars, void* workspace, std::size_t workspace_bytes,
           cudaStream_t stream, const GemmBatch& batch = {});
-
-// Whether cuBLASLt runs `count` products of this shape as one pointer-array call (decided once
-// per shape and count; no GPU work). When it does, gemm_pointer_array launches that call.
-bool gemm_takes_pointer_arrays(const char* op, const GemmOperand& a, const GemmOperand& b, const GemmResult& out,
-                               const GemmScalars& scalars, std::size_t workspace_bytes, std::int64_t count);
-void gemm_pointer_array(const char* op, const GemmOperand& a, const GemmOperand& b, const GemmResult& out,
-                        const GemmScalars& scalars, void* workspace, std::size_t workspace_bytes,
-                        cudaStream_t stream, const GemmPointerArrays& arrays);
 
 }  // namespace trainscale::detail

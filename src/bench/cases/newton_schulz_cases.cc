@@ -150,7 +150,6 @@ const Registrar kRegister([](Registry& r) {
   r.add_opt_in("newton_schulz", "trainscale-dense", with_gram_blocks(1));
   r.add_opt_in("newton_schulz", "trainscale-blocks-2", with_gram_blocks(2));
   r.add_opt_in("newton_schulz", "trainscale-blocks-4", with_gram_blocks(4));
-  r.add_opt_in("newton_schulz", "trainscale-blocks-8", with_gram_blocks(8));
 #endif
   r.add_op({"newton_schulz_batched", "newton_schulz", "N x R x C", newton_schulz_batched_case});
   r.add_baseline("newton_schulz_batched", "per-matrix", per_matrix_baseline);

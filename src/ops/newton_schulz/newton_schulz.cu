@@ -5,9 +5,8 @@
 // (common/gemm.h, float32 accumulation; X, A and B stored in the input's dtype, as Muon
 // implementations keep them):
 //   A = X X^T;   B = c A A + b A;   X' = B X + a X   (B and X' written beside A and X).
-// The two symmetric products compute only their lower block triangle, all its blocks in one
-// pointer-array product, and mirror it (symmetric_product, gram_blocks in
-// newton_schulz_internal.h).
+// The two symmetric products compute only their lower block triangle and mirror it
+// (symmetric_product, gram_blocks in newton_schulz_internal.h).
 // Muon adds one pass before (momentum and Nesterov: the new buffer and u, Newton-Schulz's
 // input) and puts the parameter update (weight decay and the scaled orthogonal step) in the
 // tiled pass that copies X back out.
@@ -32,10 +31,6 @@ constexpr int kThreads = 256;
 constexpr std::size_t kAlign = 256;
 constexpr std::size_t kGemmWorkspaceBytes = std::size_t{32} << 20;
 constexpr int kMomentumBlocks = 132;  // per parameter; any count gives the same bits (elementwise)
-// The symmetric products' pointer arrays: A = X X^T from either X buffer, and A A; per matrix
-// four pointers (a, b, addend, out) per block of the largest split's lower triangle.
-constexpr int kGramSets = 3;
-constexpr std::size_t kGramPointersPerMatrix = 4 * kMaxGramBlocks * (kMaxGramBlocks + 1) / 2;
 
 // Matrices of a batch: matrix n's element (r, c) at data[n * stride + r * ld + c].
 template <class T>
@@ -146,108 +141,37 @@ detail::GemmOperand block_of(detail::GemmOperand m, std::int64_t offset, std::in
   return m;
 }
 
-// Where the lower-triangle blocks of one symmetric product lie, in bytes: block (r, c) of matrix
-// n reads lhs + n lhs_matrix + r lhs_step and rhs + n rhs_matrix + c rhs_step, and its result
-// (and addend) is at + n out_matrix + r out_row + c out_col. block_pointers_kernel writes them
-// into `arrays`: count * blocks pointers each for a, b, the addend and out, matrix-major.
-struct BlockGeometry {
-  const char* lhs;
-  const char* rhs;
-  const char* addend;
-  char* out;
-  std::int64_t lhs_matrix, lhs_step, rhs_matrix, rhs_step, out_matrix, out_row, out_col;
-  void** arrays;
-};
-struct BlockGeometries {
-  BlockGeometry set[kGramSets];
-};
-
-// Thread t of set blockIdx.y: matrix t / blocks, block t % blocks of the lower triangle in row
-// order ((0, 0), (1, 0), (1, 1), (2, 0), ...).
-__global__ void block_pointers_kernel(BlockGeometries geometries, int k, std::int64_t count) {
-  const BlockGeometry& g = geometries.set[blockIdx.y];
-  const int blocks = k * (k + 1) / 2;
-  const std::int64_t t = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x, total = count * blocks;
-  if (t >= total) return;
-  const std::int64_t n = t / blocks;
-  int i = static_cast<int>(t % blocks), r = 0;
-  while (i > r) i -= ++r;  // row r holds blocks (r, 0..r)
-  const int c = i;
-  const std::int64_t at = n * g.out_matrix + r * g.out_row + c * g.out_col;
-  // One array type for all four; cuBLASLt only reads through the first three.
-  g.arrays[t] = const_cast<char*>(g.lhs + n * g.lhs_matrix + r * g.lhs_step);
-  g.arrays[total + t] = const_cast<char*>(g.rhs + n * g.rhs_matrix + c * g.rhs_step);
-  g.arrays[2 * total + t] = const_cast<char*>(g.addend + at);
-  g.arrays[3 * total + t] = g.out + at;
-}
-
-// A symmetric product's operands: out [p, p] = alpha lhs @ rhs + beta addend for `matrices`
-// (batch strides as gemm takes them), lhs [p, K] in row blocks of p / k rows lhs_step elements
-// apart, rhs [K, p] in column blocks of p / k columns rhs_step apart.
-struct SymmetricProduct {
-  detail::GemmOperand lhs;
-  std::int64_t lhs_step;
-  detail::GemmOperand rhs;
-  std::int64_t rhs_step;
-  detail::GemmResult out;
-  detail::GemmBatch matrices;
-
-  std::int64_t block(int k) const { return out.rows / k; }
-  BlockGeometry geometry(int k, void** arrays) const {
-    const auto e_in = static_cast<std::int64_t>(dtype_size(lhs.dtype)),
-               e_out = static_cast<std::int64_t>(dtype_size(out.dtype));
-    const std::int64_t b = block(k);
-    return {static_cast<const char*>(lhs.data), static_cast<const char*>(rhs.data),
-            static_cast<const char*>(out.addend != nullptr ? out.addend : out.data), static_cast<char*>(out.data),
-            matrices.stride_a * e_in, lhs_step * e_in, matrices.stride_b * e_in, rhs_step * e_in,
-            matrices.stride_out * e_out, b * out.ld * e_out, b * e_out, arrays};
-  }
-};
-
-// Runs a SymmetricProduct. k == 1: one dense product. Else only the lower block triangle's
-// k (k + 1) / 2 blocks are computed, then mirrored: with `arrays` (block_pointers_kernel's, for
-// this product) all blocks of all matrices in one pointer-array product where cuBLASLt takes
-// it; else a call per diagonal band of blocks for one matrix, a call per block batched over the
-// matrices for several. Every block is a product of one shape whose algorithm is chosen for a
-// single product (batch-invariant), so each matrix gets a single call's bits.
+// out = alpha lhs @ rhs + beta addend for `matrices` (batch strides as gemm takes them) of a
+// symmetric [p, p] result (ld p): lhs [p, K] in row blocks of b = p / k rows lhs_step elements
+// apart, rhs [K, p] in column blocks of b columns rhs_step apart. k == 1: one dense product.
+// Else only the lower block triangle's k (k + 1) / 2 blocks are computed, then mirrored. One
+// matrix: a call per diagonal band of blocks, batched along the band; several: a call per
+// block, batched over the matrices. Every block is a product of one shape whose algorithm is
+// chosen for a single product (batch_invariant), so each matrix gets a single call's bits.
 template <class T>
-void symmetric_product(const char* op, int k, const SymmetricProduct& sp, const detail::GemmScalars& scalars,
-                       void* gemm_ws, void** arrays, cudaStream_t stream) {
-  const detail::GemmResult& out = sp.out;
-  const detail::GemmBatch& matrices = sp.matrices;
+void symmetric_product(const char* op, int k, const detail::GemmOperand& lhs, std::int64_t lhs_step,
+                       const detail::GemmOperand& rhs, std::int64_t rhs_step, const detail::GemmResult& out,
+                       const detail::GemmScalars& scalars, void* gemm_ws, const detail::GemmBatch& matrices,
+                       cudaStream_t stream) {
   if (k == 1) {
-    detail::gemm(op, sp.lhs, sp.rhs, out, scalars, gemm_ws, kGemmWorkspaceBytes, stream, matrices);
+    detail::gemm(op, lhs, rhs, out, scalars, gemm_ws, kGemmWorkspaceBytes, stream, matrices);
     return;
   }
-  const std::int64_t p = out.rows, b = sp.block(k), e = static_cast<std::int64_t>(dtype_size(out.dtype));
-  const auto block_at = [&](std::int64_t r, std::int64_t c) {
+  const std::int64_t p = out.rows, b = p / k, e = static_cast<std::int64_t>(dtype_size(out.dtype));
+  const auto product = [&](std::int64_t r, std::int64_t c, const detail::GemmBatch& batch) {
     detail::GemmResult block = out;
     const std::int64_t at = (r * b * out.ld + c * b) * e;
     block.data = static_cast<char*>(out.data) + at;
     if (out.addend != nullptr) block.addend = static_cast<const char*>(out.addend) + at;
     block.rows = block.cols = b;
-    return block;
+    detail::gemm(op, block_of(lhs, r * lhs_step, b, lhs.cols), block_of(rhs, c * rhs_step, rhs.rows, b), block,
+                 scalars, gemm_ws, kGemmWorkspaceBytes, stream, batch);
   };
-  const auto lhs_at = [&](std::int64_t r) { return block_of(sp.lhs, r * sp.lhs_step, b, sp.lhs.cols); };
-  const auto rhs_at = [&](std::int64_t c) { return block_of(sp.rhs, c * sp.rhs_step, sp.rhs.rows, b); };
-  const std::int64_t products = matrices.count * k * (k + 1) / 2;
-  if (arrays != nullptr &&
-      detail::gemm_takes_pointer_arrays(op, lhs_at(0), rhs_at(0), block_at(0, 0), scalars, kGemmWorkspaceBytes,
-                                        products)) {
-    detail::gemm_pointer_array(op, lhs_at(0), rhs_at(0), block_at(0, 0), scalars, gemm_ws, kGemmWorkspaceBytes,
-                               stream,
-                               {arrays, arrays + products, arrays + 2 * products,
-                                arrays + 3 * products, products});
-  } else {
-    for (std::int64_t d = 0; d < k; ++d) {  // band d: blocks (i + d, i)
-      if (matrices.count == 1) {
-        detail::gemm(op, lhs_at(d), rhs_at(0), block_at(d, 0), scalars, gemm_ws, kGemmWorkspaceBytes, stream,
-                     {k - d, sp.lhs_step, sp.rhs_step, b * out.ld + b, true});
-      } else {
-        for (std::int64_t i = 0; i + d < k; ++i)
-          detail::gemm(op, lhs_at(i + d), rhs_at(i), block_at(i + d, i), scalars, gemm_ws, kGemmWorkspaceBytes,
-                       stream, matrices);
-      }
+  for (std::int64_t d = 0; d < k; ++d) {  // band d: blocks (i + d, i)
+    if (matrices.count == 1) {
+      product(d, 0, {k - d, lhs_step, rhs_step, b * out.ld + b, true});
+    } else {
+      for (std::int64_t i = 0; i + d < k; ++i) product(i + d, i, matrices);
     }
   }
   const dim3 grid(static_cast<unsigned>((p + 31) / 32), static_cast<unsigned>((p + 31) / 32),
@@ -307,11 +231,10 @@ __global__ void __launch_bounds__(kThreads) momentum_kernel(const MomentumArgs<T
 std::size_t round_up(std::size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
 
 // Workspace layout for `count` matrices: cuBLASLt's scratch, X and its next value [p, q] per
-// matrix, A and B [p, p] per matrix, the norms' partial sums and scales, the pointer arrays of
-// the symmetric products' blocks. Matrices of a batch
+// matrix, A and B [p, p] per matrix, the norms' partial sums and scales. Matrices of a batch
 // are 256-byte aligned (x_stride, a_stride elements apart).
 struct Layout {
-  std::size_t gemm = 0, x = 0, x_next = 0, a = 0, b = 0, partial = 0, scale = 0, pointers = 0, bytes = 0;
+  std::size_t gemm = 0, x = 0, x_next = 0, a = 0, b = 0, partial = 0, scale = 0, bytes = 0;
   std::int64_t x_stride = 0, a_stride = 0;
 };
 Layout layout_for(std::int64_t count, std::int64_t rows, std::int64_t cols, DType dtype) {
@@ -329,7 +252,6 @@ Layout layout_for(std::int64_t count, std::int64_t rows, std::int64_t cols, DTyp
   l.b = take(n * static_cast<std::size_t>(l.a_stride) * e);
   l.partial = take(n * kNormBlocks * sizeof(float));
   l.scale = take(n * sizeof(float));
-  l.pointers = take(kGramSets * n * kGramPointersPerMatrix * sizeof(void*));
   l.bytes = at;
   return l;
 }
@@ -355,7 +277,7 @@ void* orthogonalize(const char* op, DType dt, const Layout& l, char* base, Strid
                     cudaStream_t stream) {
   const bool transpose = rows > cols;
   const std::int64_t p = std::min(rows, cols), q = std::max(rows, cols);
-  const int k = gram_blocks > 1 && gram_blocks <= kMaxGramBlocks && p % (32 * gram_blocks) == 0 ? gram_blocks : 1;
+  const int k = gram_blocks > 1 && p % (32 * gram_blocks) == 0 ? gram_blocks : 1;
   const std::int64_t block = p / k;
   void* x = base + l.x;
   void* x_next = base + l.x_next;
@@ -373,34 +295,16 @@ void* orthogonalize(const char* op, DType dt, const Layout& l, char* base, Strid
   const detail::GemmBatch xx{count, l.x_stride, l.x_stride, l.a_stride, true};  // [p, q] x [q, p] -> [p, p]
   const detail::GemmBatch aa{count, l.a_stride, l.a_stride, l.a_stride, true};
   const detail::GemmBatch bx{count, l.a_stride, l.x_stride, l.x_stride, true};
-  const detail::GemmOperand am{a, dt, p, p, p}, bm{b, dt, p, p, p};
-  const auto gram = [&](void* from) {  // A = X X^T
-    return SymmetricProduct{{from, dt, p, q, q}, block * q, {from, dt, q, p, q, true}, block * q, {a, dt, p, p, p}, xx};
-  };
-  const SymmetricProduct square{am, block * p, am, block,  // B = c A A + b A
-                                {.data = b, .dtype = dt, .rows = p, .cols = p, .ld = p, .addend = a}, aa};
-  // Pointer arrays of the lower-triangle blocks: A = X X^T from either X buffer, and A A.
-  void** arrays[kGramSets] = {};
-  if (k > 1) {
-    const std::int64_t per_set = 4 * count * k * (k + 1) / 2;
-    BlockGeometries g{};
-    for (int i = 0; i < kGramSets; ++i) {
-      arrays[i] = reinterpret_cast<void**>(base + l.pointers) + i * per_set;
-      g.set[i] = (i == 0 ? gram(x) : i == 1 ? gram(x_next) : square).geometry(k, arrays[i]);
-    }
-    const std::int64_t threads = count * k * (k + 1) / 2;
-    block_pointers_kernel<<<dim3(static_cast<unsigned>((threads + 127) / 128), kGramSets), 128, 0, stream>>>(
-        g, k, count);
-    detail::check_launch(op);
-  }
   for (int step = 0; step < options.steps; ++step) {
     const auto [ca, cb, cc] = options.per_step.empty() ? std::array{options.a, options.b, options.c}
                                                        : options.per_step[static_cast<std::size_t>(step)];
     const float one = 1.f, zero = 0.f, fa = static_cast<float>(ca), fb = static_cast<float>(cb), fc = static_cast<float>(cc);
-    const int from = step % 2;  // X is in the first buffer on even steps
-    symmetric_product<T>(op, k, gram(x), {&one, &zero}, gemm_ws, arrays[from], stream);
-    symmetric_product<T>(op, k, square, {&fc, &fb}, gemm_ws, arrays[2], stream);
-    const detail::GemmOperand xm{x, dt, p, q, q};
+    const detail::GemmOperand xm{x, dt, p, q, q}, xt{x, dt, q, p, q, true}, am{a, dt, p, p, p}, bm{b, dt, p, p, p};
+    symmetric_product<T>(op, k, xm, block * q, xt, block * q, {a, dt, p, p, p}, {&one, &zero}, gemm_ws, xx,
+                         stream);  // A = X X^T
+    symmetric_product<T>(op, k, am, block * p, am, block,
+                         {.data = b, .dtype = dt, .rows = p, .cols = p, .ld = p, .addend = a}, {&fc, &fb}, gemm_ws,
+                         aa, stream);  // B = c A A + b A
     detail::gemm(op, bm, xm, {.data = x_next, .dtype = dt, .rows = p, .cols = q, .ld = q, .addend = x}, {&one, &fa},
                  gemm_ws, kGemmWorkspaceBytes, stream, bx);  // X' = B X + a X
     std::swap(x, x_next);

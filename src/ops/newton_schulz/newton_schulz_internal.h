@@ -33,7 +33,6 @@ void muon_step_cpu(TensorView param, const TensorView& grad, TensorView momentum
 // dense products. The largest of 1, 2, 4 whose blocks keep at least 2048 rows (smaller blocks
 // leave a block product's grid near one wave) and a multiple of 32. A function of p alone, so
 // each matrix of a batch gets the bits of a call on it alone.
-constexpr int kMaxGramBlocks = 8;  // the largest split the CUDA path runs (its workspace holds its pointers)
 inline int gram_blocks(std::int64_t p) {
   int k = 1;
   while (k < 4 && p % (2 * k * 32) == 0 && p / (2 * k) >= 2048) k *= 2;
@@ -42,8 +41,7 @@ inline int gram_blocks(std::int64_t p) {
 
 // newton_schulz.cu: workspace of at least the bytes the *_workspace_bytes_cuda functions give
 // (checked there). count: matrices of rows x cols. gram_blocks: as the function above gives
-// for p (another k up to kMaxGramBlocks that divides p into blocks of a multiple of 32 rows runs
-// too, for tests and the bench).
+// for p (another k that divides p into blocks of a multiple of 32 rows runs too, for tests).
 std::size_t newton_schulz_workspace_bytes_cuda(std::int64_t count, std::int64_t rows, std::int64_t cols,
                                                DType dtype);
 void newton_schulz_cuda(const TensorView& g, TensorView out, const NewtonSchulzOptions& options,
