@@ -27,6 +27,23 @@
 
 namespace trainscale::detail {
 
+// A flat walk over n elements for kernels that stream whole contiguous tensors (the optimizer's):
+// thread t of the grid takes unit t (elements [kVec t, kVec t + kVec)) below the last whole
+// unit, then one element of the tail, and strides by the grid. f(first, width) gets
+// std::integral_constant<int, kVec> or <int, 1> as width.
+template <int kVec, class F>
+__device__ __forceinline__ void for_each_unit(std::int64_t n, F&& f) {
+  const std::int64_t units = n / kVec, work = units + n % kVec;
+  const std::int64_t stride = std::int64_t{gridDim.x} * blockDim.x;
+  for (std::int64_t t = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x; t < work; t += stride) {
+    if (t < units) {
+      f(t * kVec, std::integral_constant<int, kVec>{});
+    } else {
+      f(units * kVec + (t - units), std::integral_constant<int, 1>{});
+    }
+  }
+}
+
 // One tensor of an elementwise call: base pointer and row stride in elements.
 struct StridedRows {
   void* data;

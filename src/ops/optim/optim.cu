@@ -12,6 +12,7 @@
 
 #include "common/cuda_check.h"
 #include "common/dtype.cuh"
+#include "common/elementwise.cuh"
 #include "common/reduce.cuh"
 #include "common/vec.cuh"
 #include "ops/optim/optim_internal.h"
@@ -47,21 +48,14 @@ __device__ __forceinline__ void adamw_elements(P* param, const P* grad, S* exp_a
   detail::store_floats<P, N>(param + i, p);
 }
 
-// Thread t takes unit t (kVec elements) below the last whole unit, then one element each of the
-// tail; grid-stride beyond the launch limit.
+// The units of detail::for_each_unit (kVec elements; the tail one by one).
 template <int kVec, class P, class S>
 __global__ void __launch_bounds__(kThreads) adamw_kernel(P* param, const P* grad, S* exp_avg, S* exp_avg_sq,
                                                          std::int64_t n, AdamWKernelScalars s, const float* grad_scale) {
   const float scale = grad_scale != nullptr ? *grad_scale : 1.0f;
-  const std::int64_t units = n / kVec, work = units + n % kVec;
-  for (std::int64_t t = blockIdx.x * static_cast<std::int64_t>(kThreads) + threadIdx.x; t < work;
-       t += static_cast<std::int64_t>(gridDim.x) * kThreads) {
-    if (t < units) {
-      adamw_elements<kVec>(param, grad, exp_avg, exp_avg_sq, t * kVec, s, scale);
-    } else {
-      adamw_elements<1>(param, grad, exp_avg, exp_avg_sq, units * kVec + (t - units), s, scale);
-    }
-  }
+  detail::for_each_unit<kVec>(n, [&](std::int64_t i, auto width) {
+    adamw_elements<decltype(width)::value>(param, grad, exp_avg, exp_avg_sq, i, s, scale);
+  });
 }
 
 bool aligned16(const TensorView& t) { return detail::is_aligned(t.data, 16); }
@@ -99,22 +93,15 @@ std::int64_t norm_blocks(std::int64_t n) {
 template <int kVec, class T>
 __global__ void __launch_bounds__(kThreads) sum_squares_kernel(const T* g, std::int64_t n, double* partials) {
   __shared__ double scratch[kThreads / 32];
-  const std::int64_t units = n / kVec, work = units + n % kVec;
   double total[1] = {0.0};
-  for (std::int64_t t = blockIdx.x * static_cast<std::int64_t>(kThreads) + threadIdx.x; t < work;
-       t += static_cast<std::int64_t>(gridDim.x) * kThreads) {
-    float sum = 0.0f;
-    if (t < units) {
-      float x[kVec];
-      detail::load_floats<T, kVec>(g + t * kVec, x);
+  detail::for_each_unit<kVec>(n, [&](std::int64_t i, auto width) {
+    constexpr int kWidth = decltype(width)::value;
+    float x[kWidth], sum = 0.0f;
+    detail::load_floats<T, kWidth>(g + i, x);
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) sum = fmaf(x[j], x[j], sum);
-    } else {
-      const float x = detail::to_float(g[units * kVec + (t - units)]);
-      sum = x * x;
-    }
+    for (int j = 0; j < kWidth; ++j) sum = fmaf(x[j], x[j], sum);
     total[0] += sum;
-  }
+  });
   detail::row_reduce<kThreads, detail::SumOp>(total, scratch);
   if (threadIdx.x == 0) partials[blockIdx.x] = total[0];
 }
@@ -151,20 +138,14 @@ template <int kVec, class T>
 __global__ void __launch_bounds__(kThreads) scale_kernel(T* x, std::int64_t n, const float* factor) {
   const float f = *factor;
   if (f == 1.0f) return;
-  const std::int64_t units = n / kVec, work = units + n % kVec;
-  for (std::int64_t t = blockIdx.x * static_cast<std::int64_t>(kThreads) + threadIdx.x; t < work;
-       t += static_cast<std::int64_t>(gridDim.x) * kThreads) {
-    if (t < units) {
-      float v[kVec];
-      detail::load_floats<T, kVec>(x + t * kVec, v);
+  detail::for_each_unit<kVec>(n, [&](std::int64_t i, auto width) {
+    constexpr int kWidth = decltype(width)::value;
+    float v[kWidth];
+    detail::load_floats<T, kWidth>(x + i, v);
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) v[j] *= f;
-      detail::store_floats<T, kVec>(x + t * kVec, v);
-    } else {
-      const std::int64_t i = units * kVec + (t - units);
-      x[i] = detail::from_float<T>(detail::to_float(x[i]) * f);
-    }
-  }
+    for (int j = 0; j < kWidth; ++j) v[j] *= f;
+    detail::store_floats<T, kWidth>(x + i, v);
+  });
 }
 
 template <class T>
