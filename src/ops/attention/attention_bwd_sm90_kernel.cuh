@@ -240,7 +240,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor tKVrQt = thr_kv.partition_fragment_B(sQt);
   Tensor tQrdS = thr_dq.partition_fragment_A(sDS);    // (MMA, MMA_M, MMA_K, buffer)
   Tensor tQrKt = thr_dq.partition_fragment_B(sKt);    // (MMA, MMA_N, MMA_K)
-  Tensor tSsdSt = thr_sdp.partition_C(sDSt);          // (MMA, MMA_M, MMA_N, buffer)
+  // dS^T's stores (stmatrix, addresses computed before the swizzle: cheap per-element offsets).
+  auto ds_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
+  auto ds_copy_thread = ds_copy.get_thread_slice(thread);
+  Tensor tDSsDSt = ds_copy_thread.partition_D(as_position_independent_swizzle_tensor(sDSt));  // (CPY, M, N, buffer)
 
   // (key, query) within the tile of every score the thread holds, as (rows, cols).
   Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
@@ -365,7 +368,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             prob = fast_exp2(fmaf(s(r, c), p.scale_log2, -lse_c));
           }
           if constexpr (kMasked) prob = hidden(r, c) ? 0.f : prob;
-          p_rowcol(r, c) = static_cast<Element>(prob);
+          if constexpr (kCapped) p_rowcol(r, c) = static_cast<Element>(prob);
           s(r, c) = kCapped ? prob * slope : prob;
         }
       }
@@ -387,6 +390,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (!softcapped) {
       if (interior) probabilities(cute::false_type{}, cute::false_type{});
       else probabilities(cute::true_type{}, cute::false_type{});
+      p_regs = convert_fragment<Element>(tSrS);  // P^T = the scores' registers: one pack per pair
     } else {
       if (interior) probabilities(cute::false_type{}, cute::true_type{});
       else probabilities(cute::true_type{}, cute::true_type{});
@@ -399,16 +403,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (interior) score_gradients(cute::false_type{});
     else score_gradients(cute::true_type{});
 
-    // dS^T: to registers for dK, to shared memory (as dS) for dQ. A thread's adjacent accumulator
-    // pairs are adjacent queries, adjacent in dS's query-contiguous rows: one 32-bit store each.
+    // dS^T: to registers for dK, to shared memory (as dS) for dQ. Each 8 x 8 block of the
+    // accumulator is 8 keys x 8 adjacent queries, and a key's queries are contiguous in dS's
+    // rows: stmatrix writes four such blocks per instruction.
     ds_regs = convert_fragment<Element>(tSrdP);
-    Tensor ds_smem = tSsdSt(_, _, _, buffer);
-    CUTE_UNROLL
-    for (int e = 0; e < size(ds_regs); e += 2) {
-      const uint32_t address = cast_smem_ptr_to_uint(raw_pointer_cast(&ds_smem(e)));
-      const uint32_t pair = *reinterpret_cast<const uint32_t*>(raw_pointer_cast(ds_regs.data() + e));
-      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(address), "r"(pair));
-    }
+    copy(ds_copy, ds_copy_thread.retile_S(ds_regs), tDSsDSt(_, _, _, buffer));
     detail::warpgroup_gemm</*kZeroInit=*/false, -1>(
         mma_kv, make_tensor(ds_regs.data(), accumulator_as_a_operand(tSrdP.layout())), tKVrQt(_, _, _, stage),
         tdKrdK);
