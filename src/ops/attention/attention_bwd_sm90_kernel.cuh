@@ -264,25 +264,26 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
            p.mask.key_end(m0) >= n0 + kBlockN;
   };
 
-  // Step t's dQ partial is handed on while the tensor cores run step t + 1's S^T (the dQ
-  // accumulators, complete, stay in registers until then): in register order to this warp
-  // group's half of staging buffer t % 2, then reduce-added into the workspace by one thread.
-  // That thread waits for its previous reduce to have read its buffer before the barrier, so
-  // after step t's barrier the buffer of step t - 1 is free for step t + 1.
+  // Step t's dQ partial is staged (in register order, into this warp group's half of staging
+  // buffer t % 2) as soon as its product completes, while the tensor cores run the step's dK;
+  // step t + 1 reduce-adds it into the workspace (one thread, a bulk asynchronous reduce) once
+  // its own S^T and dP^T are queued, so the fence and the barrier wait behind those products.
+  // Before that barrier the thread waits for its previous reduce to have read its buffer, so
+  // after step t + 1's barrier the buffer of step t - 1 is free for step t + 1's partial.
   Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-  // The complete partial, copied out of the product's registers: read while the next products
-  // run, the product's own registers would make the compiler wait for them.
-  Tensor dq_done = make_tensor<float>(tdQrdQ.layout());
-  auto hand_on_dq = [&](int t) {
+  auto stage_dq = [&](int t) {
+    float* staging = storage.dq[t & 1] + consumer_group * Traits::kDqFloatsPerWarpGroup;
+    static_assert(decltype(size(tdQrdQ))::value % 4 == 0);
+    CUTE_UNROLL
+    for (int e = 0; e < size(tdQrdQ); e += 4) {
+      *reinterpret_cast<float4*>(staging + (e / 4 * 128 + group_thread) * 4) =
+          make_float4(tdQrdQ(e), tdQrdQ(e + 1), tdQrdQ(e + 2), tdQrdQ(e + 3));
+    }
+  };
+  auto reduce_dq = [&](int t) {
     const int head = kv_head * p.group + t / blocks.count;
     const int m_block = blocks.first + t % blocks.count;
-    float* staging = storage.dq[t & 1] + consumer_group * Traits::kDqFloatsPerWarpGroup;
-    static_assert(decltype(size(dq_done))::value % 4 == 0);
-    CUTE_UNROLL
-    for (int e = 0; e < size(dq_done); e += 4) {
-      *reinterpret_cast<float4*>(staging + (e / 4 * 128 + group_thread) * 4) =
-          make_float4(dq_done(e), dq_done(e + 1), dq_done(e + 2), dq_done(e + 3));
-    }
+    const float* staging = storage.dq[t & 1] + consumer_group * Traits::kDqFloatsPerWarpGroup;
     cutlass::arch::fence_view_async_shared();
     if (group_thread == 0) tma_store_wait<0>();
     cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(BackwardBarrier::kDqFull) + consumer_group);
@@ -321,9 +322,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     Tensor dp = make_tensor(tSrdP.data(), accumulator_rowcol(tSrdP.layout()));
     pipeline_q.consumer_wait(read);
     detail::warpgroup_gemm</*kZeroInit=*/true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS);
-    if (t > 0) hand_on_dq(t - 1);
     pipeline_dout.consumer_wait(read);
     detail::warpgroup_gemm</*kZeroInit=*/true, -1>(mma_sdp, tSrV, tSrdO(_, _, _, stage), tSrdP);
+    if (t > 0) reduce_dq(t - 1);
 
     const float* lse = storage.lse_log2[stage];
     const float* delta = storage.delta[stage];
@@ -408,27 +409,28 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // rows: stmatrix writes four such blocks per instruction.
     ds_regs = convert_fragment<Element>(tSrdP);
     copy(ds_copy, ds_copy_thread.retile_S(ds_regs), tDSsDSt(_, _, _, buffer));
-    detail::warpgroup_gemm</*kZeroInit=*/false, -1>(
-        mma_kv, make_tensor(ds_regs.data(), accumulator_as_a_operand(tSrdP.layout())), tKVrQt(_, _, _, stage),
-        tdKrdK);
     cutlass::arch::fence_view_async_shared();
     cutlass::arch::NamedBarrier::sync(kConsumerThreads, static_cast<uint32_t>(BackwardBarrier::kDsReady));
 
+    // dQ before dK: the products complete in order, so dQ's partial is staged while dK runs.
     detail::warpgroup_gemm</*kZeroInit=*/true, -1>(mma_dq, tQrdS(_, _, _, buffer), tQrKt, tdQrdQ);
+    detail::warpgroup_gemm</*kZeroInit=*/false, -1>(
+        mma_kv, make_tensor(ds_regs.data(), accumulator_as_a_operand(tSrdP.layout())), tKVrQt(_, _, _, stage),
+        tdKrdK);
+    warpgroup_wait<1>();
+    warpgroup_fence_operand(tdQrdQ);
+    stage_dq(t);
     warpgroup_wait<0>();
     warpgroup_fence_operand(tdVrdV);
     warpgroup_fence_operand(tdKrdK);
-    warpgroup_fence_operand(tdQrdQ);
     warpgroup_fence_operand(p_regs);
     warpgroup_fence_operand(ds_regs);
-    CUTE_UNROLL
-    for (int e = 0; e < size(tdQrdQ); ++e) asm volatile("mov.b32 %0, %1;\n" : "=f"(dq_done(e)) : "f"(tdQrdQ(e)));
     pipeline_q.consumer_release(read);
     pipeline_dout.consumer_release(read);
     ++read;
 
   }
-  if (tiles > 0) hand_on_dq(tiles - 1);
+  if (tiles > 0) reduce_dq(tiles - 1);
   if (group_thread == 0) tma_store_wait<0>();  // staging is read before the CTA leaves
 
   // dK (times the scale) and dV of the block's keys, straight from the registers.
