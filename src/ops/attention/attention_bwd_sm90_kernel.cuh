@@ -7,8 +7,9 @@
 //   producer (one warp)  K and V once; per step Q + lse and dO + delta through two TMA pipelines.
 //   consumers (2 warp groups, 64 keys each), per query block:
 //     S^T, dP^T (wgmma) -> P^T = exp2(S^T scale log2e - lse log2e) -> dV += P^T dO (P^T from
-//     registers) -> dS^T = P^T (dP^T - delta) -> dK += dS^T Q -> dS^T to shared memory ->
-//     dQ = dS K -> the partial to the workspace.
+//     registers) -> dS^T = P^T (dP^T - delta) -> dS^T to shared memory (stmatrix) ->
+//     dQ = dS K, then dK += dS^T Q -> dQ's partial staged while dK runs, reduce-added into the
+//     workspace behind the next query block's S^T and dP^T.
 //
 // dQ's partials arrive in any order by default. In the deterministic mode each (query head,
 // query block) has a counter in the workspace and the key blocks add their partials in key-block
