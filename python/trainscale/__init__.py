@@ -15,13 +15,14 @@ except ImportError as _e:
         "install the package with `pip install .` from the repository root") from _e
 
 # The family modules register the ops' fake implementations and autograd formulas.
-from . import activation, attention, fp8, loss, norm, optim, rope, softmax  # noqa: E402,F401
+from . import activation, attention, embedding, fp8, loss, norm, optim, rope, softmax  # noqa: E402,F401
 # (trainscale.attention is the function below; the module stays in sys.modules as trainscale.attention.)
 from .attention import (attention, attention_varlen, attention_varlen_with_lse, attention_with_lse,  # noqa: E402
                         hf_attention_forward, register_hf_attention)
 from .functional import (  # noqa: E402
     apply_rotary,
     cross_entropy,
+    embedding,
     fp8_quantize,
     fused_add_rms_norm,
     fused_add_rms_norm_,
@@ -37,6 +38,7 @@ from .functional import (  # noqa: E402
 from .optim import newton_schulz  # noqa: E402
 from .modules import (  # noqa: E402
     CrossEntropyLoss,
+    Embedding,
     FusedAddRMSNorm,
     LayerNorm,
     LinearCrossEntropyLoss,
@@ -51,10 +53,10 @@ from .vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_linear_
 
 __version__ = "0.1.0"
 __all__ = [
-    "apply_rotary", "attention", "attention_varlen", "attention_varlen_with_lse", "attention_with_lse", "cross_entropy", "fp8_quantize", "fused_add_rms_norm",
+    "apply_rotary", "attention", "attention_varlen", "attention_varlen_with_lse", "attention_with_lse", "cross_entropy", "embedding", "fp8_quantize", "fused_add_rms_norm",
     "fused_add_rms_norm_", "hf_attention_forward", "register_hf_attention",
     "gelu", "layer_norm", "linear_cross_entropy", "newton_schulz", "optim", "rms_norm", "rope_tables", "silu", "softmax", "swiglu",
-    "CrossEntropyLoss", "FusedAddRMSNorm", "LayerNorm", "LinearCrossEntropyLoss", "RMSNorm",
+    "CrossEntropyLoss", "Embedding", "FusedAddRMSNorm", "LayerNorm", "LinearCrossEntropyLoss", "RMSNorm",
     "RotaryEmbedding", "SwiGLU", "SwiGLUMLP", "config", "hf_apply_rotary_pos_emb", "hf_causal_lm_loss",
     "patch", "print_selection", "vocab_parallel_cross_entropy", "vocab_parallel_linear_cross_entropy",
 ]

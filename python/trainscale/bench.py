@@ -116,6 +116,8 @@ _TORCH = {
     "cross_entropy_forward_with_grad": lambda t, _: _cross_entropy(t["logits"], t["targets"], True),
     "fp8_quantize_row": lambda t, _: ref.fp8_quantize(t["x"], granularity="row"),
     "fp8_quantize_1x128": lambda t, _: ref.fp8_quantize(t["x"], granularity="1x128"),
+    # What F.embedding's autograd runs (the table's row count is the case's second dim).
+    "embedding_backward": lambda t, vocab: _aten.embedding_dense_backward(t["grad_output"], t["ids"], vocab, -1, False),
 }
 
 
@@ -129,10 +131,12 @@ def _base_op(op):
     return op[:-len(_FP32_WEIGHT)] if op.endswith(_FP32_WEIGHT) else op
 
 
-def _prep(op, t):
+def _prep(op, t, shape):
     """Untimed state of an op: RoPE's cos / sin tables (ours computes angles in the kernel; a
     PyTorch model keeps tables); a bias for LayerNorm's backward (whose db PyTorch computes only
-    when given one; its values are not read)."""
+    when given one; its values are not read); the embedding table's row count."""
+    if op == "embedding_backward":
+        return shape[1]
     if op.startswith("rope"):
         q = t["q"]
         return ref.rope_angles(torch.arange(q.shape[1], device=q.device), q.shape[-1], 10000.0)
@@ -151,7 +155,7 @@ def _torch_baseline(compiled):
             fn = torch.compile(fn, dynamic=False)
 
         def setup(t):
-            state = _prep(op, t)
+            state = _prep(op, t, shape)
             fn(t, state)  # compiles (torch.compile) and warms up, untimed
             return lambda: fn(t, state)
         return setup
@@ -224,7 +228,7 @@ def _liger_baseline():
 
     def rope(backward):
         def setup(t):
-            cos, sin = _prep("rope", t)  # [S, D/2] float32, NeoX halves: Liger takes [S, D]
+            cos, sin = _prep("rope", t, None)  # [S, D/2] float32, NeoX halves: Liger takes [S, D]
             cos, sin = torch.cat([cos, cos], -1)[None], torch.cat([sin, sin], -1)[None]
             q, k = t["q"].clone(), t["k"].clone()  # [B, S, H, D]; Liger takes the [B, H, S, D] view
             fn = rope_backward if backward else rope_forward

@@ -28,6 +28,17 @@ class RMSNorm(nn.Module):
         return f"{self.hidden_size}, eps={self.eps}, weight_offset={self.weight_offset}"
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding whose forward is trainscale.embedding (the table's gradient written in one
+    deterministic pass). max_norm, scale_grad_by_freq and sparse gradients are nn.Embedding's
+    own: with any of them set the forward is nn.Embedding's."""
+
+    def forward(self, ids):
+        if self.max_norm is not None or self.scale_grad_by_freq or self.sparse:
+            return super().forward(ids)
+        return F.embedding(ids, self.weight, self.padding_idx)
+
+
 class LayerNorm(nn.Module):
     """LayerNorm over the last dim, like nn.LayerNorm(hidden_size)."""
 

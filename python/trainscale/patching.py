@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .functional import apply_rotary, cross_entropy, linear_cross_entropy
-from .modules import RMSNorm, SwiGLUMLP
+from .modules import Embedding, RMSNorm, SwiGLUMLP
 from .selection import config
 
 # RMSNorms computing x * rsqrt(mean(x^2) + eps) * weight (Gemma's adds 1 to the weight: not these).
@@ -147,6 +147,16 @@ def _rms_norm(m):
     return new
 
 
+def _embedding(m):
+    # Exactly nn.Embedding (subclasses may change its forward); options trainscale.Embedding
+    # hands back to nn.Embedding leave the module as it is.
+    if type(m) is not nn.Embedding or m.max_norm is not None or m.scale_grad_by_freq or m.sparse:
+        return None
+    new = Embedding(m.num_embeddings, m.embedding_dim, padding_idx=m.padding_idx, device="meta")
+    new.weight = m.weight
+    return new
+
+
 def _mlp(m, fused):
     if not all(hasattr(m, p) for p in ("gate_proj", "up_proj", "down_proj", "act_fn")) or not _is_silu(m.act_fn):
         return None
@@ -218,7 +228,7 @@ def _fuse_loss(m, grad_weight_accumulation) -> bool:
 
 def patch(model: nn.Module, rms_norm: bool = True, swiglu: bool = True, rope: bool = True,
           cross_entropy: bool = True, linear_cross_entropy: bool = True, attention: bool = True,
-          fused_mlp: bool = True, loss_grad_weight_accumulation: torch.dtype = torch.float32,
+          embedding: bool = True, fused_mlp: bool = True, loss_grad_weight_accumulation: torch.dtype = torch.float32,
           verbose: bool = True) -> PatchReport:
     """Swaps in trainscale, in place: Llama-style RMSNorms -> trainscale.RMSNorm, SiLU-gated MLPs
     (gate_proj / up_proj / down_proj) -> trainscale.SwiGLUMLP (same Linear layers, fused
@@ -239,6 +249,9 @@ def patch(model: nn.Module, rms_norm: bool = True, swiglu: bool = True, rope: bo
     one and dropout fall back to sdpa per call). On other GPUs and head dims attention is left as
     it is, since training through our sm_80 attention backward is slower than through PyTorch
     SDPA's; load the model with attn_implementation="trainscale" to run the CUDA kernels there.
+    With embedding, each nn.Embedding (the token embedding) -> trainscale.Embedding, the same
+    weight: its backward writes the table's gradient in one pass instead of a zero fill and a
+    scatter-add.
     Returns (and with verbose prints) a report of what was swapped."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"trainscale.patch: argument 'model': expected a torch.nn.Module, got {type(model).__name__}")
@@ -267,6 +280,8 @@ def patch(model: nn.Module, rms_norm: bool = True, swiglu: bool = True, rope: bo
                                           if _fuse_loss(m, loss_grad_weight_accumulation)]
     if attention:
         report["attention"] = _patch_attention(model)
+    if embedding:
+        report["embedding"] = _swap(model, _embedding)
     if verbose:
         print(report)
     return report

@@ -20,7 +20,7 @@ import torch
 from . import _C
 
 FAMILIES = ("rmsnorm", "layernorm", "swiglu", "gelu", "silu", "rope", "fp8", "softmax",
-            "cross_entropy", "fused_linear_cross_entropy")
+            "cross_entropy", "fused_linear_cross_entropy", "embedding")
 _SCHEMA = "trainscale-selection"
 
 
