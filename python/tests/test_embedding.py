@@ -128,3 +128,13 @@ def test_module_and_compile():
     # Options nn.Embedding keeps to itself: its own forward.
     scaled = ts.Embedding(20, 6, scale_grad_by_freq=True)
     torch.testing.assert_close(scaled(ids), F.embedding(ids, scaled.weight))
+
+
+def test_switch_off_is_torch(monkeypatch):
+    calls = []
+    monkeypatch.setattr(ts.embedding.__globals__["_ref"], "embedding",
+                        lambda *a: calls.append(a) or F.embedding(*a))
+    monkeypatch.setattr(ts.config, "use_embedding", False)
+    weight = torch.randn(5, 3)
+    torch.testing.assert_close(ts.embedding(torch.tensor([4, 0]), weight), weight[[4, 0]])
+    assert len(calls) == 1

@@ -291,3 +291,27 @@ def test_cuda_accumulation_compile_memory_and_errors():
     torch.testing.assert_close(wg.grad, we.grad)
     with pytest.raises(ValueError, match=r"fused_linear_cross_entropy_forward: argument 'weight'.* on cpu"):
         ts.linear_cross_entropy(hidden, weight.cpu(), target)
+
+
+def test_backward_fills_nothing():
+    # The outputs that take no gradient (lse, the saved gradients) get no zero tensor in the
+    # backward: at Llama-3 8B's head grad_weight's would be a 1 GiB fill per step.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Fills(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.sizes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.__name__.split(".")[0] in ("zeros", "zeros_like", "zero_", "fill_", "new_zeros"):
+                self.sizes.append(out.numel())
+            return out
+
+    h = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(11, 8, dtype=torch.float64, requires_grad=True)
+    loss = ts.linear_cross_entropy(h, w, torch.randint(0, 11, (6,)))
+    with Fills() as fills:
+        loss.backward()
+    assert w.numel() not in fills.sizes and h.numel() not in fills.sizes, fills.sizes

@@ -5,9 +5,9 @@ backward writes the table's gradient in one deterministic pass."""
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch.library import register_autograd, register_fake
 
+from . import reference as _ref
 from ._common import ops
 from .selection import dispatch as _dispatch
 
@@ -40,10 +40,6 @@ def _embedding(ids, weight, padding_idx):
     return ops.embedding_forward(weight, ids, -1 if padding_idx is None else padding_idx)
 
 
-def _torch_embedding(ids, weight, padding_idx):
-    return F.embedding(ids, weight, padding_idx)
-
-
 def embedding(ids: torch.Tensor, weight: torch.Tensor, padding_idx: Optional[int] = None) -> torch.Tensor:
     """F.embedding(ids, weight, padding_idx): weight's rows [V, H] at ids (any shape, int32 or
     int64), out ids.shape + [H]. Its backward writes every row of the table's gradient once: the
@@ -57,4 +53,4 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, padding_idx: Optional[int
             raise ValueError(f"trainscale.embedding: argument 'padding_idx': expected a row in "
                              f"[{-weight.shape[0]}, {weight.shape[0]}), got {padding_idx}")
         padding_idx = padding_idx % weight.shape[0]
-    return _dispatch("embedding", "embedding", _embedding, _torch_embedding, ids, weight, padding_idx)
+    return _dispatch("embedding", "embedding", _embedding, _ref.embedding, ids, weight, padding_idx)

@@ -97,6 +97,9 @@ def _flce_setup(ctx, inputs, output):
     ctx.with_grads = options[5:8] if ctx.options[4] != "none" else (False, False, False)
     ctx.save_for_backward(hidden, weight, bias, target, *output[2:])
     ctx.mark_non_differentiable(*output[1:])
+    # No zero tensors for the outputs that take no gradient (lse and the gradients themselves:
+    # grad_weight is V x H, a 1 GiB fill at Llama-3 8B's head in every backward).
+    ctx.set_materialize_grads(False)
 
 
 # Whether the running backward keeps its graph (retain_graph), so that it may run again; assumed
@@ -105,6 +108,8 @@ _keeps_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph",
 
 
 def _flce_backward(ctx, dloss, *_):
+    if dloss is None:  # the loss reached the graph's output through nothing differentiable
+        return (None,) * 15
     hidden, weight, bias, target, *saved = ctx.saved_tensors
     wanted = ctx.needs_input_grad[:3]
     # The saved gradients are scaled in place (no second gradient-sized buffer) when nothing reads

@@ -136,6 +136,10 @@ def fp8_quantize(x, dtype=torch.float8_e4m3fn, granularity="row", power_of_two_s
     return q, scale
 
 
+def embedding(ids, weight, padding_idx=None):
+    return F.embedding(ids, weight, padding_idx)
+
+
 def softmax(x):
     return torch.softmax(x, dim=-1)
 
