@@ -50,6 +50,7 @@ def test_patched_llama_matches(monkeypatch, capsys, per_batch_positions):
     assert model.config._attn_implementation == "trainscale"
     assert original.config._attn_implementation == "eager"
     assert report["embedding"] == ["model.embed_tokens"] and isinstance(model.model.embed_tokens, ts.Embedding)
+    assert report["qkv_projections"] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
     # Parameters are shared, not copied.
     assert model.model.norm.weight is dict(model.named_parameters())["model.norm.weight"]
 
@@ -74,7 +75,7 @@ def test_patch_fp32_and_idempotent(monkeypatch):
     again = ts.patch(model, verbose=False)
     assert again["rms_norm"] == [] and again["swiglu_mlp"] == [] and again["rope"] == []
     assert again["cross_entropy"] == [] and again["linear_cross_entropy"] == [] and again["attention"] == []
-    assert again["embedding"] == []
+    assert again["embedding"] == [] and again["qkv_projections"] == []
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, original(ids).logits, rtol=1e-5, atol=1e-5)
 

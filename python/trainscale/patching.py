@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from .functional import apply_rotary, cross_entropy, linear_cross_entropy
+from .linear import group_projections
 from .modules import Embedding, RMSNorm, SwiGLUMLP
 from .selection import config
 
@@ -228,7 +229,7 @@ def _fuse_loss(m, grad_weight_accumulation) -> bool:
 
 def patch(model: nn.Module, rms_norm: bool = True, swiglu: bool = True, rope: bool = True,
           cross_entropy: bool = True, linear_cross_entropy: bool = True, attention: bool = True,
-          embedding: bool = True, fused_mlp: bool = True, loss_grad_weight_accumulation: torch.dtype = torch.float32,
+          embedding: bool = True, qkv_projections: bool = True, fused_mlp: bool = True, loss_grad_weight_accumulation: torch.dtype = torch.float32,
           verbose: bool = True) -> PatchReport:
     """Swaps in trainscale, in place: Llama-style RMSNorms -> trainscale.RMSNorm, SiLU-gated MLPs
     (gate_proj / up_proj / down_proj) -> trainscale.SwiGLUMLP (same Linear layers, fused
@@ -251,7 +252,10 @@ def patch(model: nn.Module, rms_norm: bool = True, swiglu: bool = True, rope: bo
     SDPA's; load the model with attn_implementation="trainscale" to run the CUDA kernels there.
     With embedding, each nn.Embedding (the token embedding) -> trainscale.Embedding, the same
     weight: its backward writes the table's gradient in one pass instead of a zero fill and a
-    scatter-add.
+    scatter-add. With qkv_projections, the q_proj, k_proj and v_proj nn.Linear layers of each
+    module holding all three (Llama-family attention) -> a group of
+    trainscale.linear.SharedInputProjection (same Parameters): the backward sums the hidden
+    states' gradient inside the three products instead of two separate adds.
     Returns (and with verbose prints) a report of what was swapped."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"trainscale.patch: argument 'model': expected a torch.nn.Module, got {type(model).__name__}")
@@ -282,6 +286,9 @@ def patch(model: nn.Module, rms_norm: bool = True, swiglu: bool = True, rope: bo
         report["attention"] = _patch_attention(model)
     if embedding:
         report["embedding"] = _swap(model, _embedding)
+    if qkv_projections:
+        report["qkv_projections"] = [name for name, m in list(model.named_modules())
+                                     if group_projections(m, ("q_proj", "k_proj", "v_proj"))]
     if verbose:
         print(report)
     return report

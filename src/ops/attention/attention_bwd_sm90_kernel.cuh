@@ -458,8 +458,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 }
 
 // dQ = scale * the workspace's sum, one CTA per (batch, query head, query block); thread i reads
-// the floats consumer thread i staged (its register order) and writes them where the dQ product
-// put them.
+// the floats consumer thread i staged (its register order), puts them where the dQ product put
+// them in a shared tile, and the CTA writes the tile's rows in 16-byte units (dq's start and
+// strides are 16-byte multiples: check_cuda_backward): pairs stored straight from the register
+// order wrote each 32-byte sector in two halves.
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kConsumerThreads)
     attention_backward_sm90_dq_kernel(const __grid_constant__ BackwardSm90Params<Traits> p, BshdTensor dq_out) {
@@ -467,6 +469,8 @@ __global__ void __launch_bounds__(Traits::kConsumerThreads)
   using namespace cute;
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
+  constexpr int kPitch = kHeadDim + 8;  // a row's 16-byte units start in rotating bank groups
+  __shared__ alignas(16) Element tile[kBlockM * kPitch];
   const int64_t chunk = blockIdx.x;
   const int m_block = static_cast<int>(chunk % p.m_blocks);
   const int head = static_cast<int>(chunk / p.m_blocks % p.q_heads);
@@ -488,11 +492,20 @@ __global__ void __launch_bounds__(Traits::kConsumerThreads)
     const float values[4] = {sums[u].x, sums[u].y, sums[u].z, sums[u].w};
     CUTE_UNROLL
     for (int pair_start = 0; pair_start < 4; pair_start += 2) {
-      const int row = m_block * kBlockM + get<0>(coords(4 * u + pair_start));
-      if (row >= p.q_len) continue;
-      store_pair(dq_out.row<Element>(batch, row, head) + get<1>(coords(4 * u + pair_start)),
-                 values[pair_start] * p.scale, values[pair_start + 1] * p.scale);
+      const auto coord = coords(4 * u + pair_start);
+      store_pair(tile + get<0>(coord) * kPitch + get<1>(coord), values[pair_start] * p.scale,
+                 values[pair_start + 1] * p.scale);
     }
+  }
+  __syncthreads();
+  constexpr int kUnitsPerRow = kHeadDim * static_cast<int>(sizeof(Element)) / 16;
+  CUTE_UNROLL
+  for (int unit = thread; unit < kBlockM * kUnitsPerRow; unit += Traits::kConsumerThreads) {
+    const int r = unit / kUnitsPerRow, part = unit % kUnitsPerRow;
+    const int row = m_block * kBlockM + r;
+    if (row >= p.q_len) continue;
+    *reinterpret_cast<uint4*>(dq_out.row<Element>(batch, row, head) + part * 8) =
+        *reinterpret_cast<const uint4*>(tile + r * kPitch + part * 8);
   }
 #else
   (void)p;
