@@ -169,6 +169,16 @@ OpChecker& OpChecker::finite(double value, const char* name, bool non_negative) 
   return *this;
 }
 
+OpChecker& OpChecker::workspace(const TensorView& w, std::size_t needed, std::size_t alignment, const char* query) {
+  const std::size_t given = w.defined() ? static_cast<std::size_t>(w.numel()) * w.element_size() : 0;
+  if (needed > 0 && !(given >= needed && w.is_contiguous() && reinterpret_cast<std::uintptr_t>(w.data) % alignment == 0))
+    fail("workspace",
+         "a contiguous, " + std::to_string(alignment) + "-byte aligned buffer of at least " + std::to_string(needed) +
+             " bytes (" + query + ")",
+         w.defined() ? w.describe() : std::string("none"));
+  return *this;
+}
+
 OpChecker& OpChecker::contiguous(const TensorView& t, const char* name) {
   if (!t.is_contiguous()) {
     throw_arg_error(op_, name, "a contiguous tensor", "strides " + t.strides_str() +

@@ -110,6 +110,10 @@ class OpChecker {
   // A scalar option: finite, and >= 0 when `non_negative`.
   OpChecker& finite(double value, const char* name, bool non_negative = false);
 
+  // A CUDA path's workspace "workspace": when `needed` > 0, contiguous, `alignment`-byte
+  // aligned and at least `needed` bytes; the message names the size query (`query`).
+  OpChecker& workspace(const TensorView& w, std::size_t needed, std::size_t alignment, const char* query);
+
   // a and b are disjoint (absent views are disjoint from everything).
   OpChecker& no_overlap(const TensorView& a, const char* a_name, const TensorView& b,
                         const char* b_name, Disjoint how = Disjoint::kBytes);

@@ -49,13 +49,8 @@ void embedding_backward(const TensorView& grad_output, const TensorView& ids, Te
                      {{grad_output, "grad_output"}, {ids, "ids"}});
   if (rows == 0 || g.cols == 0) return;
   if (detail::ran_on_cuda(c, [&] {
-        const std::size_t needed = ops::embedding::embedding_backward_workspace_bytes_cuda(g.rows);
-        const std::size_t given = workspace.defined() ? workspace.numel() * workspace.element_size() : 0;
-        if (needed > 0 && !(given >= needed && workspace.is_contiguous() && reinterpret_cast<std::uintptr_t>(workspace.data) % 16 == 0))
-          c.fail("workspace",
-                 "a contiguous, 16-byte aligned buffer of at least " + std::to_string(needed) +
-                     " bytes (embedding_backward_workspace_bytes)",
-                 workspace.defined() ? workspace.describe() : std::string("none"));
+        c.workspace(workspace, ops::embedding::embedding_backward_workspace_bytes_cuda(g.rows), 16,
+                    "embedding_backward_workspace_bytes");
         ops::embedding::embedding_backward_cuda(grad_output, ids, grad_weight, padding_idx, workspace, stream);
       })) {
     return;

@@ -102,13 +102,7 @@ void grad_norm(std::span<const TensorView> grads, double max_norm, TensorView no
   const detail::Arg written[] = {{norm, "norm"}, {clip_factor, "clip_factor"}, {workspace, "workspace"}};
   c.updates_disjoint(written, args(grads, names));
   if (detail::ran_on_cuda(c, [&] {
-        const std::size_t needed = ops::optim::grad_norm_workspace_bytes_cuda(grads);
-        const std::size_t given = workspace.defined() ? workspace.numel() * workspace.element_size() : 0;
-        if (needed > 0 && !(given >= needed && workspace.is_contiguous() && reinterpret_cast<std::uintptr_t>(workspace.data) % 8 == 0))
-          c.fail("workspace",
-                 "a contiguous, 8-byte aligned buffer of at least " + std::to_string(needed) +
-                     " bytes (grad_norm_workspace_bytes)",
-                 workspace.defined() ? workspace.describe() : std::string("none"));
+        c.workspace(workspace, ops::optim::grad_norm_workspace_bytes_cuda(grads), 8, "grad_norm_workspace_bytes");
         ops::optim::grad_norm_cuda(grads, max_norm, norm, clip_factor, workspace, stream);
       })) {
     return;
