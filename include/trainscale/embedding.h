@@ -21,7 +21,8 @@ void embedding_forward(const TensorView& weight, const TensorView& ids, TensorVi
 // is written. Summed in increasing t in float32 on CUDA (float64 on the CPU) and rounded once.
 // grad_output: [T, H] float32 / float16 / bfloat16 (float64 on the CPU), rows contiguous (any
 // row stride); ids: [T] int32 / int64, contiguous, T < 2^31; grad_weight: [V, H] of
-// grad_output's dtype, contiguous, disjoint from the inputs; padding_idx: -1 or in [0, V).
+// grad_output's dtype, contiguous, disjoint from the inputs (V < 2^31 on CUDA); padding_idx: -1
+// or in [0, V).
 // An id outside [0, V): on the CPU an error naming it; on CUDA every element of grad_weight is
 // NaN (the gradient has no row to go to; the error shows in the gradient norm).
 // workspace: on CUDA at least embedding_backward_workspace_bytes(T) bytes, 16-byte aligned

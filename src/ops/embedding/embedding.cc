@@ -49,6 +49,8 @@ void embedding_backward(const TensorView& grad_output, const TensorView& ids, Te
                      {{grad_output, "grad_output"}, {ids, "ids"}});
   if (rows == 0 || g.cols == 0) return;
   if (detail::ran_on_cuda(c, [&] {
+        if (rows >= (std::int64_t{1} << 31))
+          c.fail("grad_weight", "fewer than 2^31 rows (the CUDA path's 32-bit sort keys)", grad_weight.shape_str());
         c.workspace(workspace, ops::embedding::embedding_backward_workspace_bytes_cuda(g.rows), 16,
                     "embedding_backward_workspace_bytes");
         ops::embedding::embedding_backward_cuda(grad_output, ids, grad_weight, padding_idx, workspace, stream);
