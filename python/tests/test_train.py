@@ -122,6 +122,18 @@ def test_muon_groups():
     assert muon["lr"] == adamw["adamw_lr"] == 0.01
 
 
+def test_trainscale_skip(restore_rope, capsys):
+    model = ts_train.build_model(ts_train.PRESETS["tiny"], 97, 32, 0, torch.device("cpu"), torch.float32)
+    ts_train.apply_impl(model, "trainscale", verbose=False, skip=("embedding", "qkv_projections"))
+    attention = model.model.layers[0].self_attn
+    assert type(model.get_input_embeddings()) is torch.nn.Embedding and type(attention.q_proj) is torch.nn.Linear
+    assert type(model.model.norm).__module__ == "trainscale.modules"  # the other parts are in
+    assert ts_train.parse_args(["--trainscale-skip", "embedding,rope"]).trainscale_skip == ("embedding", "rope")
+    with pytest.raises(SystemExit):
+        ts_train.parse_args(["--trainscale-skip", "embedding,norms"])
+    assert "unknown part(s) norms" in capsys.readouterr().err
+
+
 def test_grad_accumulation_same_step(small_run, cache):
     accumulated = run(*SMALL, "--batch-size", 1, "--grad-accum", 2, "--steps", 3, *cache)
     torch.testing.assert_close(torch.tensor(losses(accumulated)), torch.tensor(losses(small_run)), rtol=1e-5, atol=0)

@@ -93,6 +93,19 @@ def git_commit() -> Optional[str]:
         return None
 
 
+# trainscale.patch's switches (--trainscale-skip).
+PATCH_PARTS = ("rms_norm", "swiglu", "rope", "cross_entropy", "linear_cross_entropy", "attention", "embedding",
+               "qkv_projections", "fused_mlp")
+
+
+def _patch_parts(text: str):
+    parts = tuple(p for p in text.split(",") if p)
+    unknown = [p for p in parts if p not in PATCH_PARTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown part(s) {', '.join(unknown)} (known: {', '.join(PATCH_PARTS)})")
+    return parts
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m trainscale.train", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
@@ -120,6 +133,9 @@ def parse_args(argv=None):
                    help="--impl trainscale: the fused loss's weight-gradient sum over token chunks, in a float32 "
                         "buffer (or all tokens' logits at once when that is smaller), or in the weight's dtype in "
                         "place over chunks of at most 512 MiB of logits, as Liger-Kernel does")
+    p.add_argument("--trainscale-skip", type=_patch_parts, default=(), metavar="PARTS",
+                   help="--impl trainscale: parts of trainscale.patch to leave out, comma-separated ("
+                        + ", ".join(PATCH_PARTS) + "), to measure what each part gives")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--precision", choices=("auto", "fp32", "bf16", "bf16-autocast"), default="auto",
                    help="bf16: parameters, gradients and optimizer state in bf16; bf16-autocast: fp32 "
@@ -190,10 +206,11 @@ def build_model(preset: dict, vocab: int, seq_len: int, seed: int, device: torch
     return model.to(dtype)
 
 
-def apply_impl(model, impl: str, verbose: bool, loss_accumulation: str = "float32"):
+def apply_impl(model, impl: str, verbose: bool, loss_accumulation: str = "float32", skip=()):
     """Swaps in the implementation's kernels; returns the module to call (compiled or not).
     loss_accumulation (trainscale): the fused loss's weight-gradient sum, "float32" or "weight"
-    (in the weight's dtype, patch's loss_grad_weight_accumulation)."""
+    (in the weight's dtype, patch's loss_grad_weight_accumulation); skip (trainscale): patch()
+    parts left out (PATCH_PARTS)."""
     if impl == "liger":
         try:
             from liger_kernel.transformers import apply_liger_kernel_to_llama
@@ -204,7 +221,7 @@ def apply_impl(model, impl: str, verbose: bool, loss_accumulation: str = "float3
     elif impl == "trainscale":
         from . import patch
         accumulation = torch.float32 if loss_accumulation == "float32" else next(model.parameters()).dtype
-        patch(model, loss_grad_weight_accumulation=accumulation, verbose=verbose)
+        patch(model, loss_grad_weight_accumulation=accumulation, verbose=verbose, **{part: False for part in skip})
     return model
 
 
@@ -446,7 +463,8 @@ def _train(args, d: Dist) -> dict:
                         torch.bfloat16 if precision == "bf16" else torch.float32)
     flops_per_token = model_flops_per_token(model, preset, args.seq_len)
     n_params = sum(p.numel() for p in model.parameters())
-    model = apply_impl(model, args.impl, verbose=d.main and not args.quiet, loss_accumulation=args.loss_accumulation)
+    model = apply_impl(model, args.impl, verbose=d.main and not args.quiet, loss_accumulation=args.loss_accumulation,
+                       skip=args.trainscale_skip)
     if args.checkpointing:
         # transformers 5 renamed gradient_checkpointing_enable (deprecated) to activation_checkpointing_enable.
         enable = getattr(model, "activation_checkpointing_enable", None)
@@ -462,7 +480,8 @@ def _train(args, d: Dist) -> dict:
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16-autocast"
                 else contextlib.nullcontext())
 
-    run = {"preset": args.preset, "impl": args.impl, "data": args.data, "precision": precision,
+    run = {"preset": args.preset, "impl": args.impl, "trainscale_skip": list(args.trainscale_skip),
+           "data": args.data, "precision": precision,
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "world_size": d.world, "parallel": args.parallel if d.world > 1 else None,
            "steps": args.steps, "warmup_steps": args.warmup_steps, "batch_size": args.batch_size,
