@@ -134,6 +134,19 @@ def test_trainscale_skip(restore_rope, capsys):
     assert "unknown part(s) norms" in capsys.readouterr().err
 
 
+def test_gc_every(cache, monkeypatch):
+    import gc
+    calls = []
+    collect = gc.collect
+    monkeypatch.setattr(ts_train.gc, "collect", lambda *a: calls.append((a, gc.isenabled())) or collect(*a))
+    result = run("--preset", "tiny", "--steps", 5, "--gc-every", 2, *cache)
+    assert result["run"]["gc_every"] == 2 and gc.isenabled()
+    # A full collection before the loop, then generation 1 at steps 2 and 4 with automatic collection off.
+    assert calls == [((), True), ((1,), False), ((1,), False)], calls
+    with pytest.raises(SystemExit):
+        ts_train.parse_args(["--gc-every", "-1"])
+
+
 def test_grad_accumulation_same_step(small_run, cache):
     accumulated = run(*SMALL, "--batch-size", 1, "--grad-accum", 2, "--steps", 3, *cache)
     torch.testing.assert_close(torch.tensor(losses(accumulated)), torch.tensor(losses(small_run)), rtol=1e-5, atol=0)

@@ -20,6 +20,7 @@ halved because the mask is causal). MFU = model TFLOP/s / --peak-tflops.
 """
 import argparse
 import contextlib
+import gc
 import json
 import math
 import os
@@ -136,6 +137,9 @@ def parse_args(argv=None):
     p.add_argument("--trainscale-skip", type=_patch_parts, default=(), metavar="PARTS",
                    help="--impl trainscale: parts of trainscale.patch to leave out, comma-separated ("
                         + ", ".join(PATCH_PARTS) + "), to measure what each part gives")
+    p.add_argument("--gc-every", type=int, default=0, metavar="N",
+                   help="Python's automatic garbage collection off during training and a young-generation "
+                        "collection at the start of every N-th step, inside its time (0: Python's own schedule)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--precision", choices=("auto", "fp32", "bf16", "bf16-autocast"), default="auto",
                    help="bf16: parameters, gradients and optimizer state in bf16; bf16-autocast: fp32 "
@@ -184,6 +188,8 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')}: expected a positive integer, got {getattr(args, name)}")
     if args.warmup_steps < 0:
         p.error(f"--warmup-steps: expected 0 or more, got {args.warmup_steps}")
+    if args.gc_every < 0:
+        p.error(f"--gc-every: expected 0 (Python's schedule) or a step count, got {args.gc_every}")
     if args.profile_step is not None and not 1 <= args.profile_step <= args.steps:
         p.error(f"--profile-step: expected a step from 1 to --steps ({args.steps}), got {args.profile_step}")
     return args
@@ -480,7 +486,7 @@ def _train(args, d: Dist) -> dict:
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16-autocast"
                 else contextlib.nullcontext())
 
-    run = {"preset": args.preset, "impl": args.impl, "trainscale_skip": list(args.trainscale_skip),
+    run = {"preset": args.preset, "impl": args.impl, "trainscale_skip": list(args.trainscale_skip), "gc_every": args.gc_every,
            "data": args.data, "precision": precision,
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "world_size": d.world, "parallel": args.parallel if d.world > 1 else None,
@@ -498,67 +504,92 @@ def _train(args, d: Dist) -> dict:
 
     records = []
     tokens_per_step = global_batch * args.seq_len
-    for step in range(1, args.steps + 1):
-        lr = args.lr * min(1.0, step / args.lr_warmup_steps) if args.lr_warmup_steps else args.lr
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-            if "adamw_lr" in group:  # Muon's AdamW parameters
-                group["adamw_lr"] = lr
-        batch = batches.step(step - 1)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        profiler = contextlib.nullcontext()
-        if step == args.profile_step and d.main:
-            from .step_profile import profiled_step
-            profiler = profiled_step(args.profile_prefix, device.type == "cuda")
-        with profiler:
-            start = time.perf_counter()
-            loss_sum = 0.0
-            for micro in range(args.grad_accum):
-                ids = micro_batch(batch, micro, d, args.batch_size).to(device, non_blocking=True)
-                with _grad_sync(model, micro == args.grad_accum - 1), autocast:
-                    loss = forward(input_ids=ids, labels=ids).loss
-                    (loss / args.grad_accum).backward()
-                loss_sum += loss.detach()
-            if getattr(optimizer, "max_grad_norm", None) is not None:  # trainscale.optim.AdamW clips in its step
-                optimizer.step()
-                grad_norm = optimizer.grad_norm
-            else:
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
-                if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
-                    grad_norm = grad_norm.full_tensor()
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            loss_value, grad_norm = float(loss_sum) / args.grad_accum, float(grad_norm)  # both synchronize
-            step_time = time.perf_counter() - start
-        mem_alloc, mem_reserved = _peak_memory(device)
-        (loss_value,) = [v / d.world for v in _reduce([loss_value], d, dist.ReduceOp.SUM)]
-        step_time, mem_alloc_max, mem_reserved_max, rss = _reduce(
-            [step_time, mem_alloc or 0.0, mem_reserved or 0.0, _peak_rss_gib()], d, dist.ReduceOp.MAX)
-        tflops = flops_per_token * tokens_per_step / step_time / 1e12 / d.world  # per GPU (process)
-        r = {"type": "step", "step": step, "warmup": step <= args.warmup_steps, "loss": loss_value,
-             "grad_norm": grad_norm, "lr": lr, "tokens": tokens_per_step, "step_time_s": step_time,
-             "tokens_per_s": tokens_per_step / step_time, "tokens_per_s_per_process": tokens_per_step / step_time / d.world,
-             "tflops": tflops, "mfu": tflops / args.peak_tflops,
-             "mfu_measured": tflops / args.measured_peak_tflops if args.measured_peak_tflops else None,
-             "peak_mem_allocated_gib": mem_alloc_max if mem_alloc is not None else None,
-             "peak_mem_reserved_gib": mem_reserved_max if mem_reserved is not None else None,
-             "peak_rss_gib": rss}
-        if step == args.profile_step:
-            r["profiled"] = True
-        records.append(r)
-        if d.main:
-            log.write(r)
-            if not args.quiet:
-                print(_progress(r, args.steps), flush=True)
-        if not math.isfinite(loss_value):
-            raise SystemExit(f"step {step}: the loss is {loss_value}; stopping")
+    with _manual_gc(args.gc_every):
+        for step in range(1, args.steps + 1):
+            records.append(_step(step, args, d, device, model, forward, optimizer, params, batches, autocast,
+                                 flops_per_token, tokens_per_step, log))
     summary = summarize(records, args.warmup_steps, d.world)
     if d.main:
         log.close(summary)
         if not args.quiet:
             print("summary: " + json.dumps(summary), flush=True)
     return {"run": run, "steps": records, "summary": summary}
+
+
+@contextlib.contextmanager
+def _manual_gc(every: int):
+    """With every > 0: Python's automatic garbage collection off (a full collection first), back on
+    at the end; _step collects the young generations at the start of every every-th step."""
+    if every <= 0:
+        yield
+        return
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def _step(step, args, d, device, model, forward, optimizer, params, batches, autocast, flops_per_token,
+          tokens_per_step, log) -> dict:
+    """One optimizer step (timed from the tokens' upload to the loss on the host); its record."""
+    lr = args.lr * min(1.0, step / args.lr_warmup_steps) if args.lr_warmup_steps else args.lr
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+        if "adamw_lr" in group:  # Muon's AdamW parameters
+            group["adamw_lr"] = lr
+    batch = batches.step(step - 1)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    profiler = contextlib.nullcontext()
+    if step == args.profile_step and d.main:
+        from .step_profile import profiled_step
+        profiler = profiled_step(args.profile_prefix, device.type == "cuda")
+    with profiler:
+        start = time.perf_counter()
+        if args.gc_every > 0 and step % args.gc_every == 0:
+            gc.collect(1)
+        loss_sum = 0.0
+        for micro in range(args.grad_accum):
+            ids = micro_batch(batch, micro, d, args.batch_size).to(device, non_blocking=True)
+            with _grad_sync(model, micro == args.grad_accum - 1), autocast:
+                loss = forward(input_ids=ids, labels=ids).loss
+                (loss / args.grad_accum).backward()
+            loss_sum += loss.detach()
+        if getattr(optimizer, "max_grad_norm", None) is not None:  # trainscale.optim.AdamW clips in its step
+            optimizer.step()
+            grad_norm = optimizer.grad_norm
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
+            if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
+                grad_norm = grad_norm.full_tensor()
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_value, grad_norm = float(loss_sum) / args.grad_accum, float(grad_norm)  # both synchronize
+        step_time = time.perf_counter() - start
+    mem_alloc, mem_reserved = _peak_memory(device)
+    (loss_value,) = [v / d.world for v in _reduce([loss_value], d, dist.ReduceOp.SUM)]
+    step_time, mem_alloc_max, mem_reserved_max, rss = _reduce(
+        [step_time, mem_alloc or 0.0, mem_reserved or 0.0, _peak_rss_gib()], d, dist.ReduceOp.MAX)
+    tflops = flops_per_token * tokens_per_step / step_time / 1e12 / d.world  # per GPU (process)
+    r = {"type": "step", "step": step, "warmup": step <= args.warmup_steps, "loss": loss_value,
+         "grad_norm": grad_norm, "lr": lr, "tokens": tokens_per_step, "step_time_s": step_time,
+         "tokens_per_s": tokens_per_step / step_time, "tokens_per_s_per_process": tokens_per_step / step_time / d.world,
+         "tflops": tflops, "mfu": tflops / args.peak_tflops,
+         "mfu_measured": tflops / args.measured_peak_tflops if args.measured_peak_tflops else None,
+         "peak_mem_allocated_gib": mem_alloc_max if mem_alloc is not None else None,
+         "peak_mem_reserved_gib": mem_reserved_max if mem_reserved is not None else None,
+         "peak_rss_gib": rss}
+    if step == args.profile_step:
+        r["profiled"] = True
+    if d.main:
+        log.write(r)
+        if not args.quiet:
+            print(_progress(r, args.steps), flush=True)
+    if not math.isfinite(loss_value):
+        raise SystemExit(f"step {step}: the loss is {loss_value}; stopping")
+    return r
 
 
 def main(argv=None):
