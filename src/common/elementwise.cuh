@@ -136,8 +136,7 @@ ElementwisePlan plan_elementwise(std::int64_t rows, std::int64_t cols,
   const std::int64_t vec = 16 / static_cast<std::int64_t>(elem_bytes);
   bool aligned = p.cols >= vec;
   for (const StridedRows& t : tensors) {
-    aligned = aligned && is_aligned(t.data, 16) &&
-              (p.rows == 1 || (t.row_stride * static_cast<std::int64_t>(elem_bytes)) % 16 == 0);
+    aligned = aligned && rows_16_byte_aligned(t.data, p.rows, t.row_stride * static_cast<std::int64_t>(elem_bytes));
   }
   p.vectorized = aligned;
   return p;

@@ -56,6 +56,12 @@ inline bool is_aligned(const void* p, std::size_t bytes) {
   return reinterpret_cast<std::uintptr_t>(p) % bytes == 0;
 }
 
+// Whether every row of `rows` rows starts 16-byte aligned (the 16-byte unit path): the base is,
+// and so is the row stride when there is more than one row.
+inline bool rows_16_byte_aligned(const void* data, std::int64_t rows, std::int64_t row_stride_bytes) {
+  return is_aligned(data, 16) && (rows <= 1 || row_stride_bytes % 16 == 0);
+}
+
 }  // namespace trainscale::detail
 
 

@@ -121,8 +121,8 @@ unsigned warp_grid(std::int64_t rows) { return static_cast<unsigned>(detail::gri
 
 // 16-byte units when every row start is 16-byte aligned, single elements otherwise.
 template <class T>
-bool rows_aligned16(const TensorView& t, std::int64_t row_stride) {
-  return detail::is_aligned(t.data, 16) && (row_stride * static_cast<std::int64_t>(sizeof(T))) % 16 == 0;
+bool rows_aligned16(const TensorView& t, std::int64_t rows, std::int64_t row_stride) {
+  return detail::rows_16_byte_aligned(t.data, rows, row_stride * static_cast<std::int64_t>(sizeof(T)));
 }
 
 template <class T, class Launch>
@@ -162,7 +162,8 @@ void embedding_forward_cuda(const TensorView& weight, const TensorView& ids, Ten
     using T = typename decltype(tag)::type;
     dispatch_ids(ids.dtype, [&](auto id_tag) {
       using Id = typename decltype(id_tag)::type;
-      const bool vector = rows_aligned16<T>(weight, w.row_stride) && rows_aligned16<T>(out, o.row_stride);
+      const bool vector =
+          rows_aligned16<T>(weight, w.rows, w.row_stride) && rows_aligned16<T>(out, o.rows, o.row_stride);
       with_width<T>(vector, o.cols, [&](auto width) {
         embedding_forward_kernel<decltype(width)::value><<<warp_grid(o.rows), kThreads, 0, stream>>>(
             weight.ptr<const T>(), w.row_stride, w.rows, ids.ptr<const Id>(), out.ptr<T>(), o.row_stride, o.rows,
@@ -206,7 +207,8 @@ void embedding_backward_cuda(const TensorView& grad_output, const TensorView& id
   }
   detail::dispatch_activation_dtype(grad_output.dtype, "embedding_backward", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    const bool vector = rows_aligned16<T>(grad_output, g.row_stride) && rows_aligned16<T>(grad_weight, cols);
+    const bool vector =
+        rows_aligned16<T>(grad_output, g.rows, g.row_stride) && rows_aligned16<T>(grad_weight, vocab, cols);
     with_width<T>(vector, cols, [&](auto width) {
       embedding_backward_kernel<decltype(width)::value><<<warp_grid(vocab), kThreads, 0, stream>>>(
           grad_output.ptr<const T>(), g.row_stride, sorted_keys, sorted_positions, tokens, grad_weight.ptr<T>(), vocab,
