@@ -293,6 +293,49 @@ TEST(BenchEngine, MemoryCeilingFollowsTheReadShare) {
   EXPECT_FALSE(percent_of_roofline(std::nullopt, Bound::kMemory, 1000, 0, 0.5).has_value());
 }
 
+// A cold DRAM-sized row at a measured mix that beats its ceiling raises it; small, warm or
+// in-between rows do not, and every memory-bound % follows the raised ceiling.
+TEST(BenchEngine, RowsFasterThanACeilingRaiseIt) {
+  RunResult result;
+  result.env.l2_bytes = 50 << 20;
+  Roofline r;
+  r.copy_gbps = 3000;
+  r.read2_write1_gbps = 3060;
+  r.read_gbps = 3100;
+  r.gemm_bf16_tflops = 800;
+  result.roofline = r;
+  const auto row = [&](const char* impl, double gbps, double bytes, double read_share, bool cold) {
+    Row x;
+    x.case_name = "softmax_backward 32768x32768 bfloat16";
+    x.impl = impl;
+    x.cold = cold;
+    x.bytes = bytes;
+    x.bytes_read = bytes * read_share;
+    x.gbps = gbps;
+    x.pct_roofline = percent_of_roofline(result.roofline, Bound::kMemory, gbps, 0, read_share);
+    result.rows.push_back(x);
+  };
+  row("trainscale", 2900, 6e9, 2.0 / 3.0, true);
+  row("torch-compile", 3090, 6e9, 2.0 / 3.0, true);   // raises 2 reads per write to 3090
+  row("liger", 3080, 6e9, 2.0 / 3.0, true);
+  row("small", 3300, 1e8, 2.0 / 3.0, true);           // under 4x the L2: partly cached
+  row("warm", 3300, 6e9, 2.0 / 3.0, false);
+  row("between", 3070, 6e9, 0.6, true);                // no anchor at 3 reads per 2 writes
+  EXPECT_NEAR(*result.rows[0].pct_roofline, 100.0 * 2900 / 3060, 1e-9);
+  raise_ceilings_to_rows(result);
+  EXPECT_DOUBLE_EQ(result.roofline->read2_write1_gbps, 3090);
+  EXPECT_DOUBLE_EQ(result.roofline->copy_gbps, 3000);
+  EXPECT_DOUBLE_EQ(result.roofline->read_gbps, 3100);
+  ASSERT_EQ(result.roofline->raised_by.size(), 1u);
+  EXPECT_NE(result.roofline->raised_by[0].find("torch-compile"), std::string::npos);
+  EXPECT_NE(result.roofline->raised_by[0].find("3060"), std::string::npos);
+  EXPECT_NEAR(*result.rows[0].pct_roofline, 100.0 * 2900 / 3090, 1e-9);
+  EXPECT_NEAR(*result.rows[1].pct_roofline, 100.0, 1e-9);
+  EXPECT_NEAR(*result.rows[5].pct_roofline, 100.0 * 3070 / (3000 + 90 * 0.6), 1e-9);
+  raise_ceilings_to_rows(result);  // idempotent: nothing beats the raised ceiling
+  EXPECT_EQ(result.roofline->raised_by.size(), 1u);
+}
+
 // Opt-in implementations (forced kernel variants) run only when the selection names them, are
 // gated and timed like baselines, and one that cannot run a shape is UNSUPPORTED.
 TEST_F(EngineFixture, OptInImplementationsRunOnlyWhenNamed) {

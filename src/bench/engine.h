@@ -62,6 +62,13 @@ int cold_input_sets(std::int64_t set_bytes, std::int64_t l2_bytes, int batch);
 // pass the copy's bandwidth from DRAM alone.
 double memory_ceiling_gbps(const Roofline& roofline, double read_share);
 
+// A cold memory-bound row at least 4x the L2 in size at the mix of one of the measured ceilings
+// (one, two or no writes per read) that moves more than that ceiling shows DRAM can do more than
+// the stream kernels reached: the ceiling is raised to that row's bandwidth (noted in
+// roofline.raised_by) and every memory-bound row's % is taken against the raised ceilings, so
+// none passes 100 % by a ceiling measured low.
+void raise_ceilings_to_rows(RunResult& result);
+
 // % of the measured ceiling `bound` (and, memory-bound, the read share) selects; nullopt without
 // a roofline.
 std::optional<double> percent_of_roofline(const std::optional<Roofline>& roofline, Bound bound, double gbps,

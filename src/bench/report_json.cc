@@ -232,7 +232,8 @@ json to_json(const Roofline& r) {
           {"read2_write1_bytes", r.read2_write1_bytes},
           {"gemm_n", r.gemm_n},
           {"measured_at", r.measured_at},
-          {"source", r.source}};
+          {"source", r.source},
+          {"raised_by", r.raised_by}};
 }
 
 Roofline roofline_from_json(const json& j) {
@@ -250,6 +251,7 @@ Roofline roofline_from_json(const json& j) {
   r.gemm_n = j.value("gemm_n", std::int64_t{0});
   r.measured_at = j.value("measured_at", "");
   r.source = j.value("source", "");
+  r.raised_by = j.value("raised_by", std::vector<std::string>{});
   return r;
 }
 

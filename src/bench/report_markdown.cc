@@ -38,6 +38,7 @@ void write_environment(std::ostream& out, const RunResult& r) {
       out << ", empty kernel " << format_fixed(r.roofline->empty_kernel_us, 2) << " us";
     }
     out << " |\n";
+    for (const std::string& raised : r.roofline->raised_by) out << "| Ceiling raised to a row | " << raised << " |\n";
   }
   out << '\n';
 }

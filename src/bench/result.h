@@ -89,6 +89,9 @@ struct Roofline {
   std::int64_t gemm_n = 0;
   std::string measured_at;  // UTC ISO
   std::string source;       // "measured" or the cache file it came from
+  // Ceilings a row of the run beat, raised to that row (raise_ceilings_to_rows): what, to what,
+  // by which row, from what the stream kernels measured.
+  std::vector<std::string> raised_by;
 };
 
 struct SkippedCase {
