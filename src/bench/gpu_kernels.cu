@@ -10,7 +10,6 @@
 #include "bench/cuda_util.h"
 #include "common/cuda_check.h"
 #include "common/dtype.cuh"
-#include "trainscale/error.h"
 
 namespace trainscale::bench {
 namespace {
@@ -28,30 +27,20 @@ __global__ void clock_probe_kernel(long long spin_cycles, unsigned long long* ou
 
 // Plain (coherent) loads and a grid as large as the copy: the read-only path (ld.global.nc) or
 // one resident wave of blocks looping over the buffers stays several percent lower
-// (docs/perf/README.md), which would understate the ceiling. Each thread issues all its loads
-// (kVectors per stream, block-strided) before its stores: how many bytes a thread keeps in
-// flight changes what DRAM sustains at a given mix, so the roofline takes the fastest width.
-template <int kReads, int kVectors>
-__global__ void stream_kernel(int4* dst, const int4* a, const int4* b, std::size_t n) {
-  const std::size_t base = blockIdx.x * static_cast<std::size_t>(blockDim.x) * kVectors + threadIdx.x;
-  int4 x[kVectors], y[kVectors];
-#pragma unroll
-  for (int v = 0; v < kVectors; ++v) {
-    const std::size_t i = base + static_cast<std::size_t>(v) * blockDim.x;
-    if (i < n) {
-      x[v] = a[i];
-      if constexpr (kReads == 2) y[v] = b[i];
-    }
+// (docs/perf/README.md), which would understate the ceiling.
+__global__ void copy_kernel(int4* dst, const int4* src, std::size_t n) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n; i += stride) {
+    dst[i] = src[i];
   }
-#pragma unroll
-  for (int v = 0; v < kVectors; ++v) {
-    const std::size_t i = base + static_cast<std::size_t>(v) * blockDim.x;
-    if (i >= n) continue;
-    if constexpr (kReads == 2) {
-      dst[i] = make_int4(x[v].x ^ y[v].x, x[v].y ^ y[v].y, x[v].z ^ y[v].z, x[v].w ^ y[v].w);
-    } else {
-      dst[i] = x[v];
-    }
+}
+
+// Two reads per write: the mix of most memory-bound backward passes and of quantization.
+__global__ void read2_write1_kernel(int4* dst, const int4* a, const int4* b, std::size_t n) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n; i += stride) {
+    const int4 x = a[i], y = b[i];
+    dst[i] = make_int4(x.x ^ y.x, x.y ^ y.y, x.z ^ y.z, x.w ^ y.w);
   }
 }
 
@@ -105,35 +94,19 @@ double probe_sm_clock_mhz(cudaStream_t stream) {
   return host[1] == 0 ? 0.0 : static_cast<double>(host[0]) / static_cast<double>(host[1]) * 1e3;
 }
 
-namespace {
-
-template <int kReads>
-void launch_stream(void* dst, const void* a, const void* b, std::size_t bytes, int vectors_per_thread,
-                   cudaStream_t stream) {
+void launch_copy(void* dst, const void* src, std::size_t bytes, cudaStream_t stream) {
   const std::size_t n = bytes / sizeof(int4);
-  const auto launch = [&](auto kernel, int vectors) {
-    const auto grid = detail::grid_for_tiles(static_cast<std::int64_t>(n), std::int64_t{kBlock} * vectors);
-    kernel<<<static_cast<unsigned>(grid), kBlock, 0, stream>>>(static_cast<int4*>(dst), static_cast<const int4*>(a),
-                                                                 static_cast<const int4*>(b), n);
-  };
-  switch (vectors_per_thread) {
-    case 1: launch(stream_kernel<kReads, 1>, 1); break;
-    case 4: launch(stream_kernel<kReads, 4>, 4); break;
-    case 8: launch(stream_kernel<kReads, 8>, 8); break;
-    default: throw Error("trainscale-bench: stream kernels take 1, 4 or 8 vectors per thread");
-  }
-  cuda_check(cudaGetLastError(), "stream kernel launch");
+  const auto grid = detail::grid_for_tiles(static_cast<std::int64_t>(n), kBlock);
+  copy_kernel<<<static_cast<unsigned>(grid), kBlock, 0, stream>>>(static_cast<int4*>(dst), static_cast<const int4*>(src), n);
+  cuda_check(cudaGetLastError(), "copy kernel launch");
 }
 
-}  // namespace
-
-void launch_copy(void* dst, const void* src, std::size_t bytes, int vectors_per_thread, cudaStream_t stream) {
-  launch_stream<1>(dst, src, nullptr, bytes, vectors_per_thread, stream);
-}
-
-void launch_read2_write1(void* dst, const void* a, const void* b, std::size_t bytes, int vectors_per_thread,
-                         cudaStream_t stream) {
-  launch_stream<2>(dst, a, b, bytes, vectors_per_thread, stream);
+void launch_read2_write1(void* dst, const void* a, const void* b, std::size_t bytes, cudaStream_t stream) {
+  const std::size_t n = bytes / sizeof(int4);
+  const auto grid = detail::grid_for_tiles(static_cast<std::int64_t>(n), kBlock);
+  read2_write1_kernel<<<static_cast<unsigned>(grid), kBlock, 0, stream>>>(
+      static_cast<int4*>(dst), static_cast<const int4*>(a), static_cast<const int4*>(b), n);
+  cuda_check(cudaGetLastError(), "read2-write1 kernel launch");
 }
 
 void launch_read(const void* src, std::size_t bytes, void* sink, cudaStream_t stream) {

@@ -14,15 +14,10 @@ namespace trainscale::bench {
 // SM (synchronizes the stream).
 double probe_sm_clock_mhz(cudaStream_t stream);
 
-// Bandwidth kernels over `bytes` (a multiple of 16): each thread loads `vectors_per_thread`
-// (1, 4 or 8) 16-byte vectors of every input before it stores them.
-// Measures the copy.
-void launch_copy(void* dst, const void* src, std::size_t bytes, int vectors_per_thread, cudaStream_t stream);
+// 16-byte vectorized grid-stride kernels over `bytes` (a multiple of 16).
+void launch_copy(void* dst, const void* src, std::size_t bytes, cudaStream_t stream);
 // dst = a ^ b over `bytes` of each: two bytes read per byte written.
-void launch_read2_write1(void* dst, const void* a, const void* b, std::size_t bytes, int vectors_per_thread,
-                         cudaStream_t stream);
-// The widths the roofline tries.
-inline constexpr int kStreamVectorsPerThread[] = {1, 4, 8};
+void launch_read2_write1(void* dst, const void* a, const void* b, std::size_t bytes, cudaStream_t stream);
 // Reads every byte; writes one word to `sink` only when a (never met) condition holds, so the
 // loads cannot be optimized away.
 void launch_read(const void* src, std::size_t bytes, void* sink, cudaStream_t stream);
