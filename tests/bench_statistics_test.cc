@@ -1,6 +1,8 @@
 // Statistics, the stopping rule and the sampling loop on known data.
 #include <gtest/gtest.h>
 
+#include <chrono>
+
 #include <cmath>
 #include <random>
 #include <vector>
@@ -154,6 +156,7 @@ TimingOptions quick_options() {
   t.stop.min_samples = 10;
   t.stop.min_time_ms = 0;
   t.stop.timeout_ms = 50;
+  t.throttle_recovery_ms = 0;
   return t;
 }
 
@@ -168,6 +171,21 @@ TEST(BenchTiming, WarmupSamplesAreDiscardedAndThrottledSamplesRetaken) {
   EXPECT_FALSE(s.throttled);
   EXPECT_EQ(s.sm_mhz_min, 1500);
   EXPECT_EQ(s.sm_mhz_max, 1700);
+}
+
+// Each retake waits the recovery time first, so the power average can fall under the cap.
+TEST(BenchTiming, ThrottledSamplesWaitBeforeTheRetake) {
+  FakeSource source({1.0});
+  ThrottleEvery monitor(4);
+  TimingOptions t = quick_options();
+  t.stop.timeout_ms = 10000;
+  t.throttle_recovery_ms = 20;
+  const auto start = std::chrono::steady_clock::now();
+  const SampleSet s = collect_samples(source, t, &monitor);
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(s.throttle_retakes, 3);
+  EXPECT_EQ(s.ms.size(), 10u);
+  EXPECT_GE(ms, 3 * 20.0);
 }
 
 TEST(BenchTiming, RetakesAreBounded) {

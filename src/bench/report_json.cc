@@ -112,7 +112,8 @@ json to_json(const TimingOptions& t) {
           {"flush_l2", t.flush_l2},
           {"rotate", t.rotate},
           {"batch", t.batch},
-          {"max_throttle_retakes", t.max_throttle_retakes}};
+          {"max_throttle_retakes", t.max_throttle_retakes},
+          {"throttle_recovery_ms", t.throttle_recovery_ms}};
 }
 
 TimingOptions timing_from_json(const json& j) {
@@ -128,6 +129,7 @@ TimingOptions timing_from_json(const json& j) {
   t.rotate = j.value("rotate", t.rotate);
   t.batch = j.value("batch", t.batch);
   t.max_throttle_retakes = j.value("max_throttle_retakes", t.max_throttle_retakes);
+  t.throttle_recovery_ms = j.value("throttle_recovery_ms", t.throttle_recovery_ms);
   return t;
 }
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <thread>
 
 #include "bench/interrupt.h"
 
@@ -39,20 +40,20 @@ SampleSet collect_samples(SampleSource& source, const TimingOptions& options, Cl
     const double ms = source.sample_ms();
     const std::optional<ClockObservation> clock = monitor ? monitor->observe() : std::nullopt;
     bool keep = true;
-    if (clock) {
-      if (clock->sm_mhz > 0) {
-        result.sm_mhz_min = result.sm_mhz_min == 0 ? clock->sm_mhz : std::min(result.sm_mhz_min, clock->sm_mhz);
-        result.sm_mhz_max = std::max(result.sm_mhz_max, clock->sm_mhz);
+    if (clock && clock->throttled) {
+      result.throttle_reasons = clock->reasons;
+      if (result.throttle_retakes < options.max_throttle_retakes) {
+        ++result.throttle_retakes;
+        keep = false;
+        std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(options.throttle_recovery_ms));
+      } else {
+        result.throttled = true;
       }
-      if (clock->throttled) {
-        result.throttle_reasons = clock->reasons;
-        if (result.throttle_retakes < options.max_throttle_retakes) {
-          ++result.throttle_retakes;
-          keep = false;
-        } else {
-          result.throttled = true;
-        }
-      }
+    }
+    // The clocks of the samples kept.
+    if (keep && clock && clock->sm_mhz > 0) {
+      result.sm_mhz_min = result.sm_mhz_min == 0 ? clock->sm_mhz : std::min(result.sm_mhz_min, clock->sm_mhz);
+      result.sm_mhz_max = std::max(result.sm_mhz_max, clock->sm_mhz);
     }
     if (keep) result.ms.push_back(ms);
     if (interrupt_requested()) {

@@ -1,6 +1,6 @@
 // Sampling loop shared by every timer: warm-up by time, then samples until the stopping rule
 // says so; samples taken while the GPU reports thermal or power throttling are dropped and
-// re-taken (a bounded number of times).
+// re-taken after an idle pause (a bounded number of times).
 #pragma once
 
 #include <cstdint>
@@ -21,6 +21,9 @@ struct TimingOptions {
   int rotate = 1;        // input sets cycled through, one per sample (or per launch in a batch)
   int batch = 0;         // launches per CUDA-graph replay; 0: automatic for tiny kernels
   std::int64_t max_throttle_retakes = 20;
+  // Idle time after a throttled sample before the retake, so the power average falls back
+  // under the cap (retaking at once mostly meets the same slowdown).
+  double throttle_recovery_ms = 50.0;
 };
 
 // Produces one timed sample of the implementation, in milliseconds per launch.
