@@ -138,7 +138,7 @@ class ThrottleEvery : public ClockMonitor {
   explicit ThrottleEvery(int period) : period_(period) {}
   std::optional<ClockObservation> observe() override {
     ClockObservation o;
-    o.sm_mhz = 1500 + (calls_ % 3) * 100;
+    o.sm_mhz = 1700 + (calls_ % 3) * 10;  // within 3 %: no clock drop
     o.throttled = ++calls_ % period_ == 0;
     o.reasons = o.throttled ? "hw-thermal" : "";
     return o;
@@ -169,8 +169,34 @@ TEST(BenchTiming, WarmupSamplesAreDiscardedAndThrottledSamplesRetaken) {
   EXPECT_EQ(s.throttle_retakes, 3);  // samples 4, 8 and 12 of 13 were throttled
   EXPECT_EQ(source.count_, 2u + 13u);
   EXPECT_FALSE(s.throttled);
-  EXPECT_EQ(s.sm_mhz_min, 1500);
-  EXPECT_EQ(s.sm_mhz_max, 1700);
+  EXPECT_EQ(s.sm_mhz_min, 1700);
+  EXPECT_EQ(s.sm_mhz_max, 1720);
+}
+
+// No reason reported, but the clock fell more than 3 % under the highest seen: retaken.
+class ClockDipEvery : public ClockMonitor {
+ public:
+  explicit ClockDipEvery(int period) : period_(period) {}
+  std::optional<ClockObservation> observe() override {
+    ClockObservation o;
+    o.sm_mhz = ++calls_ % period_ == 0 ? 1900 : 1980;
+    return o;
+  }
+
+ private:
+  int period_;
+  int calls_ = 0;
+};
+
+TEST(BenchTiming, ClockDropsCountAsThrottled) {
+  FakeSource source({1.0});
+  ClockDipEvery monitor(4);
+  const SampleSet s = collect_samples(source, quick_options(), &monitor);
+  EXPECT_EQ(s.ms.size(), 10u);
+  EXPECT_EQ(s.throttle_retakes, 3);
+  EXPECT_EQ(s.throttle_reasons, "clock-drop");
+  EXPECT_EQ(s.sm_mhz_min, 1980);  // the kept samples' clocks
+  EXPECT_EQ(monitor.highest_mhz, 1980);
 }
 
 // Each retake waits the recovery time first, so the power average can fall under the cap.

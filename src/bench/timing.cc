@@ -40,8 +40,17 @@ SampleSet collect_samples(SampleSource& source, const TimingOptions& options, Cl
     const double ms = source.sample_ms();
     const std::optional<ClockObservation> clock = monitor ? monitor->observe() : std::nullopt;
     bool keep = true;
-    if (clock && clock->throttled) {
-      result.throttle_reasons = clock->reasons;
+    bool throttled = clock && clock->throttled;
+    std::string reasons = clock ? clock->reasons : "";
+    if (clock && clock->sm_mhz > 0) {
+      monitor->highest_mhz = std::max(monitor->highest_mhz, clock->sm_mhz);
+      if (clock->sm_mhz < kClockDropShare * monitor->highest_mhz) {
+        throttled = true;
+        reasons += reasons.empty() ? "clock-drop" : ",clock-drop";
+      }
+    }
+    if (throttled) {
+      result.throttle_reasons = reasons;
       if (result.throttle_retakes < options.max_throttle_retakes) {
         ++result.throttle_retakes;
         keep = false;

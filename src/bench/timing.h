@@ -44,7 +44,12 @@ class ClockMonitor {
  public:
   virtual ~ClockMonitor() = default;
   virtual std::optional<ClockObservation> observe() = 0;
+  // The highest SM clock seen so far (over every row): a sample whose clock fell more than 3 %
+  // under it counts as throttled ("clock-drop"), since the power cap lowers the clock of
+  // compute-bound kernels also at moments when NVML reports no reason.
+  double highest_mhz = 0;
 };
+inline constexpr double kClockDropShare = 0.97;
 
 struct SampleSet {
   std::vector<double> ms;
