@@ -141,3 +141,46 @@ def test_patch_leaves_attention_off_the_cpu(monkeypatch):
     model = tiny_llama()
     assert ts.patch(model, attention=False, verbose=False).get("attention") is None
     assert model.config._attn_implementation == "eager"
+
+
+# The other model families patch() names: Mistral (a sliding window shorter than the sequence),
+# Qwen2 (biases on q, k, v) and Qwen3 (RMSNorms over each head's q and k).
+FAMILIES = {
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 5}, 5),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}, 5),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}, 9),  # with q_norm and k_norm
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("training", [False, True])
+def test_patched_model_families_match(monkeypatch, family, training):
+    config_name, model_name, extra, norms = FAMILIES[family]
+    modeling = pytest.importorskip(f"transformers.models.{family}.modeling_{family}")
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)
+    monkeypatch.setattr(ts.config, "use_fused_linear_cross_entropy", True)
+    torch.manual_seed(0)
+    cfg = getattr(transformers, config_name)(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                             attn_implementation="eager", **extra)
+    model = getattr(transformers, model_name)(cfg).double().train(training)
+    with torch.no_grad():  # nonzero biases and norm weights, so that a dropped one shows
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    original = copy.deepcopy(model)
+    ids = torch.randint(0, 97, (2, 12))
+    ref_loss, ref_grads = loss_and_grads(original, ids)
+
+    report = ts.patch(model, verbose=False)
+    assert report["cross_entropy"] == [model_name]
+    assert report["linear_cross_entropy"] == [model_name]
+    assert len(report["rms_norm"]) == norms and len(report["swiglu_mlp"]) == 2 and report["rope"]
+    assert report["qkv_projections"] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert model.config._attn_implementation == "trainscale"
+    loss, grads = loss_and_grads(model, ids)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0, check_dtype=False)
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        scale = ref_grads[name].abs().max().item()
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=1e-5 * scale, msg=name)
