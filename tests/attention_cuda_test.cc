@@ -48,13 +48,15 @@ struct Config {
   // NaN planted at (b, s, h, d) of one input: 'q', 'k' or 'v'; 0 for none.
   char nan_in = 0;
   std::int64_t nan_at[4] = {0, 0, 0, 0};
+  AttentionSchedule schedule = AttentionSchedule::kAuto;
 
   std::string str() const {
     std::ostringstream s;
     s << dtype_name(dtype) << " B=" << batch << " Sq=" << q_len << " Sk=" << kv_len << " Hq=" << q_heads
       << " Hkv=" << kv_heads << " D=" << head_dim << (causal ? " causal" : "") << " scale=" << scale
       << " window=(" << window_left << ", " << window_right << ") softcap=" << softcap
-      << (packed ? " packed-qkv" : "") << (with_lse ? "" : " no-lse") << " out_pad=" << out_pad;
+      << (packed ? " packed-qkv" : "") << (with_lse ? "" : " no-lse") << " out_pad=" << out_pad
+      << (schedule == AttentionSchedule::kDynamic ? " dynamic" : "");
     if (nan_in) s << " NaN in " << nan_in;
     return s.str();
   }
@@ -217,7 +219,9 @@ void check(const Config& c) {
   TensorView out_dev = head_slice(dout.view(), 0, c.q_heads, D);
   HostTensor lse_host(DType::kFloat32, {B, c.q_heads, c.q_len});
   DeviceTensor dlse(lse_host, /*copy=*/false);
-  attention_forward(q_dev, k_dev, v_dev, out_dev, c.with_lse ? dlse.view() : TensorView{}, options);
+  AttentionOptions device_options = options;
+  device_options.schedule = c.schedule;
+  attention_forward(q_dev, k_dev, v_dev, out_dev, c.with_lse ? dlse.view() : TensorView{}, device_options);
   test::device_synchronize();
   dout.copy_to(out_host);
   dlse.copy_to(lse_host);
@@ -328,6 +332,22 @@ TEST_P(AttentionCuda, ManyHeadsShortSequences) {
   const Variant p = GetParam();
   check({.dtype = p.dtype, .batch = 2, .q_len = 40, .kv_len = 40, .q_heads = 64, .kv_heads = 64,
          .head_dim = p.head_dim, .causal = p.causal});
+}
+
+// Tiles claimed from a counter: about twice as many tiles as an H100's 132 CTAs, of unequal cost
+// (causal, a window), twice in a row (the counter starts from zero at every call: a tile skipped
+// leaves its output poisoned).
+TEST_P(AttentionCuda, DynamicSchedule) {
+  TS_REQUIRE_GPU();
+  const Variant p = GetParam();
+  Config c{.dtype = p.dtype, .batch = 1, .q_len = p.head_dim == 64 ? 400 : 260, .q_heads = 64, .kv_heads = 8,
+           .head_dim = p.head_dim, .causal = p.causal, .schedule = AttentionSchedule::kDynamic};
+  c.kv_len = c.q_len;
+  check(c);
+  check(c);
+  c.window_left = 70;
+  c.window_right = p.causal ? 0 : 40;
+  check(c);
 }
 
 // A NaN in q reaches only its query's output and lse; in k or v (non-causal: every query sees

@@ -101,6 +101,13 @@ TEST(AttentionHeuristics, TileOrderVisitsEveryTileOnce) {
   }
 }
 
+// Only the dynamic schedule asked for claims tiles from a counter; kAuto keeps the static order.
+TEST(AttentionHeuristics, ForwardScheduleIsStaticUnlessAsked) {
+  EXPECT_FALSE(forward_dynamic_schedule(AttentionSchedule::kAuto));
+  EXPECT_FALSE(forward_dynamic_schedule(AttentionSchedule::kStatic));
+  EXPECT_TRUE(forward_dynamic_schedule(AttentionSchedule::kDynamic));
+}
+
 TEST(AttentionHeuristics, SectionsHoldWhatFitsInL2) {
   const ForwardPlan plan = forward_plan(128, true);
   constexpr std::int64_t kL2 = 50 << 20;

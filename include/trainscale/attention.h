@@ -10,6 +10,13 @@
 
 namespace trainscale {
 
+// How the CUDA forward's persistent grid (a CTA per SM) takes its tiles (a tile: one block of
+// queries of one head). kStatic: CTA c takes tiles c, c + grid, c + 2 grid, ... kDynamic: after
+// its first tile each CTA claims the next free one (a counter in device memory), so a CTA whose
+// tiles cost less, as a causal mask's short query blocks do, takes more of them. kAuto: the
+// library's choice for the shape (static).
+enum class AttentionSchedule { kAuto, kStatic, kDynamic };
+
 struct AttentionOptions {
   bool causal = false;
   double scale = 0.0;  // 0 -> 1/sqrt(D); otherwise any finite value
@@ -24,6 +31,8 @@ struct AttentionOptions {
   // partials of the key blocks in a fixed order instead of as they arrive; every other path is
   // deterministic either way.
   bool deterministic = false;
+  // Forward only, CUDA only (the CPU reference and the backward ignore it).
+  AttentionSchedule schedule = AttentionSchedule::kAuto;
 };
 
 // q [B, Sq, Hq, D]; k and v [B, Sk, Hkv, D] with Hq % Hkv == 0 (query head h reads kv head

@@ -1,5 +1,8 @@
 // Attention forward and backward. Config B x Hq x Hkv x S x D x causal (0 or 1); Sq = Sk = S.
 #include <cmath>
+#include <functional>
+#include <optional>
+#include <utility>
 
 #include "bench/baselines/cudnn_sdpa.h"
 #include "bench/cases/case_util.h"
@@ -61,6 +64,18 @@ void require_cuda_kernel(const TensorView& q, DType dtype, const Dims& d, const 
   }
 }
 
+// Our forward on a case's tensors with the case's options, the tile schedule as given.
+std::function<void(CaseTensors, cudaStream_t)> forward_entry(const Case& c, AttentionSchedule schedule) {
+  const Dims d = dims_of(c);
+  AttentionOptions options = options_of(d);
+  options.schedule = schedule;
+  const auto [q, k, v, out, lse] = c.ids("q", "k", "v", "out", "lse");
+  return [=, dtype = c.dtype](CaseTensors t, cudaStream_t s) {
+    require_cuda_kernel(t[q], dtype, d, "forward");
+    attention_forward(t[q], t[k], t[v], t[out], t[lse], options, s);
+  };
+}
+
 Case attention_forward_case(std::span<const std::int64_t> shape, DType dtype) {
   Case c = begin_case("attention_forward", "attention", shape, dtype, 6, kDoc);
   const Dims d = dims_of(c);
@@ -76,10 +91,7 @@ Case attention_forward_case(std::span<const std::int64_t> shape, DType dtype) {
   c.reference = on_cpu([=](CaseTensors t, cudaStream_t s) {
     attention_forward(t[q], t[k], t[v], t[out], t[lse], options, s);
   });
-  c.entry = [=](CaseTensors t, cudaStream_t s) {
-    require_cuda_kernel(t[q], dtype, d, "forward");
-    attention_forward(t[q], t[k], t[v], t[out], t[lse], options, s);
-  };
+  c.entry = forward_entry(c, AttentionSchedule::kAuto);
   return c;
 }
 
@@ -142,6 +154,15 @@ const Registrar kRegister([](Registry& r) {
     r.add_configs("smoke", op, {{1, 4, 2, 64, 32, 1}}, {DType::kFloat32, DType::kBFloat16});
     r.add_configs("attention", op, attention_suite(), bf16);
     r.add_configs("llama", op, {{1, kLlamaHeads, kLlamaKvHeads, kLlamaTokens, kLlamaHeadDim, 1}}, bf16);
+  }
+  // The forward's tile schedule forced (AttentionSchedule).
+  for (const auto& [impl, schedule] : {std::pair{"trainscale-static", AttentionSchedule::kStatic},
+                                       std::pair{"trainscale-dynamic", AttentionSchedule::kDynamic}}) {
+    r.add_opt_in("attention_forward", impl, [schedule](const Case& c) {
+      Implementation forced;
+      forced.run = forward_entry(c, schedule);
+      return std::optional<Implementation>(std::move(forced));
+    });
   }
   // A shape the CUDA forward runs (head dim 64, a sequence off its tiles), so smoke reaches it.
   r.add_configs("smoke", "attention_forward", {{1, 4, 2, 100, 64, 1}}, bf16);

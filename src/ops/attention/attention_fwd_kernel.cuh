@@ -80,13 +80,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // being read while K of the next one is.
   typename Traits::PipelineState read_k, read_v;
   uint32_t q_phase = 0;
-  for (int64_t t = p.scheduler.first(); p.scheduler.valid(t); t = p.scheduler.next(t)) {
+  for (int64_t t = p.scheduler.first(); p.scheduler.valid(t);) {
     const AttentionTile tile = p.scheduler.tile(t);
     const KeyBlocks blocks = key_blocks(p, tile.m_block);
     clear(tOrO);
     OnlineSoftmax<kRows> softmax(p.scale_log2);
     storage.barrier_q.wait(q_phase);
     q_phase ^= 1;
+    asm volatile("" ::: "memory");  // read after the wait (acquire), which the asm does not order
+    const int64_t next = *reinterpret_cast<volatile const int64_t*>(&storage.next_tile);
 
     Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
     Tensor s = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
@@ -116,7 +118,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     };
     // Once the tile's last Q K^T product is done, the producer may load the next tile's Q: it
     // then lands while this tile's last softmax, P V product and epilogue run.
-    const bool next_tile = p.scheduler.valid(p.scheduler.next(t));
+    const bool next_tile = p.scheduler.valid(next);
     auto release_q = [&] {
       if (next_tile) {
         cutlass::arch::NamedBarrier::arrive(Traits::kConsumerThreads + 32,
@@ -168,6 +170,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     float lse[kRows];
     softmax.finalize(o, p.abs_scale, lse);
     ForwardEpilogue<Traits>::store(p, tile, o, o_coords, lse);
+    t = next;
   }
 #else
   (void)p;

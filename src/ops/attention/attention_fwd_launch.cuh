@@ -19,6 +19,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "common/cuda_check.h"
+#include "common/stream_scratch.h"
 #include "core/check.h"
 #include "ops/attention/attention_cuda.h"
 #include "ops/attention/attention_fwd_kernel.cuh"
@@ -113,6 +114,13 @@ void launch_forward(const TensorView& q, const TensorView& k, const TensorView& 
   p.scheduler.order = forward_tile_order(q_len, batch, q_heads, kv_heads, kv_bytes_per_head,
                                          static_cast<int64_t>(info.l2_bytes), plan);
   const int64_t grid = forward_grid(p.scheduler.order.tiles(), info.sm_count);
+  if (forward_dynamic_schedule(options.schedule)) {
+    auto* counter = static_cast<unsigned long long*>(
+        detail::stream_scratch(sizeof(unsigned long long), stream, kForwardOp, kForwardOp));
+    detail::check_cuda(cudaMemsetAsync(counter, 0, sizeof *counter, stream), kForwardOp,
+                       "cudaMemsetAsync (tile counter)");
+    p.scheduler.counter = counter;
+  }
 
   constexpr int kSmem = Traits::kSharedBytes;
   detail::check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),

@@ -4,7 +4,8 @@
 // through TMA onto its own transaction barrier, then the tile's K and V blocks, last block first,
 // into the `kStages`-deep K and V pipelines (PipelineTmaAsync: a full barrier the TMA completes and
 // an empty barrier the consumers release). Q is reloaded only after the consumers signal
-// (named barrier kQueryEmpty) that the previous tile's last QK^T GEMM is done.
+// (named barrier kQueryEmpty) that the previous tile's last QK^T GEMM is done. With each Q goes
+// the index of the CTA's tile after it (SharedStorage::next_tile, attention_tile_scheduler.cuh).
 //
 // Consumers (block_m / 64 warp groups, 64 query rows each), per key block:
 //   S = Q K^T (wgmma, both from shared memory) -> release K -> softcap -> mask -> online softmax
@@ -51,7 +52,7 @@ struct ForwardParams {
   // cap = softcap / |scale|, so that |scale| s becomes softcap * tanh(|scale| s / softcap). 0: off.
   float softcap_unscaled;
   AttentionMask<int> mask;  // read when Traits::kMasked
-  StaticTileScheduler scheduler;
+  TileScheduler scheduler;
 };
 
 // The key blocks (of block_n) a query block sees: [first, last).
@@ -96,10 +97,14 @@ struct ForwardProducer {
 
     auto write = cutlass::make_producer_start_state<typename Traits::PipelineKV>();
     bool first_tile = true;
-    for (int64_t t = p.scheduler.first(); p.scheduler.valid(t); t = p.scheduler.next(t)) {
+    for (int64_t t = p.scheduler.first(); p.scheduler.valid(t);) {
       const AttentionTile tile = p.scheduler.tile(t);
       const KeyBlocks blocks = key_blocks(p, tile.m_block);
       const int kv_head = tile.head / p.group;
+      // The CTA's tile after this one, decided now (a dynamic claim's latency hides behind the
+      // consumers' work) and handed to them with this tile's Q.
+      int64_t next = leader ? p.scheduler.claim_next(t) : 0;
+      next = __shfl_sync(0xffffffffu, next, 0);
 
       Tensor gQ = local_tile(mQ(_, _, tile.head, tile.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                              make_coord(tile.m_block, _0{}));  // (M, D)
@@ -135,6 +140,10 @@ struct ForwardProducer {
       }
       first_tile = false;
       if (leader) {
+        // The consumers read it once this arrival (release) completes the Q barrier's phase; the
+        // previous value was read before they released the Q buffer (kQueryEmpty above).
+        *reinterpret_cast<volatile int64_t*>(&storage.next_tile) = next;
+        asm volatile("" ::: "memory");
         storage.barrier_q.arrive_and_expect_tx(Traits::kTmaBytesQ);
         copy(p.tma_q.with(reinterpret_cast<uint64_t&>(storage.barrier_q)), tQgQ, tQsQ);
       }
@@ -148,6 +157,7 @@ struct ForwardProducer {
         }
       }
       __syncwarp();
+      t = next;
     }
     // Leave only once the consumers have released every buffer.
     if (leader) {

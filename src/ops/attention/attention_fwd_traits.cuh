@@ -122,6 +122,7 @@ struct ForwardTraits {
     alignas(16) typename PipelineKV::SharedStorage pipeline_k;
     alignas(16) typename PipelineKV::SharedStorage pipeline_v;
     alignas(8) cutlass::arch::ClusterTransactionBarrier barrier_q;  // Q landed (one per tile)
+    std::int64_t next_tile;  // the CTA's tile after the one whose Q landed (TileScheduler)
   };
   static constexpr int kSharedBytes = static_cast<int>(sizeof(SharedStorage));
   static_assert(kSharedBytes <= 227 * 1024, "exceeds the 227 KiB of shared memory per CTA");

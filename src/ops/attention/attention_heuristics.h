@@ -8,6 +8,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "trainscale/attention.h"
+
 #if defined(__CUDACC__)
 #define TS_ATTN_HOST_DEVICE __host__ __device__
 #else
@@ -233,6 +235,12 @@ inline TileOrder forward_tile_order(std::int64_t q_len, std::int64_t batch, std:
   order.heads_per_section = static_cast<int>(
       std::clamp<std::int64_t>(kv_heads_fit * group, 1, std::max<std::int64_t>(1, q_heads * batch)));
   return order;
+}
+
+// Whether the forward's persistent grid claims its tiles from a counter (TileScheduler). kAuto
+// keeps the static order.
+constexpr bool forward_dynamic_schedule(AttentionSchedule schedule) {
+  return schedule == AttentionSchedule::kDynamic;
 }
 
 // CTAs of the persistent grid: one per SM (a CTA fills an SM's shared memory), at most one per tile.

@@ -13,12 +13,9 @@
 // targets first.
 #include <cmath>
 #include <limits>
-#include <map>
-#include <mutex>
-#include <string>
-#include <utility>
 
 #include "common/row_kernel.cuh"
+#include "common/stream_scratch.h"
 #include "ops/loss/loss_cuda.h"
 
 namespace trainscale::ops::loss {
@@ -341,40 +338,18 @@ __global__ void __launch_bounds__(kReduceThreads)
   if (threadIdx.x == 0) *loss = static_cast<float>(mean ? sum / count : sum);
 }
 
-// Scratch of the row reductions, one buffer per (device, stream), grown to the largest call
-// and kept for the process: calls on one stream are ordered, so they can share it, and calls on
-// different streams never do. Growing frees the old buffer after synchronizing its stream
-// (not allowed while the stream is being captured into a CUDA graph: run a call of the
-// largest size first). Layout: the valid-row count, then one float per row.
+// Scratch of the row reductions (common/stream_scratch.h): the valid-row count, then one float
+// per row.
 struct Scratch {
   std::int64_t* count;
   float* rows;
 };
 
 Scratch scratch_for(std::int64_t rows, cudaStream_t stream, const char* op) {
-  struct Buffer {
-    void* data = nullptr;
-    std::size_t bytes = 0;
-  };
-  static std::mutex mutex;
-  static std::map<std::pair<int, cudaStream_t>, Buffer> buffers;
-  int device = 0;
-  detail::check_cuda(cudaGetDevice(&device), op, "cudaGetDevice");
   const std::size_t need = sizeof(std::int64_t) * 2 + static_cast<std::size_t>(rows) * sizeof(float);
-  const std::lock_guard<std::mutex> lock(mutex);
-  Buffer& b = buffers[{device, stream}];
-  if (b.bytes < need) {
-    if (b.data != nullptr) {
-      detail::check_cuda(cudaStreamSynchronize(stream), op, "cudaStreamSynchronize (scratch)");
-      detail::check_cuda(cudaFree(b.data), op, "cudaFree (scratch)");
-      b = {};
-    }
-    const std::size_t bytes = std::max<std::size_t>(need, 4096);
-    detail::check_cuda(cudaMalloc(&b.data, bytes), op, "cudaMalloc (scratch)");
-    b.bytes = bytes;
-  }
-  return {static_cast<std::int64_t*>(b.data),
-          reinterpret_cast<float*>(static_cast<char*>(b.data) + 2 * sizeof(std::int64_t))};
+  void* data = detail::stream_scratch(need, stream, "cross_entropy", op);
+  return {static_cast<std::int64_t*>(data),
+          reinterpret_cast<float*>(static_cast<char*>(data) + 2 * sizeof(std::int64_t))};
 }
 
 Targets targets_of(const TensorView& t) {
