@@ -87,8 +87,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     OnlineSoftmax<kRows> softmax(p.scale_log2);
     storage.barrier_q.wait(q_phase);
     q_phase ^= 1;
-    asm volatile("" ::: "memory");  // read after the wait (acquire), which the asm does not order
-    const int64_t next = *reinterpret_cast<volatile const int64_t*>(&storage.next_tile);
+    const int64_t next = p.scheduler.next_for_consumers(t, storage.next_tile);
 
     Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
     Tensor s = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
