@@ -19,7 +19,7 @@ ts::GeluApproximation approx_of(std::string_view a) {
 
 Tensor gelu_forward(const Tensor& x, c10::string_view approximate) {
   const char* op = "gelu_forward";
-  Ctx ctx(x);
+  Ctx ctx(x, op, "x");
   auto ap = approx_of(std::string_view(approximate.data(), approximate.size()));
   Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
   guarded([&] { ts::gelu_forward(view(x, op, "x"), view(y, op, "y"), ap, ctx.stream); });
@@ -28,7 +28,7 @@ Tensor gelu_forward(const Tensor& x, c10::string_view approximate) {
 
 Tensor gelu_backward(const Tensor& dy, const Tensor& x, c10::string_view approximate) {
   const char* op = "gelu_backward";
-  Ctx ctx(x);
+  Ctx ctx(x, op, "x");
   auto ap = approx_of(std::string_view(approximate.data(), approximate.size()));
   Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);
   guarded([&] {
@@ -39,7 +39,7 @@ Tensor gelu_backward(const Tensor& dy, const Tensor& x, c10::string_view approxi
 
 Tensor silu_forward(const Tensor& x) {
   const char* op = "silu_forward";
-  Ctx ctx(x);
+  Ctx ctx(x, op, "x");
   Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
   guarded([&] { ts::silu_forward(view(x, op, "x"), view(y, op, "y"), ctx.stream); });
   return y;
@@ -47,7 +47,7 @@ Tensor silu_forward(const Tensor& x) {
 
 Tensor silu_backward(const Tensor& dy, const Tensor& x) {
   const char* op = "silu_backward";
-  Ctx ctx(x);
+  Ctx ctx(x, op, "x");
   Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);
   guarded([&] {
     ts::silu_backward(view(dy, op, "dy"), view(x, op, "x"), view(dx, op, "dx"), ctx.stream);
@@ -57,7 +57,7 @@ Tensor silu_backward(const Tensor& dy, const Tensor& x) {
 
 Tensor swiglu_forward(const Tensor& a, const Tensor& b) {
   const char* op = "swiglu_forward";
-  Ctx ctx(a);
+  Ctx ctx(a, op, "a");
   Tensor y = at::empty_like(a, at::MemoryFormat::Contiguous);
   guarded([&] {
     ts::swiglu_forward(view(a, op, "a"), view(b, op, "b"), view(y, op, "y"), ctx.stream);
@@ -67,7 +67,7 @@ Tensor swiglu_forward(const Tensor& a, const Tensor& b) {
 
 std::tuple<Tensor, Tensor> swiglu_backward(const Tensor& dy, const Tensor& a, const Tensor& b) {
   const char* op = "swiglu_backward";
-  Ctx ctx(a);
+  Ctx ctx(a, op, "a");
   Tensor da = at::empty_like(a, at::MemoryFormat::Contiguous);
   Tensor db = at::empty_like(b, at::MemoryFormat::Contiguous);
   guarded([&] {
@@ -81,7 +81,7 @@ std::tuple<Tensor, Tensor> swiglu_backward(const Tensor& dy, const Tensor& a, co
 // MLP's saved projections): no [.., F] gradient buffers beside them.
 Tensor swiglu_backward_recompute_(const Tensor& dy, Tensor& a, Tensor& b) {
   const char* op = "swiglu_backward_recompute_";
-  Ctx ctx(a);
+  Ctx ctx(a, op, "a");
   Tensor y = at::empty_like(a, at::MemoryFormat::Contiguous);
   guarded([&] {
     const TensorView va = view(a, op, "a"), vb = view(b, op, "b");
@@ -92,7 +92,7 @@ Tensor swiglu_backward_recompute_(const Tensor& dy, Tensor& a, Tensor& b) {
 
 Tensor swiglu_forward_packed(const Tensor& ab) {
   const char* op = "swiglu_forward_packed";
-  Ctx ctx(ab);
+  Ctx ctx(ab, op, "ab");
   auto sizes = ab.sizes().vec();
   if (sizes.empty() || sizes.back() % 2 != 0) {
     arg_error(op, "ab", "expected an even last dim [..., 2F], got shape " +
@@ -106,7 +106,7 @@ Tensor swiglu_forward_packed(const Tensor& ab) {
 
 Tensor swiglu_backward_packed(const Tensor& dy, const Tensor& ab) {
   const char* op = "swiglu_backward_packed";
-  Ctx ctx(ab);
+  Ctx ctx(ab, op, "ab");
   Tensor dab = at::empty_like(ab, at::MemoryFormat::Contiguous);
   guarded([&] {
     ts::swiglu_backward_packed(view(dy, op, "dy"), view(ab, op, "ab"), view(dab, op, "dab"),

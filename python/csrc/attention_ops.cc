@@ -23,7 +23,7 @@ std::tuple<Tensor, Tensor> attention_forward(const Tensor& q, const Tensor& k, c
                                              bool causal, double scale, int64_t window_left,
                                              int64_t window_right, double softcap) {
   const char* op = "attention_forward";
-  Ctx ctx(q);
+  Ctx ctx(q, op, "q");
   Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
   const auto stats = q.options().dtype(q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
   Tensor lse = q.dim() == 4 ? at::empty({q.size(0), q.size(2), q.size(1)}, stats) : at::empty({0}, stats);
@@ -41,7 +41,7 @@ template <class Run>
 std::tuple<Tensor, Tensor, Tensor> run_backward(const char* op, const Tensor& dout, const Tensor& q,
                                                 const Tensor& k, const Tensor& v, const Tensor& out,
                                                 const Tensor& lse, Run run) {
-  Ctx ctx(q);
+  Ctx ctx(q, op, "q");
   Tensor dq = at::empty_like(q, at::MemoryFormat::Contiguous);
   Tensor dk = at::empty_like(k, at::MemoryFormat::Contiguous);
   Tensor dv = at::empty_like(v, at::MemoryFormat::Contiguous);
@@ -63,7 +63,7 @@ std::tuple<Tensor, Tensor, Tensor> run_backward(const char* op, const Tensor& do
                                   .dq = view(dq, op, "dq"),
                                   .dk = view(dk, op, "dk"),
                                   .dv = view(dv, op, "dv"),
-                                  .workspace = workspace.defined() ? view(workspace, op, "workspace")
+                                  .workspace = workspace.defined() ? workspace_view(workspace, op, "workspace")
                                                                    : ts::TensorView{}},
         ctx.stream);
   });
@@ -98,7 +98,7 @@ std::tuple<Tensor, Tensor> attention_varlen_forward(const Tensor& q, const Tenso
                                                     double scale, int64_t window_left, int64_t window_right,
                                                     double softcap) {
   const char* op = "attention_varlen_forward";
-  Ctx ctx(q);
+  Ctx ctx(q, op, "q");
   Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
   const auto stats = q.options().dtype(q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
   Tensor lse = q.dim() == 3 ? at::empty({q.size(1), q.size(0)}, stats) : at::empty({0}, stats);

@@ -16,13 +16,17 @@ ts::DType to_dtype(at::ScalarType t, const char* op, const char* arg) {
     case at::kFloat8_e5m2: return ts::DType::kFloat8E5M2;
     case at::kInt: return ts::DType::kInt32;
     case at::kLong: return ts::DType::kInt64;
-    case at::kByte: return ts::DType::kFloat8E4M3;  // workspaces only (bytes are what count)
     default:
-      arg_error(op, arg, std::string("unsupported dtype ") + c10::toString(t));
+      arg_error(op, arg,
+                std::string("expected a dtype in {float64, float32, float16, bfloat16, float8_e4m3fn, "
+                            "float8_e5m2, int32, int64}, got ") +
+                    std::string(c10::getDtypeNames(t).first));
   }
 }
 
-ts::TensorView view(const Tensor& t, const char* op, const char* arg) {
+namespace {
+
+ts::TensorView view_as(const Tensor& t, ts::DType dtype, const char* op, const char* arg) {
   ts::Device dev;
   if (t.is_cuda()) {
     dev = ts::Device::cuda(t.get_device());
@@ -33,9 +37,22 @@ ts::TensorView view(const Tensor& t, const char* op, const char* arg) {
     arg_error(op, arg, "expected at most " + std::to_string(ts::kMaxDims) + " dims, got " +
                            std::to_string(t.dim()));
   }
-  return ts::TensorView::from_arrays(t.data_ptr(), to_dtype(t.scalar_type(), op, arg),
-                                     static_cast<int>(t.dim()), t.sizes().data(),
+  return ts::TensorView::from_arrays(t.data_ptr(), dtype, static_cast<int>(t.dim()), t.sizes().data(),
                                      t.strides().data(), dev);
+}
+
+}  // namespace
+
+ts::TensorView view(const Tensor& t, const char* op, const char* arg) {
+  return view_as(t, to_dtype(t.scalar_type(), op, arg), op, arg);
+}
+
+ts::TensorView workspace_view(const Tensor& t, const char* op, const char* arg) {
+  if (t.scalar_type() != at::kByte) {
+    arg_error(op, arg, std::string("expected a uint8 workspace, got ") + std::string(c10::getDtypeNames(t.scalar_type()).first));
+  }
+  // A one-byte dtype: the ops check a workspace's bytes, not its element type.
+  return view_as(t, ts::DType::kFloat8E4M3, op, arg);
 }
 
 ts::TensorView view(const OptTensor& t, const char* op, const char* arg) {

@@ -34,6 +34,8 @@ ts::DType to_dtype(at::ScalarType t, const char* op, const char* arg);
 ts::TensorView view(const Tensor& t, const char* op, const char* arg);
 // An absent (or undefined) optional tensor is an absent view.
 ts::TensorView view(const OptTensor& t, const char* op, const char* arg);
+// A uint8 scratch tensor (allocated by the binding or passed by the caller).
+ts::TensorView workspace_view(const Tensor& t, const char* op, const char* arg);
 
 // Device guard + stream for the call; CPU: nothing.
 struct Ctx {
@@ -41,7 +43,11 @@ struct Ctx {
   std::optional<c10::cuda::CUDAGuard> guard;
 #endif
   cudaStream_t stream = nullptr;
-  explicit Ctx(const Tensor& t) {
+  // t: the op's first tensor argument `arg`. Its device selects the stream; its dtype is checked
+  // here, before any output is allocated like it, so that an unsupported one is reported under
+  // its own name.
+  Ctx(const Tensor& t, const char* op, const char* arg) {
+    to_dtype(t.scalar_type(), op, arg);
     if (t.is_cuda()) {
 #if defined(TRAINSCALE_TORCH_CUDA)
       guard.emplace(t.device());

@@ -17,7 +17,7 @@ Tensor embedding_forward(const Tensor& weight, const Tensor& ids, std::int64_t p
   if (!(padding_idx == -1 || (padding_idx >= 0 && padding_idx < weight.size(0))))
     arg_error(op, "padding_idx",
               "expected -1 (none) or a row in [0, " + std::to_string(weight.size(0)) + "), got " + std::to_string(padding_idx));
-  Ctx ctx(weight);
+  Ctx ctx(weight, op, "weight");
   const Tensor flat = ids.reshape({-1}).contiguous();
   Tensor out = at::empty({flat.size(0), weight.size(1)}, weight.options());
   guarded([&] { ts::embedding_forward(view(weight, op, "weight"), view(flat, op, "ids"), view(out, op, "out"), ctx.stream); });
@@ -33,7 +33,7 @@ Tensor embedding_backward(const Tensor& grad_output, const Tensor& ids, std::int
     arg_error(op, "grad_output", "expected ids.shape + [H] (" + std::to_string(ids.dim() + 1) + " dimensions), got " +
                                      std::to_string(grad_output.dim()) + " dimensions");
   if (num_weights < 0) arg_error(op, "num_weights", "expected a count >= 0, got " + std::to_string(num_weights));
-  Ctx ctx(grad_output);
+  Ctx ctx(grad_output, op, "grad_output");
   const std::int64_t cols = grad_output.size(-1);
   // Rows of unit stride are read in place; other layouts (an expanded gradient, say) are copied.
   Tensor rows = grad_output.reshape({-1, cols});
@@ -47,7 +47,7 @@ Tensor embedding_backward(const Tensor& grad_output, const Tensor& ids, std::int
       ws = at::empty({static_cast<std::int64_t>((bytes + 15) / 16 * 2)}, grad_output.options().dtype(at::kLong));
     }
     ts::embedding_backward(view(rows, op, "grad_output"), view(flat, op, "ids"), view(grad_weight, op, "grad_weight"),
-                           padding_idx, ws.defined() ? view(ws, op, "workspace") : ts::TensorView{}, ctx.stream);
+                           padding_idx, ws.defined() ? workspace_view(ws, op, "workspace") : ts::TensorView{}, ctx.stream);
   });
   return grad_weight;
 }

@@ -16,7 +16,7 @@ std::tuple<Tensor, Tensor> fp8_quantize(const Tensor& x, at::ScalarType dtype,
                                         c10::string_view granularity, bool power_of_two_scales,
                                         bool scales_m_major) {
   const char* op = "fp8_quantize";
-  Ctx ctx(x);
+  Ctx ctx(x, op, "x");
   if (dtype != at::kFloat8_e4m3fn && dtype != at::kFloat8_e5m2) {
     arg_error(op, "dtype", std::string("expected float8_e4m3fn or float8_e5m2, got ") +
                                c10::toString(dtype));

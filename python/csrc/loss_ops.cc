@@ -47,7 +47,7 @@ std::tuple<Tensor, Tensor, Tensor> cross_entropy_forward(const Tensor& logits,
   const char* op = "cross_entropy_forward";
   const auto o = ce_options(op, ignore_index, label_smoothing, z_loss, softcap,
                             std::string_view(reduction.data(), reduction.size()));
-  Ctx ctx(logits);
+  Ctx ctx(logits, op, "logits");
   const auto stats = logits.options().dtype(stat_dtype(logits));
   const int64_t rows = logits.dim() == 2 ? logits.size(0) : 0;
   Tensor loss = o.reduction == ts::Reduction::kNone ? at::empty({rows}, stats) : at::empty({}, stats);
@@ -69,7 +69,7 @@ Tensor cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, con
   const char* op = "cross_entropy_backward";
   const auto o = ce_options(op, ignore_index, label_smoothing, z_loss, softcap,
                             std::string_view(reduction.data(), reduction.size()));
-  Ctx ctx(logits);
+  Ctx ctx(logits, op, "logits");
   Tensor grad = at::empty_like(logits, at::MemoryFormat::Contiguous);
   guarded([&] {
     ts::cross_entropy_backward(view(grad_loss, op, "grad_loss"), view(logits, op, "logits"),
@@ -94,7 +94,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_linear_cross_entropy_fo
   if (with_grad_bias && !has_bias) {
     arg_error(op, "with_grad_bias", "a gradient of a bias that is not given");
   }
-  Ctx ctx(hidden);
+  Ctx ctx(hidden, op, "hidden");
   const auto stats = hidden.options().dtype(stat_dtype(hidden));
   const int64_t tokens = hidden.dim() == 2 ? hidden.size(0) : 0;
   const auto grad_of = [](bool wanted, const Tensor& x) {
@@ -135,7 +135,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_linear_cross_entropy_fo
       }
       workspace =
           at::empty({static_cast<int64_t>(bytes)}, hidden.options().dtype(at::kByte));
-      args.workspace = view(workspace, op, "workspace");
+      args.workspace = workspace_view(workspace, op, "workspace");
     }
     ts::fused_linear_cross_entropy_forward(args, o, ctx.stream);
   });

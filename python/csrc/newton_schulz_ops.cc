@@ -29,13 +29,13 @@ ts::MuonLrAdjust lr_adjust_of(const std::string& name) {
 
 Tensor newton_schulz(const Tensor& g, std::int64_t steps, double a, double b, double c, double eps) {
   constexpr const char* op = "newton_schulz";
-  Ctx ctx(g);
+  Ctx ctx(g, op, "g");
   Tensor out = at::empty_like(g, at::MemoryFormat::Contiguous);
   guarded([&] {
     const ts::TensorView gv = view(g, op, "g");
     const Tensor ws = workspace_for(g, ts::newton_schulz_workspace_bytes(gv));
     ts::newton_schulz(gv, view(out, op, "out"), ns_options(steps, a, b, c, eps),
-                      ws.defined() ? view(ws, op, "workspace") : ts::TensorView{}, ctx.stream);
+                      ws.defined() ? workspace_view(ws, op, "workspace") : ts::TensorView{}, ctx.stream);
   });
   return out;
 }
@@ -45,7 +45,7 @@ void muon_step_(at::TensorList params, at::TensorList grads, at::TensorList mome
                 std::int64_t steps, double a, double b, double c, double eps) {
   constexpr const char* op = "muon_step";
   if (params.empty()) return;
-  Ctx ctx(params[0]);
+  Ctx ctx(params[0], op, "params");
   const ts::MuonOptions options{.lr = lr,
                                 .momentum = momentum,
                                 .weight_decay = weight_decay,
@@ -58,7 +58,7 @@ void muon_step_(at::TensorList params, at::TensorList grads, at::TensorList mome
     for (const Tensor& t : grads) g.push_back(view(t, op, "grads"));
     for (const Tensor& t : momentum_buffers) m.push_back(view(t, op, "momentum_buffers"));
     const Tensor ws = workspace_for(params[0], ts::muon_step_workspace_bytes(p[0], static_cast<std::int64_t>(p.size())));
-    ts::muon_step(p, g, m, options, ws.defined() ? view(ws, op, "workspace") : ts::TensorView{}, ctx.stream);
+    ts::muon_step(p, g, m, options, ws.defined() ? workspace_view(ws, op, "workspace") : ts::TensorView{}, ctx.stream);
   });
 }
 

@@ -38,7 +38,7 @@ Tensor grad_like(const OptTensor& w, const Tensor& x) {
 std::tuple<Tensor, Tensor> rmsnorm_forward(const Tensor& x, const OptTensor& weight, double eps,
                                        double weight_offset) {
   const char* op = "rmsnorm_forward";
-  Ctx ctx(x);
+  Ctx ctx(x, op, "x");
   Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
   Tensor rstd = stat_empty(x);
   guarded([&] {
@@ -52,7 +52,7 @@ std::tuple<Tensor, Tensor> rmsnorm_forward(const Tensor& x, const OptTensor& wei
 std::tuple<Tensor, Tensor> rmsnorm_backward(const Tensor& dy, const Tensor& x, const OptTensor& weight,
                                        const Tensor& rstd, double eps, double weight_offset) {
   const char* op = "rmsnorm_backward";
-  Ctx ctx(x);
+  Ctx ctx(x, op, "x");
   Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);
   Tensor dw = grad_like(weight, x);
   Tensor ws = workspace(x, op);
@@ -60,7 +60,7 @@ std::tuple<Tensor, Tensor> rmsnorm_backward(const Tensor& dy, const Tensor& x, c
     ts::rmsnorm_backward(view(dy, op, "dy"), view(x, op, "x"), view(weight, op, "weight"),
                          view(rstd, op, "rstd"), view(dx, op, "dx"),
                          weight.has_value() ? view(dw, op, "dw") : ts::TensorView{},
-                         view(ws, op, "workspace"), {.eps = eps, .weight_offset = weight_offset},
+                         workspace_view(ws, op, "workspace"), {.eps = eps, .weight_offset = weight_offset},
                          ctx.stream);
   });
   return {dx, dw};
@@ -69,7 +69,7 @@ std::tuple<Tensor, Tensor> rmsnorm_backward(const Tensor& dy, const Tensor& x, c
 Tensor fused_add_rmsnorm_forward(Tensor& x, Tensor& residual, const OptTensor& weight, double eps,
                              double weight_offset) {
   const char* op = "fused_add_rmsnorm_forward";
-  Ctx ctx(x);
+  Ctx ctx(x, op, "x");
   Tensor rstd = stat_empty(x);
   guarded([&] {
     ts::fused_add_rmsnorm_forward(view(x, op, "x"), view(residual, op, "residual"),
@@ -84,7 +84,7 @@ std::tuple<Tensor, Tensor> fused_add_rmsnorm_backward(const Tensor& dy, const Op
                                                  const Tensor& rstd, double eps,
                                                  double weight_offset) {
   const char* op = "fused_add_rmsnorm_backward";
-  Ctx ctx(dy);
+  Ctx ctx(dy, op, "dy");
   Tensor dx = at::empty_like(dy, at::MemoryFormat::Contiguous);
   Tensor dw = grad_like(weight, dy);
   Tensor ws = workspace(dy, op);
@@ -92,7 +92,7 @@ std::tuple<Tensor, Tensor> fused_add_rmsnorm_backward(const Tensor& dy, const Op
     ts::fused_add_rmsnorm_backward(
         view(dy, op, "dy"), view(d_residual, op, "d_residual"), view(residual, op, "residual"),
         view(weight, op, "weight"), view(rstd, op, "rstd"), view(dx, op, "dx"),
-        weight.has_value() ? view(dw, op, "dw") : ts::TensorView{}, view(ws, op, "workspace"),
+        weight.has_value() ? view(dw, op, "dw") : ts::TensorView{}, workspace_view(ws, op, "workspace"),
         {.eps = eps, .weight_offset = weight_offset}, ctx.stream);
   });
   return {dx, dw};
@@ -101,7 +101,7 @@ std::tuple<Tensor, Tensor> fused_add_rmsnorm_backward(const Tensor& dy, const Op
 std::tuple<Tensor, Tensor, Tensor> layernorm_forward(const Tensor& x, const OptTensor& weight,
                                                  const OptTensor& bias, double eps) {
   const char* op = "layernorm_forward";
-  Ctx ctx(x);
+  Ctx ctx(x, op, "x");
   Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
   Tensor mean = stat_empty(x);
   Tensor rstd = stat_empty(x);
@@ -118,7 +118,7 @@ std::tuple<Tensor, Tensor, Tensor> layernorm_backward(const Tensor& dy, const Te
                                                  const Tensor& mean, const Tensor& rstd,
                                                  double eps) {
   const char* op = "layernorm_backward";
-  Ctx ctx(x);
+  Ctx ctx(x, op, "x");
   Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);
   Tensor dw = grad_like(weight, x);
   Tensor db = grad_like(bias, x);
@@ -129,7 +129,7 @@ std::tuple<Tensor, Tensor, Tensor> layernorm_backward(const Tensor& dy, const Te
                             .rstd = view(rstd, op, "rstd"), .dx = view(dx, op, "dx"),
                             .dw = weight.has_value() ? view(dw, op, "dw") : ts::TensorView{},
                             .db = bias.has_value() ? view(db, op, "db") : ts::TensorView{},
-                            .workspace = view(ws, op, "workspace")}, {.eps = eps}, ctx.stream);
+                            .workspace = workspace_view(ws, op, "workspace")}, {.eps = eps}, ctx.stream);
   });
   return {dx, dw, db};
 }

@@ -21,7 +21,7 @@ void adamw_step_(at::TensorList params, at::TensorList grads, at::TensorList exp
                  const OptTensor& grad_scale) {
   constexpr const char* op = "adamw_step";
   if (params.empty()) return;
-  Ctx ctx(params[0]);
+  Ctx ctx(params[0], op, "params");
   const ts::AdamWOptions options{
       .lr = lr, .beta1 = beta1, .beta2 = beta2, .eps = eps, .weight_decay = weight_decay, .step = step};
   guarded([&] {
@@ -33,7 +33,7 @@ void adamw_step_(at::TensorList params, at::TensorList grads, at::TensorList exp
 std::tuple<Tensor, Tensor> grad_norm(at::TensorList grads, double max_norm) {
   constexpr const char* op = "grad_norm";
   if (grads.empty()) arg_error(op, "grads", "expected at least one tensor, got none");
-  Ctx ctx(grads[0]);
+  Ctx ctx(grads[0], op, "grads");
   const auto options = grads[0].options().dtype(at::kFloat);
   Tensor norm = at::empty({}, options), factor = at::empty({}, options);
   guarded([&] {
@@ -44,7 +44,7 @@ std::tuple<Tensor, Tensor> grad_norm(at::TensorList grads, double max_norm) {
       ws = at::empty({static_cast<std::int64_t>((bytes + 7) / 8)}, grads[0].options().dtype(at::kLong));
     }
     ts::grad_norm(g, max_norm, view(norm, op, "norm"), view(factor, op, "clip_factor"),
-                  ws.defined() ? view(ws, op, "workspace") : ts::TensorView{}, ctx.stream);
+                  ws.defined() ? workspace_view(ws, op, "workspace") : ts::TensorView{}, ctx.stream);
   });
   return {norm, factor};
 }
@@ -52,7 +52,7 @@ std::tuple<Tensor, Tensor> grad_norm(at::TensorList grads, double max_norm) {
 void scale_by_device_factor_(at::TensorList tensors, const Tensor& factor) {
   constexpr const char* op = "scale_by_device_factor";
   if (tensors.empty()) return;
-  Ctx ctx(tensors[0]);
+  Ctx ctx(tensors[0], op, "tensors");
   guarded([&] { ts::scale_by_device_factor(views(tensors, op, "tensors"), view(factor, op, "factor"), ctx.stream); });
 }
 

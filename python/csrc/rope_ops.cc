@@ -22,7 +22,7 @@ std::tuple<Tensor, Tensor> rope_impl(bool forward, const Tensor& q, const OptTen
                                      const OptTensor& position_offsets, bool interleaved,
                                      std::int64_t rotary_dim, double theta) {
   const char* op = forward ? "rope_forward" : "rope_backward";
-  Ctx ctx(q);
+  Ctx ctx(q, op, "q");
   const bool has_k = k.has_value() && k->defined();
   Tensor q_out = at::empty_like(q, at::MemoryFormat::Contiguous);
   Tensor k_out = has_k ? at::empty_like(*k, at::MemoryFormat::Contiguous)

@@ -8,7 +8,7 @@ namespace {
 
 Tensor softmax_forward(const Tensor& x) {
   const char* op = "softmax_forward";
-  Ctx ctx(x);
+  Ctx ctx(x, op, "x");
   Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
   guarded([&] { ts::softmax_forward(view(x, op, "x"), view(y, op, "y"), ctx.stream); });
   return y;
@@ -16,7 +16,7 @@ Tensor softmax_forward(const Tensor& x) {
 
 Tensor softmax_backward(const Tensor& dy, const Tensor& y) {
   const char* op = "softmax_backward";
-  Ctx ctx(y);
+  Ctx ctx(y, op, "y");
   Tensor dx = at::empty_like(y, at::MemoryFormat::Contiguous);
   guarded([&] {
     ts::softmax_backward(view(dy, op, "dy"), view(y, op, "y"), view(dx, op, "dx"), ctx.stream);

@@ -358,6 +358,14 @@ def test_errors_name_op_and_argument():
         ts.fp8_quantize(x, torch.float16)
     with pytest.raises(ValueError, match=r"fp8_quantize.*argument 'x'"):
         ts.fp8_quantize(torch.randn(2, 3, 4))
+    # Dtypes no op takes: named after the argument given (not an output allocated like it), with
+    # torch's name for the dtype (uint8 is not taken for a one-byte float).
+    for dtype in (torch.bool, torch.uint8, torch.int16):
+        name = str(dtype).removeprefix("torch.")
+        with pytest.raises(ValueError, match=rf"rmsnorm_forward: argument 'x': expected a dtype in .*, got {name}$"):
+            ts.rms_norm(x.to(dtype))
+    with pytest.raises(ValueError, match=r"embedding_forward: argument 'ids': .*got int16$"):
+        ts.embedding(torch.tensor([1, 2], dtype=torch.int16), x)
 
 
 # ---- GPU (skipped without a device) ----------------------------------------------------------
