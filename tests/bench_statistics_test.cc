@@ -188,6 +188,35 @@ class ClockDipEvery : public ClockMonitor {
   int calls_ = 0;
 };
 
+// start() comes once per row, after the warm-up and before the first timed sample (what a
+// monitor compares its cumulative counters against).
+class CountingMonitor : public ClockMonitor {
+ public:
+  explicit CountingMonitor(const FakeSource& source) : source_(source) {}
+  void start() override {
+    ++starts_;
+    samples_at_start_ = source_.count_;
+  }
+  std::optional<ClockObservation> observe() override {
+    EXPECT_EQ(starts_, 1) << "observe() before start()";
+    return ClockObservation{};
+  }
+  int starts_ = 0;
+  std::size_t samples_at_start_ = 0;
+
+ private:
+  const FakeSource& source_;
+};
+
+TEST(BenchTiming, MonitorStartsAfterTheWarmup) {
+  FakeSource source({1.0});
+  CountingMonitor monitor(source);
+  const SampleSet s = collect_samples(source, quick_options(), &monitor);
+  EXPECT_EQ(monitor.starts_, 1);
+  EXPECT_EQ(monitor.samples_at_start_, 2u);  // the two warm-up samples
+  EXPECT_EQ(s.ms.size(), 10u);
+}
+
 TEST(BenchTiming, ClockDropsCountAsThrottled) {
   FakeSource source({1.0});
   ClockDipEvery monitor(4);

@@ -11,6 +11,11 @@ using nvmlDevice_t = void*;
 constexpr nvmlReturn_t kNvmlSuccess = 0;
 constexpr int kClockSm = 1, kClockMem = 2;
 constexpr int kTemperatureGpu = 0;
+constexpr int kPerfPolicyPower = 0, kPerfPolicyThermal = 1;
+struct nvmlViolationTime_t {
+  unsigned long long reference_time;  // CPU timestamp, microseconds
+  unsigned long long violation_time;  // nanoseconds
+};
 
 constexpr unsigned long long kSwPowerCap = 0x4, kHwSlowdown = 0x8, kSwThermal = 0x20, kHwThermal = 0x40,
                              kHwPowerBrake = 0x80;
@@ -25,6 +30,7 @@ struct Nvml::Api {
   nvmlReturn_t (*clock_info)(nvmlDevice_t, int, unsigned*) = nullptr;
   nvmlReturn_t (*max_clock_info)(nvmlDevice_t, int, unsigned*) = nullptr;
   nvmlReturn_t (*clock_event_reasons)(nvmlDevice_t, unsigned long long*) = nullptr;
+  nvmlReturn_t (*violation_status)(nvmlDevice_t, int, nvmlViolationTime_t*) = nullptr;
   nvmlReturn_t (*temperature)(nvmlDevice_t, int, unsigned*) = nullptr;
   nvmlReturn_t (*power_usage)(nvmlDevice_t, unsigned*) = nullptr;
   nvmlReturn_t (*driver_version)(char*, unsigned) = nullptr;
@@ -49,6 +55,7 @@ Nvml* Nvml::get() {
     // Renamed in recent drivers; the old name remains as an alias on older ones.
     api->load(api->clock_event_reasons, "nvmlDeviceGetCurrentClocksEventReasons");
     if (!api->clock_event_reasons) api->load(api->clock_event_reasons, "nvmlDeviceGetCurrentClocksThrottleReasons");
+    api->load(api->violation_status, "nvmlDeviceGetViolationStatus");
     api->load(api->temperature, "nvmlDeviceGetTemperature");
     api->load(api->power_usage, "nvmlDeviceGetPowerUsage");
     api->load(api->driver_version, "nvmlSystemGetDriverVersion");
@@ -96,6 +103,21 @@ std::optional<unsigned long long> Nvml::clock_event_reasons(Device d) const {
   return reasons;
 }
 
+namespace {
+std::optional<unsigned long long> violation_ns(const Nvml::Api& api, nvmlDevice_t d, int policy) {
+  nvmlViolationTime_t v{};
+  if (!api.violation_status || api.violation_status(d, policy, &v) != kNvmlSuccess) return std::nullopt;
+  return v.violation_time;
+}
+}  // namespace
+
+std::optional<unsigned long long> Nvml::power_violation_ns(Device d) const {
+  return violation_ns(*api_, d, kPerfPolicyPower);
+}
+std::optional<unsigned long long> Nvml::thermal_violation_ns(Device d) const {
+  return violation_ns(*api_, d, kPerfPolicyThermal);
+}
+
 std::optional<double> Nvml::temperature_c(Device d) const {
   const auto t = query_unsigned(api_->temperature, d, kTemperatureGpu);
   return t ? std::optional<double>(*t) : std::nullopt;
@@ -140,18 +162,35 @@ namespace {
 class NvmlClockMonitor : public ClockMonitor {
  public:
   NvmlClockMonitor(Nvml& nvml, Nvml::Device device) : nvml_(nvml), device_(device) {}
+  void start() override {
+    power_ns_ = nvml_.power_violation_ns(device_);
+    thermal_ns_ = nvml_.thermal_violation_ns(device_);
+  }
   std::optional<ClockObservation> observe() override {
     ClockObservation o;
     o.sm_mhz = nvml_.sm_clock_mhz(device_).value_or(0);
     const unsigned long long reasons = nvml_.clock_event_reasons(device_).value_or(0);
     o.throttled = is_throttling(reasons);
     o.reasons = throttle_reason_names(reasons);
+    note_violation(o, power_ns_, nvml_.power_violation_ns(device_), "power-violation");
+    note_violation(o, thermal_ns_, nvml_.thermal_violation_ns(device_), "thermal-violation");
     return o;
   }
 
  private:
+  // A violation time that rose since the last read marks the sample throttled.
+  static void note_violation(ClockObservation& o, std::optional<unsigned long long>& last,
+                             std::optional<unsigned long long> now, const char* name) {
+    if (last && now && *now > *last) {
+      o.throttled = true;
+      o.reasons += o.reasons.empty() ? name : std::string(",") + name;
+    }
+    last = now;
+  }
+
   Nvml& nvml_;
   Nvml::Device device_;
+  std::optional<unsigned long long> power_ns_, thermal_ns_;
 };
 
 }  // namespace

@@ -24,6 +24,11 @@ class Nvml {
   std::optional<unsigned> max_sm_clock_mhz(Device d) const;
   std::optional<unsigned> mem_clock_mhz(Device d) const;
   std::optional<unsigned long long> clock_event_reasons(Device d) const;
+  // Nanoseconds the device has spent held under its power (or thermal) limit, cumulative
+  // (nvmlDeviceGetViolationStatus): a rise between two reads means a slowdown happened between
+  // them, even one over by the time the clock event reasons are read.
+  std::optional<unsigned long long> power_violation_ns(Device d) const;
+  std::optional<unsigned long long> thermal_violation_ns(Device d) const;
   std::optional<double> temperature_c(Device d) const;
   std::optional<double> power_w(Device d) const;
   std::optional<std::string> name(Device d) const;
@@ -41,7 +46,8 @@ class Nvml {
 bool is_throttling(unsigned long long reasons);
 std::string throttle_reason_names(unsigned long long reasons);  // "sw-power-cap,hw-thermal"
 
-// Clock monitor backed by NVML (SM clock and throttle reasons after each sample).
+// Clock monitor backed by NVML: after each sample the SM clock, the throttle reasons, and whether
+// the power or thermal violation time rose since the previous sample (or the row's start).
 std::unique_ptr<ClockMonitor> make_nvml_clock_monitor(Nvml& nvml, Nvml::Device device);
 
 }  // namespace trainscale::bench

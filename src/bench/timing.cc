@@ -35,6 +35,7 @@ SampleSet collect_samples(SampleSource& source, const TimingOptions& options, Cl
     source.sample_ms();
   }
 
+  if (monitor) monitor->start();
   const auto start = Clock::now();
   while (true) {
     const double ms = source.sample_ms();

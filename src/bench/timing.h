@@ -43,6 +43,8 @@ struct ClockObservation {
 class ClockMonitor {
  public:
   virtual ~ClockMonitor() = default;
+  // Before a row's first timed sample (after its warm-up): what observe() compares against.
+  virtual void start() {}
   virtual std::optional<ClockObservation> observe() = 0;
   // The highest SM clock seen so far (over every row): a sample whose clock fell more than 3 %
   // under it counts as throttled ("clock-drop"), since the power cap lowers the clock of
