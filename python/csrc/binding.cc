@@ -48,11 +48,10 @@ ts::TensorView view(const Tensor& t, const char* op, const char* arg) {
 }
 
 ts::TensorView workspace_view(const Tensor& t, const char* op, const char* arg) {
-  if (t.scalar_type() != at::kByte) {
-    arg_error(op, arg, std::string("expected a uint8 workspace, got ") + std::string(c10::getDtypeNames(t.scalar_type()).first));
-  }
-  // A one-byte dtype: the ops check a workspace's bytes, not its element type.
-  return view_as(t, ts::DType::kFloat8E4M3, op, arg);
+  // The ops check a workspace's bytes and alignment, not its element type: uint8 is viewed as a
+  // one-byte dtype.
+  const ts::DType dtype = t.scalar_type() == at::kByte ? ts::DType::kFloat8E4M3 : to_dtype(t.scalar_type(), op, arg);
+  return view_as(t, dtype, op, arg);
 }
 
 ts::TensorView view(const OptTensor& t, const char* op, const char* arg) {

@@ -34,7 +34,8 @@ ts::DType to_dtype(at::ScalarType t, const char* op, const char* arg);
 ts::TensorView view(const Tensor& t, const char* op, const char* arg);
 // An absent (or undefined) optional tensor is an absent view.
 ts::TensorView view(const OptTensor& t, const char* op, const char* arg);
-// A uint8 scratch tensor (allocated by the binding or passed by the caller).
+// A scratch tensor (allocated by the binding or passed by the caller): uint8 or any dtype view()
+// takes.
 ts::TensorView workspace_view(const Tensor& t, const char* op, const char* arg);
 
 // Device guard + stream for the call; CPU: nothing.

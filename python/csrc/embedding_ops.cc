@@ -46,8 +46,9 @@ Tensor embedding_backward(const Tensor& grad_output, const Tensor& ids, std::int
       const std::size_t bytes = ts::embedding_backward_workspace_bytes(flat.size(0));
       ws = at::empty({static_cast<std::int64_t>((bytes + 15) / 16 * 2)}, grad_output.options().dtype(at::kLong));
     }
+    const ts::TensorView workspace = ws.defined() ? workspace_view(ws, op, "workspace") : ts::TensorView{};
     ts::embedding_backward(view(rows, op, "grad_output"), view(flat, op, "ids"), view(grad_weight, op, "grad_weight"),
-                           padding_idx, ws.defined() ? workspace_view(ws, op, "workspace") : ts::TensorView{}, ctx.stream);
+                           padding_idx, workspace, ctx.stream);
   });
   return grad_weight;
 }

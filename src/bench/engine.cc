@@ -100,7 +100,8 @@ void raise_ceilings_to_rows(RunResult& result) {
   if (!raised) return;
   for (Row& row : result.rows) {
     if (row.bound != Bound::kMemory || !row.pct_roofline || row.bytes <= 0) continue;
-    row.pct_roofline = percent_of_roofline(result.roofline, row.bound, row.gbps, row.tflops, row.bytes_read / row.bytes);
+    row.pct_roofline =
+        percent_of_roofline(result.roofline, row.bound, row.gbps, row.tflops, row.bytes_read / row.bytes);
   }
 }
 
