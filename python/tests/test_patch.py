@@ -184,3 +184,31 @@ def test_patched_model_families_match(monkeypatch, family, training):
     for name in grads:
         scale = ref_grads[name].abs().max().item()
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=1e-5 * scale, msg=name)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_patched_llama_under_activation_checkpointing(monkeypatch, use_reentrant):
+    # Recomputing a layer in the backward runs the grouped q/k/v projections and every patched op
+    # again: the gradients are those of the plain model without checkpointing.
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", modeling_llama.apply_rotary_pos_emb)
+    monkeypatch.setattr(ts.config, "use_fused_linear_cross_entropy", True)
+    torch.manual_seed(0)
+    model = tiny_llama().train()
+    original = copy.deepcopy(model)
+    ids = torch.randint(0, 97, (2, 12))
+    ref_loss, ref_grads = loss_and_grads(original, ids)
+    ts.patch(model, verbose=False)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    if use_reentrant:
+        model.enable_input_require_grads()  # reentrant checkpointing needs an input that requires grad
+    assert model.is_gradient_checkpointing
+    calls = []
+    grouped = ts.linear._SharedInputLinear.apply
+    monkeypatch.setattr(ts.linear._SharedInputLinear, "apply", lambda *a: calls.append(1) or grouped(*a))
+    loss, grads = loss_and_grads(model, ids)
+    assert len(calls) == 2 * 2  # each layer's q/k/v: forward, then recomputed in the backward
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0, check_dtype=False)
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        scale = ref_grads[name].abs().max().item()
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=1e-5 * scale, msg=name)
