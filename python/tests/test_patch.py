@@ -212,3 +212,28 @@ def test_patched_llama_under_activation_checkpointing(monkeypatch, use_reentrant
     for name in grads:
         scale = ref_grads[name].abs().max().item()
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=1e-5 * scale, msg=name)
+
+
+def test_patched_llama_under_torch_compile(monkeypatch):
+    # The patched model traced by Dynamo (aot_eager: the same graphs without Inductor's codegen),
+    # the fused loss included: same loss and gradients as the plain eager model.
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", modeling_llama.apply_rotary_pos_emb)
+    monkeypatch.setattr(ts.config, "use_fused_linear_cross_entropy", True)
+    torch.manual_seed(0)
+    model = tiny_llama().float().train()
+    original = copy.deepcopy(model)
+    ids = torch.randint(0, 97, (2, 12))
+    ref_loss, ref_grads = loss_and_grads(original, ids)
+    ts.patch(model, verbose=False)
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    compiled = torch.compile(model, backend="aot_eager")
+    loss, grads = loss_and_grads(compiled, ids)
+    assert counters["stats"]["unique_graphs"] >= 1  # traced, not run eagerly
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    grads = {name.removeprefix("_orig_mod."): g for name, g in grads.items()}
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        scale = ref_grads[name].abs().max().item()
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-5 * scale, msg=name)
