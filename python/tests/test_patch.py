@@ -27,6 +27,16 @@ def loss_and_grads(model, ids, position_ids=None, labels=None, **kwargs):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def assert_same(loss, grads, ref_loss, ref_grads, loss_rtol=1e-6, grad_rtol=1e-5):
+    """The loss to loss_rtol; every parameter's gradient to grad_rtol, absolutely to 1e-5 of its
+    largest reference entry."""
+    torch.testing.assert_close(loss, ref_loss, rtol=loss_rtol, atol=0, check_dtype=False)
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        scale = ref_grads[name].abs().max().item()
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=grad_rtol, atol=1e-5 * scale, msg=name)
+
+
 @pytest.mark.parametrize("per_batch_positions", [False, True])
 def test_patched_llama_matches(monkeypatch, capsys, per_batch_positions):
     # patch() replaces the modeling module's apply_rotary_pos_emb; restore it after the test.
@@ -58,11 +68,7 @@ def test_patched_llama_matches(monkeypatch, capsys, per_batch_positions):
     # LlamaRMSNorm computes in float32 even for float64 inputs, and transformers' loss casts the
     # logits to float32 (ours stays in float64), so the two agree to float32 rounding, not
     # float64's.
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0, check_dtype=False)
-    assert grads.keys() == ref_grads.keys()
-    for name in grads:
-        scale = ref_grads[name].abs().max().item()
-        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=1e-5 * scale, msg=name)
+    assert_same(loss, grads, ref_loss, ref_grads)
 
 
 def test_patch_fp32_and_idempotent(monkeypatch):
@@ -100,10 +106,7 @@ def test_training_loss_without_logits(monkeypatch, dtype):
     for kwargs in ({"num_items_in_batch": torch.tensor(9)}, {}):
         ref_loss, ref_grads = loss_and_grads(original, ids, labels=labels, **kwargs)
         loss, grads = loss_and_grads(model, ids, labels=labels, **kwargs)
-        torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=0, check_dtype=False)
-        for name in grads:
-            scale = ref_grads[name].abs().max().item()
-            torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=1e-5 * scale, msg=name)
+        assert_same(loss, grads, ref_loss, ref_grads, loss_rtol=rtol)
 
     assert model(input_ids=ids, labels=labels).logits is None
     as_tuple = model(input_ids=ids, labels=labels, return_dict=False)
@@ -179,11 +182,7 @@ def test_patched_model_families_match(monkeypatch, family, training):
     assert report["qkv_projections"] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
     assert model.config._attn_implementation == "trainscale"
     loss, grads = loss_and_grads(model, ids)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0, check_dtype=False)
-    assert grads.keys() == ref_grads.keys()
-    for name in grads:
-        scale = ref_grads[name].abs().max().item()
-        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=1e-5 * scale, msg=name)
+    assert_same(loss, grads, ref_loss, ref_grads)
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])
@@ -207,11 +206,7 @@ def test_patched_llama_under_activation_checkpointing(monkeypatch, use_reentrant
     monkeypatch.setattr(ts.linear._SharedInputLinear, "apply", lambda *a: calls.append(1) or grouped(*a))
     loss, grads = loss_and_grads(model, ids)
     assert len(calls) == 2 * 2  # each layer's q/k/v: forward, then recomputed in the backward
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0, check_dtype=False)
-    assert grads.keys() == ref_grads.keys()
-    for name in grads:
-        scale = ref_grads[name].abs().max().item()
-        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=1e-5 * scale, msg=name)
+    assert_same(loss, grads, ref_loss, ref_grads)
 
 
 def test_patched_llama_under_torch_compile(monkeypatch):
@@ -231,9 +226,5 @@ def test_patched_llama_under_torch_compile(monkeypatch):
     compiled = torch.compile(model, backend="aot_eager")
     loss, grads = loss_and_grads(compiled, ids)
     assert counters["stats"]["unique_graphs"] >= 1  # traced, not run eagerly
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
     grads = {name.removeprefix("_orig_mod."): g for name, g in grads.items()}
-    assert grads.keys() == ref_grads.keys()
-    for name in grads:
-        scale = ref_grads[name].abs().max().item()
-        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-5 * scale, msg=name)
+    assert_same(loss, grads, ref_loss, ref_grads, loss_rtol=1e-5, grad_rtol=1e-4)
