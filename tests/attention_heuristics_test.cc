@@ -101,11 +101,20 @@ TEST(AttentionHeuristics, TileOrderVisitsEveryTileOnce) {
   }
 }
 
-// Only the dynamic schedule asked for claims tiles from a counter; kAuto keeps the static order.
-TEST(AttentionHeuristics, ForwardScheduleIsStaticUnlessAsked) {
-  EXPECT_FALSE(forward_dynamic_schedule(AttentionSchedule::kAuto));
-  EXPECT_FALSE(forward_dynamic_schedule(AttentionSchedule::kStatic));
-  EXPECT_TRUE(forward_dynamic_schedule(AttentionSchedule::kDynamic));
+// kStatic and kDynamic are obeyed; kAuto claims from the counter only for masked tiles heavy
+// enough to repay it.
+TEST(AttentionHeuristics, ForwardScheduleFollowsTheAskOrTheShape) {
+  for (bool masked : {false, true}) {
+    for (int d : {64, 128, 256}) {
+      EXPECT_FALSE(forward_dynamic_schedule(AttentionSchedule::kStatic, masked, d, 16384));
+      EXPECT_TRUE(forward_dynamic_schedule(AttentionSchedule::kDynamic, masked, d, 128));
+      EXPECT_FALSE(forward_dynamic_schedule(AttentionSchedule::kAuto, false, d, 16384));
+    }
+  }
+  EXPECT_TRUE(forward_dynamic_schedule(AttentionSchedule::kAuto, true, 128, 512));
+  EXPECT_TRUE(forward_dynamic_schedule(AttentionSchedule::kAuto, true, 256, 4096));
+  EXPECT_FALSE(forward_dynamic_schedule(AttentionSchedule::kAuto, true, 64, 4096));
+  EXPECT_TRUE(forward_dynamic_schedule(AttentionSchedule::kAuto, true, 64, 8192));
 }
 
 TEST(AttentionHeuristics, SectionsHoldWhatFitsInL2) {

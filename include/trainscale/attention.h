@@ -14,7 +14,8 @@ namespace trainscale {
 // queries of one head). kStatic: CTA c takes tiles c, c + grid, c + 2 grid, ... kDynamic: after
 // its first tile each CTA claims the next free one (a counter in device memory), so a CTA whose
 // tiles cost less, as a causal mask's short query blocks do, takes more of them. kAuto: the
-// library's choice for the shape (static).
+// library's choice for the shape (dynamic for masked attention at head dim 128 and 256, and at
+// head dim 64 from 8192 queries; static otherwise).
 enum class AttentionSchedule { kAuto, kStatic, kDynamic };
 
 struct AttentionOptions {

@@ -114,7 +114,7 @@ void launch_forward(const TensorView& q, const TensorView& k, const TensorView& 
   p.scheduler.order = forward_tile_order(q_len, batch, q_heads, kv_heads, kv_bytes_per_head,
                                          static_cast<int64_t>(info.l2_bytes), plan);
   const int64_t grid = forward_grid(p.scheduler.order.tiles(), info.sm_count);
-  if (forward_dynamic_schedule(options.schedule)) {
+  if (forward_dynamic_schedule(options.schedule, plan.masked, kHeadDim, q_len)) {
     auto* counter = static_cast<unsigned long long*>(
         detail::stream_scratch(sizeof(unsigned long long), stream, kForwardOp, kForwardOp));
     detail::check_cuda(cudaMemsetAsync(counter, 0, sizeof *counter, stream), kForwardOp,
