@@ -334,20 +334,22 @@ TEST_P(AttentionCuda, ManyHeadsShortSequences) {
          .head_dim = p.head_dim, .causal = p.causal});
 }
 
-// Tiles claimed from a counter: about twice as many tiles as an H100's 132 CTAs, of unequal cost
-// (causal, a window), twice in a row (the counter starts from zero at every call: a tile skipped
-// leaves its output poisoned).
-TEST_P(AttentionCuda, DynamicSchedule) {
+// Both schedules whatever kAuto picks: about twice as many tiles as an H100's 132 CTAs, of
+// unequal cost (causal, a window), twice in a row (the dynamic counter starts from zero at every
+// call: a tile skipped leaves its output poisoned).
+TEST_P(AttentionCuda, ExplicitSchedules) {
   TS_REQUIRE_GPU();
   const Variant p = GetParam();
-  Config c{.dtype = p.dtype, .batch = 1, .q_len = p.head_dim == 64 ? 400 : 260, .q_heads = 64, .kv_heads = 8,
-           .head_dim = p.head_dim, .causal = p.causal, .schedule = AttentionSchedule::kDynamic};
-  c.kv_len = c.q_len;
-  check(c);
-  check(c);
-  c.window_left = 70;
-  c.window_right = p.causal ? 0 : 40;
-  check(c);
+  for (AttentionSchedule schedule : {AttentionSchedule::kStatic, AttentionSchedule::kDynamic}) {
+    Config c{.dtype = p.dtype, .batch = 1, .q_len = p.head_dim == 64 ? 400 : 260, .q_heads = 64,
+             .kv_heads = 8, .head_dim = p.head_dim, .causal = p.causal, .schedule = schedule};
+    c.kv_len = c.q_len;
+    check(c);
+    check(c);
+    c.window_left = 70;
+    c.window_right = p.causal ? 0 : 40;
+    check(c);
+  }
 }
 
 // A NaN in q reaches only its query's output and lse; in k or v (non-causal: every query sees
