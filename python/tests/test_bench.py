@@ -73,6 +73,17 @@ def test_torch_compile_row(tmp_path):
     assert rc == 0 and row["status"] == "ok" and row["impl"] == "torch-compile"
 
 
+def test_torch_compile_baseline_compiles_every_shape(monkeypatch):
+    from torch._dynamo.testing import CompileCounter
+    counter, real = CompileCounter(), torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend=counter, **kw))
+    make = bench._torch_baseline(compiled=True)
+    for n in range(1, 13):  # more shapes than dynamo's recompile limit
+        run = make("gelu_forward", (n, 8), "float32")({"x": torch.randn(n, 8)})
+        run()
+    assert counter.frame_count == 12
+
+
 def test_plot(tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "p.png"

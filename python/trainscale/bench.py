@@ -155,6 +155,10 @@ def _torch_baseline(compiled):
             fn = torch.compile(fn, dynamic=False)
 
         def setup(t):
+            if compiled:
+                # One compilation per case: past dynamo's recompile limit (8 shapes of one
+                # function) torch.compile would silently run the rest eagerly.
+                torch._dynamo.reset()
             state = _prep(op, t, shape)
             fn(t, state)  # compiles (torch.compile) and warms up, untimed
             return lambda: fn(t, state)
