@@ -193,6 +193,29 @@ TEST(CrossEntropyCuda, EveryOption) {
         }
 }
 
+// The loss alone on enough long rows streams them (cross_entropy_streams_loss): every dtype,
+// misaligned and padded rows, a row length past one batch of the block with a tail, every option
+// and reduction, NaN / Inf logits.
+TEST(CrossEntropyCuda, LossAloneStreamed) {
+  TS_REQUIRE_GPU();
+  for (DType dt : kDtypes)
+    for (const Layout& l : {Layout{260, 8192, 0, false}, Layout{257, 8193, 3, true}, Layout{256, 40000, 8, false}})
+      for (Reduction r : kReductions) {
+        Case c{dt, l, r == Reduction::kSum ? DType::kInt32 : DType::kInt64};
+        c.o.reduction = r;
+        c.grad = false;
+        check_forward(c);
+        check_forward(c, /*specials=*/true);
+        c.o.ignore_index = 7;
+        c.o.label_smoothing = 0.1;
+        c.o.z_loss = 1e-3;
+        c.o.softcap = 5;
+        c.lo = -60;
+        c.hi = 60;
+        check_forward(c);
+      }
+}
+
 TEST(CrossEntropyCuda, GradientInPlace) {
   TS_REQUIRE_GPU();
   for (DType dt : kDtypes)

@@ -823,5 +823,15 @@ TEST(FusedLinearCrossEntropy, InputErrors) {
                   op, "CUDA");
 }
 
+// The loss alone streams long rows when there are enough of them; a gradient keeps the row held.
+TEST(CrossEntropyHeuristics, LossAloneStreamsLongRows) {
+  using ops::loss::cross_entropy_streams_loss;
+  EXPECT_TRUE(cross_entropy_streams_loss(8192, 128256 / 8, false));
+  EXPECT_TRUE(cross_entropy_streams_loss(256, 1024, false));
+  EXPECT_FALSE(cross_entropy_streams_loss(8192, 128256 / 8, true));
+  EXPECT_FALSE(cross_entropy_streams_loss(255, 1024, false));
+  EXPECT_FALSE(cross_entropy_streams_loss(32768, 1023, false));
+}
+
 }  // namespace
 }  // namespace trainscale

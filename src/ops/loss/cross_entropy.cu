@@ -242,6 +242,86 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
   });
 }
 
+// The loss alone (cross_entropy_streams_loss): a block per row streams it in batches of
+// kLossBatch 16-byte slots per thread (that many loads in flight), folding each batch into the
+// thread's online statistics (max, sum of exp, sum of logits) after its maximum is known; the
+// target's logit is one load by the reporting thread. Nothing is held across the row, so a
+// block needs few registers and an SM keeps many rows in flight.
+constexpr int kLossThreads = 256;
+constexpr int kLossBatch = 4;
+
+template <class T, bool kSoftcap>
+__global__ void __launch_bounds__(kLossThreads, kSoftcap ? 3 : 4) cross_entropy_loss_kernel(ForwardArgs a) {
+  constexpr int V = detail::kVec16<T>;
+  __shared__ float scratch[kLossThreads / 32 * 3];
+  const Options& o = a.o;
+  const int n = a.cols;
+  const T* logits = static_cast<const T*>(a.logits);
+  for (std::int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    const T* x_row = logits + row * a.logits_stride;
+    const int shift = detail::row_shift(x_row);
+    const bool reporter = threadIdx.x == 0;
+    int t_col = kIgnoredRow;
+    float target_logit = 0.f;
+    if (reporter) {
+      t_col = target_column(a.targets[row], o.ignore_index, n);
+      if (t_col >= 0) target_logit = softcapped<kSoftcap>(detail::to_float(x_row[t_col]), o);
+    }
+    float stats[3] = {-kInf, 0.f, 0.f};  // max, sum of exp(x - max), sum of x
+    for (int first = 0; first < a.slots; first += kLossThreads * kLossBatch) {
+      // Slot first + i * kLossThreads + thread starts at column c of the row.
+      const auto column = [&](int i) { return (first + i * kLossThreads + static_cast<int>(threadIdx.x)) * V - shift; };
+      detail::Vec<T, V> held[kLossBatch];
+      bool whole[kLossBatch];
+#pragma unroll
+      for (int i = 0; i < kLossBatch; ++i) {
+        const int c = column(i);
+        whole[i] = c >= 0 && c + V <= n;
+        held[i] = detail::load_slot<T, V>(x_row, c, n, whole[i], detail::from_float<T>(-kInf));
+      }
+      float x[kLossBatch][V];
+      float m = stats[0];
+#pragma unroll
+      for (int i = 0; i < kLossBatch; ++i) {
+        const int c = column(i);
+        detail::to_floats(held[i], x[i]);
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          // Outside the row: -inf (the padding; with the softcap, tested for, as it maps -inf
+          // to -c), adding nothing to either sum.
+          if constexpr (kSoftcap) x[i][j] = whole[i] || detail::in_row(c + j, n) ? softcapped<true>(x[i][j], o) : -kInf;
+          m = fmaxf(m, x[i][j]);
+        }
+      }
+      const float pivot = m == -kInf ? 0.f : m;
+      stats[1] *= detail::online_rescale(stats[0], m);
+      stats[0] = m;
+#pragma unroll
+      for (int i = 0; i < kLossBatch; ++i) {
+        const int c = column(i);
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          stats[1] += detail::exp_minus(x[i][j], pivot);
+          if (whole[i] || detail::in_row(c + j, n)) stats[2] += x[i][j];
+        }
+      }
+    }
+    detail::row_reduce<kLossThreads, detail::OnlineSoftmaxOp>(stats, scratch);
+    if (!reporter) continue;
+    // As the register path: NaN without a finite maximum, or with a NaN logit (via the sum).
+    const float lse = stats[0] == -kInf ? kNaN : stats[0] + logf(stats[1]);
+    float loss = 0.f;
+    if (t_col != kIgnoredRow) {
+      loss = o.z_loss * lse * lse;
+      if (o.smoothing < 1.f) loss += (1.f - o.smoothing) * (lse - target_logit);
+      if (o.smoothing > 0.f) loss += o.smoothing * (lse - stats[2] / static_cast<float>(n));
+      if (t_col == kBadTarget) loss = kNaN;
+    }
+    a.loss[row * a.loss_stride] = loss;
+    if (a.lse) a.lse[row * a.lse_stride] = lse;
+  }
+}
+
 // Backward from the saved lse: elementwise within a row. A block takes kBackwardChunk slots of
 // one row (the row's target, lse and scale read once per block).
 constexpr int kBackwardThreads = 256;
@@ -415,6 +495,18 @@ void cross_entropy_forward_cuda(const TensorView& logits, const TensorView& targ
   }
   detail::dispatch_activation_dtype(logits.dtype, op, [&](auto tag) {
     using T = typename decltype(tag)::type;
+    const std::int64_t slots = detail::row_slots(
+        r.cols, detail::kVec16<T>, detail::rows_max_shift(logits.data, r.row_stride, sizeof(T)));
+    if (cross_entropy_streams_loss(r.rows, slots, a.grad != nullptr)) {
+      if (slots > std::int64_t{std::numeric_limits<int>::max()} - kLossThreads * kLossBatch)
+        detail::throw_op_error(op, "rows of " + std::to_string(r.cols) + " logits are too long");
+      a.slots = static_cast<int>(slots);
+      const auto kernel = options.softcap > 0 ? cross_entropy_loss_kernel<T, true>
+                                              : cross_entropy_loss_kernel<T, false>;
+      kernel<<<static_cast<unsigned>(detail::grid_for_tiles(r.rows, 1)), kLossThreads, 0, stream>>>(a);
+      detail::check_launch(op);
+      return;
+    }
     // The softmax's split, from one thread per row: with a warp per row at least, a short row
     // filled one 16-byte slot of the four each thread holds, four times the instructions per
     // logit.

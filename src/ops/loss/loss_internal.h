@@ -19,6 +19,18 @@ void cross_entropy_backward_cpu(const TensorView& grad_loss, const TensorView& l
                                 const TensorView& targets, const TensorView& lse,
                                 TensorView grad_logits, const CrossEntropyOptions& options);
 
+// Whether the forward computes loss and lse without holding rows (cross_entropy_loss_kernel: a
+// block per row streams it once, keeping the online statistics only). Taken for the loss alone
+// (no gradient, which needs the row held) on rows of 1024 16-byte slots and more (bf16 / fp16 N
+// >= 8192, fp32 4096) when there are enough rows to fill the GPU with blocks (256): held in
+// registers, such rows leave an SM one or two rows whose reductions wait on their loads. Fewer
+// and longer rows keep the register path, whose clusters spread a row over several SMs.
+inline constexpr std::int64_t kStreamedLossMinSlots = 1024;
+inline constexpr std::int64_t kStreamedLossMinRows = 256;
+constexpr bool cross_entropy_streams_loss(std::int64_t rows, std::int64_t slots, bool grad) {
+  return !grad && slots >= kStreamedLossMinSlots && rows >= kStreamedLossMinRows;
+}
+
 // Rows of logits the fused linear cross-entropy reference holds (in double) at once. The
 // results do not depend on it; tests pass other values to show that.
 inline constexpr std::int64_t kFusedLinearChunkRows = 32;
