@@ -243,49 +243,20 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
 }
 
 // The loss alone (cross_entropy_streams_loss): a block per row streams it in batches of
-// kLossBatch 16-byte slots per thread, folding each batch into the thread's online statistics
-// (max, sum of exp, sum of logits) once its maximum is known; the target's logit is one load by
-// the reporting thread. The next batch (the next row's first one after a row's last) is loaded
-// before the current one is folded, so loads stay in flight across the folds and the row's
-// reduction. Nothing else is held: a block needs few registers and an SM keeps many rows going.
+// kLossBatch 16-byte slots per thread (that many loads in flight), folding each batch into the
+// thread's online statistics (max, sum of exp, sum of logits) after its maximum is known; the
+// target's logit is one load by the reporting thread. Nothing is held across the row, so a
+// block needs few registers and an SM keeps many rows in flight.
 constexpr int kLossThreads = 256;
 constexpr int kLossBatch = 4;
 
 template <class T, bool kSoftcap>
-__global__ void __launch_bounds__(kLossThreads, kSoftcap ? 2 : 3) cross_entropy_loss_kernel(ForwardArgs a) {
+__global__ void __launch_bounds__(kLossThreads, kSoftcap ? 3 : 4) cross_entropy_loss_kernel(ForwardArgs a) {
   constexpr int V = detail::kVec16<T>;
-  constexpr int kStep = kLossThreads * kLossBatch;  // slots per batch of the block
-  using Batch = detail::Vec<T, V>[kLossBatch];
   __shared__ float scratch[kLossThreads / 32 * 3];
   const Options& o = a.o;
   const int n = a.cols;
   const T* logits = static_cast<const T*>(a.logits);
-  // Slot first + i * kLossThreads + thread of a row starts at its column c (shift: row_shift).
-  const auto column = [&](int first, int i, int shift) {
-    return (first + i * kLossThreads + static_cast<int>(threadIdx.x)) * V - shift;
-  };
-  // Padding loads as -inf: no effect on the maximum, exp 0 in the sum.
-  const auto load = [&](std::int64_t row, int first, Batch& out) {
-    const T* x_row = logits + row * a.logits_stride;
-    const int shift = detail::row_shift(x_row);
-#pragma unroll
-    for (int i = 0; i < kLossBatch; ++i) {
-      const int c = column(first, i, shift);
-      out[i] = detail::load_slot<T, V>(x_row, c, n, c >= 0 && c + V <= n, detail::from_float<T>(-kInf));
-    }
-  };
-  // The (softcapped) logits of one slot; with the softcap, which maps -inf to -c, the padding
-  // is tested for and set to -inf.
-  const auto values = [&](const detail::Vec<T, V>& h, int c, float (&v)[V]) {
-    detail::to_floats(h, v);
-    if constexpr (kSoftcap) {
-      const bool whole = c >= 0 && c + V <= n;
-#pragma unroll
-      for (int j = 0; j < V; ++j) v[j] = whole || detail::in_row(c + j, n) ? softcapped<true>(v[j], o) : -kInf;
-    }
-  };
-  Batch next;
-  if (blockIdx.x < a.rows) load(blockIdx.x, 0, next);
   for (std::int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
     const T* x_row = logits + row * a.logits_stride;
     const int shift = detail::row_shift(x_row);
@@ -297,36 +268,41 @@ __global__ void __launch_bounds__(kLossThreads, kSoftcap ? 2 : 3) cross_entropy_
       if (t_col >= 0) target_logit = softcapped<kSoftcap>(detail::to_float(x_row[t_col]), o);
     }
     float stats[3] = {-kInf, 0.f, 0.f};  // max, sum of exp(x - max), sum of x
-    for (int first = 0; first < a.slots; first += kStep) {
-      Batch held;
+    for (int first = 0; first < a.slots; first += kLossThreads * kLossBatch) {
+      // Slot first + i * kLossThreads + thread starts at column c of the row.
+      const auto column = [&](int i) { return (first + i * kLossThreads + static_cast<int>(threadIdx.x)) * V - shift; };
+      detail::Vec<T, V> held[kLossBatch];
+      bool whole[kLossBatch];
 #pragma unroll
-      for (int i = 0; i < kLossBatch; ++i) held[i] = next[i];
-      if (first + kStep < a.slots) {
-        load(row, first + kStep, next);
-      } else if (row + gridDim.x < a.rows) {
-        load(row + gridDim.x, 0, next);
+      for (int i = 0; i < kLossBatch; ++i) {
+        const int c = column(i);
+        whole[i] = c >= 0 && c + V <= n;
+        held[i] = detail::load_slot<T, V>(x_row, c, n, whole[i], detail::from_float<T>(-kInf));
       }
+      float x[kLossBatch][V];
       float m = stats[0];
 #pragma unroll
       for (int i = 0; i < kLossBatch; ++i) {
-        float v[V];
-        values(held[i], column(first, i, shift), v);
+        const int c = column(i);
+        detail::to_floats(held[i], x[i]);
 #pragma unroll
-        for (int j = 0; j < V; ++j) m = fmaxf(m, v[j]);
+        for (int j = 0; j < V; ++j) {
+          // Outside the row: -inf (the padding; with the softcap, tested for, as it maps -inf
+          // to -c), adding nothing to either sum.
+          if constexpr (kSoftcap) x[i][j] = whole[i] || detail::in_row(c + j, n) ? softcapped<true>(x[i][j], o) : -kInf;
+          m = fmaxf(m, x[i][j]);
+        }
       }
       const float pivot = m == -kInf ? 0.f : m;
       stats[1] *= detail::online_rescale(stats[0], m);
       stats[0] = m;
 #pragma unroll
       for (int i = 0; i < kLossBatch; ++i) {
-        const int c = column(first, i, shift);
-        float v[V];
-        values(held[i], c, v);
-        const bool whole = c >= 0 && c + V <= n;
+        const int c = column(i);
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-          stats[1] += detail::exp_minus(v[j], pivot);
-          if (whole || detail::in_row(c + j, n)) stats[2] += v[j];  // skips the padding
+          stats[1] += detail::exp_minus(x[i][j], pivot);
+          if (whole[i] || detail::in_row(c + j, n)) stats[2] += x[i][j];
         }
       }
     }
