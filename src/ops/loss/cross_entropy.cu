@@ -120,6 +120,25 @@ __device__ __forceinline__ int target_column(std::int64_t target, std::int64_t i
   return target >= 0 && target < n ? static_cast<int>(target) : kBadTarget;
 }
 
+// A row's lse from its online statistics: NaN without a finite maximum, or with a NaN logit (via
+// the sum), as the reference.
+__device__ __forceinline__ float row_lse(float max, float sum) {
+  return max == -kInf ? kNaN : max + logf(sum);
+}
+
+// A row's loss from its lse, its target's (softcapped) logit and the sum of its logits; t_col as
+// target_column gives it.
+__device__ __forceinline__ float row_loss(float lse, float target_logit, float logit_sum, int t_col,
+                                          int n, const Options& o) {
+  if (t_col == kIgnoredRow) return 0.f;
+  if (t_col == kBadTarget) return kNaN;
+  float loss = o.z_loss * lse * lse;
+  // Zero-weight terms are skipped so that a -inf logit cannot turn 0 * inf into NaN.
+  if (o.smoothing < 1.f) loss += (1.f - o.smoothing) * (lse - target_logit);
+  if (o.smoothing > 0.f) loss += o.smoothing * (lse - logit_sum / static_cast<float>(n));
+  return loss;
+}
+
 template <class T, bool kSoftcap, int kThreads, int kVecs, int kCluster>
 __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
                                   detail::kRowMaxThreads / detail::row_block_threads(kThreads))
@@ -184,19 +203,11 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
     }
     tile.reduce(stats, reduced);
     if (!valid) return;
-    // As the reference: NaN without a finite maximum, or with a NaN logit (via the sum).
-    const float lse = stats[0] == -kInf ? kNaN : stats[0] + logf(stats[1]);
+    const float lse = row_lse(stats[0], stats[1]);
     const bool ignored = t_col == kIgnoredRow;
     // Every thread forms the loss (the reporting thread writes it below): four statistics less
     // held through the gradient's pass.
-    float loss = 0.f;
-    if (!ignored) {
-      loss = o.z_loss * lse * lse;
-      // Zero-weight terms are skipped so that a -inf logit cannot turn 0 * inf into NaN.
-      if (o.smoothing < 1.f) loss += (1.f - o.smoothing) * (lse - stats[3]);
-      if (o.smoothing > 0.f) loss += o.smoothing * (lse - stats[2] / static_cast<float>(n));
-      if (t_col == kBadTarget) loss = kNaN;
-    }
+    const float loss = row_loss(lse, stats[3], stats[2], t_col, n, o);
     if (Tile::reporter()) {
       a.loss[row * a.loss_stride] = loss;
       if (a.lse) a.lse[row * a.lse_stride] = lse;
@@ -308,16 +319,8 @@ __global__ void __launch_bounds__(kLossThreads, kSoftcap ? 3 : 4) cross_entropy_
     }
     detail::row_reduce<kLossThreads, detail::OnlineSoftmaxOp>(stats, scratch);
     if (!reporter) continue;
-    // As the register path: NaN without a finite maximum, or with a NaN logit (via the sum).
-    const float lse = stats[0] == -kInf ? kNaN : stats[0] + logf(stats[1]);
-    float loss = 0.f;
-    if (t_col != kIgnoredRow) {
-      loss = o.z_loss * lse * lse;
-      if (o.smoothing < 1.f) loss += (1.f - o.smoothing) * (lse - target_logit);
-      if (o.smoothing > 0.f) loss += o.smoothing * (lse - stats[2] / static_cast<float>(n));
-      if (t_col == kBadTarget) loss = kNaN;
-    }
-    a.loss[row * a.loss_stride] = loss;
+    const float lse = row_lse(stats[0], stats[1]);
+    a.loss[row * a.loss_stride] = row_loss(lse, target_logit, stats[2], t_col, n, o);
     if (a.lse) a.lse[row * a.lse_stride] = lse;
   }
 }
