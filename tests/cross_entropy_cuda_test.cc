@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "trainscale/error.h"
 #include "trainscale/loss.h"
 #include "util/strided_device_buffer.h"
 
@@ -214,6 +215,33 @@ TEST(CrossEntropyCuda, LossAloneStreamed) {
         c.hi = 60;
         check_forward(c);
       }
+}
+
+// Each kernel forced on shapes kAuto gives the other (few rows, short rows, one row of 1 logit);
+// the streamed kernel with a gradient asked for is refused.
+TEST(CrossEntropyCuda, ForcedKernels) {
+  TS_REQUIRE_GPU();
+  for (DType dt : kDtypes) {
+    for (const Layout& l : {Layout{300, 8192, 0, false}, Layout{5, 40000, 3, true}, Layout{40, 1000, 0, false},
+                            Layout{1, 1, 0, false}}) {
+      for (CrossEntropyKernel kernel : {CrossEntropyKernel::kHeld, CrossEntropyKernel::kStreamed}) {
+        Case c{dt, l};
+        c.o.kernel = kernel;
+        c.o.reduction = Reduction::kNone;
+        c.grad = false;
+        check_forward(c);
+        c.o.label_smoothing = 0.2;
+        c.o.softcap = 3;
+        c.o.reduction = Reduction::kMean;
+        check_forward(c);
+      }
+    }
+  }
+  Case c{DType::kBFloat16, {4, 64, 0, false}};
+  c.o.kernel = CrossEntropyKernel::kStreamed;
+  const Values x = test::random_inputs(c.dt, 4 * 64, 0, -3, 3, false);
+  const HostTensor targets = HostTensor::from_values(c.target_dt, {4}, random_targets(c));
+  EXPECT_THROW(run_device_forward(c, x, targets), UnsupportedVariantError);
 }
 
 TEST(CrossEntropyCuda, GradientInPlace) {

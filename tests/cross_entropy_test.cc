@@ -458,6 +458,8 @@ TEST(CrossEntropy, InputErrors) {
                   "argument 'options.softcap'", "inf");
   TS_EXPECT_ERROR(fwd(logits.view(), targets.view(), loss.view(), {}, {}, {.reduction = static_cast<Reduction>(7)}),
                   op, "argument 'options.reduction'", "none, mean or sum", "7");
+  TS_EXPECT_ERROR(fwd(logits.view(), targets.view(), loss.view(), {}, {}, {.kernel = static_cast<CrossEntropyKernel>(5)}),
+                  op, "argument 'options.kernel'", "auto, held or streamed", "5");
   TensorView cuda_logits = logits.view(), cuda_targets = targets.view(), cuda_loss = loss.view();
   cuda_logits.device = cuda_targets.device = cuda_loss.device = Device::cuda(0);
   TS_EXPECT_ERROR(fwd(cuda_logits, targets.view(), loss.view(), {}, {}), op, "argument 'targets'", "cuda:0");
@@ -828,14 +830,18 @@ TEST(FusedLinearCrossEntropy, InputErrors) {
   }
 }
 
-// The loss alone streams long rows when there are enough of them; a gradient keeps the row held.
+// kAuto streams the loss alone on long rows when there are enough of them (a gradient keeps the
+// row held); a forced kernel is obeyed.
 TEST(CrossEntropyHeuristics, LossAloneStreamsLongRows) {
   using ops::loss::cross_entropy_streams_loss;
-  EXPECT_TRUE(cross_entropy_streams_loss(8192, 128256 / 8, false));
-  EXPECT_TRUE(cross_entropy_streams_loss(256, 1024, false));
-  EXPECT_FALSE(cross_entropy_streams_loss(8192, 128256 / 8, true));
-  EXPECT_FALSE(cross_entropy_streams_loss(255, 1024, false));
-  EXPECT_FALSE(cross_entropy_streams_loss(32768, 1023, false));
+  constexpr auto kAuto = CrossEntropyKernel::kAuto;
+  EXPECT_TRUE(cross_entropy_streams_loss(kAuto, 8192, 128256 / 8, false));
+  EXPECT_TRUE(cross_entropy_streams_loss(kAuto, 256, 1024, false));
+  EXPECT_FALSE(cross_entropy_streams_loss(kAuto, 8192, 128256 / 8, true));
+  EXPECT_FALSE(cross_entropy_streams_loss(kAuto, 255, 1024, false));
+  EXPECT_FALSE(cross_entropy_streams_loss(kAuto, 32768, 1023, false));
+  EXPECT_TRUE(cross_entropy_streams_loss(CrossEntropyKernel::kStreamed, 1, 1, false));
+  EXPECT_FALSE(cross_entropy_streams_loss(CrossEntropyKernel::kHeld, 8192, 128256 / 8, false));
 }
 
 }  // namespace

@@ -23,12 +23,25 @@ void mse_backward(const TensorView& grad_out, const TensorView& a, const TensorV
                   TensorView grad_a, TensorView grad_b, Reduction reduction,
                   cudaStream_t stream = nullptr);
 
+// The CUDA forward's kernel (cross_entropy_forward; the CPU path, the backward and the fused
+// linear cross-entropy ignore it). A forced kernel that cannot run the call throws
+// UnsupportedVariantError.
+enum class CrossEntropyKernel {
+  kAuto,      // kStreamed for the loss alone on 256 rows or more of at least 1024 16-byte
+              // vectors (bf16 / fp16 V >= 8192, fp32 4096), kHeld otherwise
+  kHeld,      // each row held in registers (a thread-block cluster for long rows) while it is
+              // reduced; the gradient, when asked, written from them in the same pass
+  kStreamed,  // the loss alone (no grad_logits): each row streamed through a block once,
+              // nothing held; any row length
+};
+
 struct CrossEntropyOptions {
   std::int64_t ignore_index = -100;  // rows with this target contribute 0 and leave the mean
   double label_smoothing = 0.0;      // e in [0, 1]
   double z_loss = 0.0;               // lambda >= 0: adds lambda * lse^2 per row
   double softcap = 0.0;              // c > 0: logits x <- c * tanh(x / c) first; 0 = off
   Reduction reduction = Reduction::kMean;
+  CrossEntropyKernel kernel = CrossEntropyKernel::kAuto;
 };
 
 // Per row i with target t (x = the softcapped logits, lse = logsumexp(x), e, lambda above):

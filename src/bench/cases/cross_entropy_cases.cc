@@ -1,10 +1,26 @@
 // Cross-entropy over a vocabulary (mean reduction): loss and lse alone, and with the logits
-// gradient written in the same pass. Config M x V.
+// gradient written in the same pass. Config M x V. Opt-in implementations force the forward's
+// kernel (CrossEntropyKernel): trainscale-held, and trainscale-streamed for the loss alone.
+#include <functional>
+#include <optional>
+#include <string_view>
+#include <utility>
+
 #include "bench/cases/case_util.h"
 #include "trainscale/loss.h"
 
 namespace trainscale::bench::cases {
 namespace {
+
+std::function<void(CaseTensors, cudaStream_t)> forward_entry(const Case& c, CrossEntropyKernel kernel) {
+  const auto [logits, targets, loss, lse] = c.ids("logits", "targets", "loss", "lse");
+  const std::optional<TensorId> grad =
+      c.op == "cross_entropy_forward_with_grad" ? std::optional(c.id("grad_logits")) : std::nullopt;
+  return [=](CaseTensors t, cudaStream_t s) {
+    cross_entropy_forward(t[logits], t[targets], t[loss], t[lse], grad ? t[*grad] : TensorView{}, {.kernel = kernel},
+                          s);
+  };
+}
 
 Case cross_entropy_case(const char* op, std::span<const std::int64_t> shape, DType dtype, bool with_grad) {
   Case c = begin_case(op, "loss", shape, dtype, 2, "MxV");
@@ -20,11 +36,7 @@ Case cross_entropy_case(const char* op, std::span<const std::int64_t> shape, DTy
   if (with_grad) c.tensors.push_back(output("grad_logits", dtype, {m, v}));
   c.bytes = traffic(c.tensors);
   c.flops = (with_grad ? 7.0 : 4.0) * static_cast<double>(m * v);  // max, exp, sum (+ softmax, gradient)
-  const auto [logits_id, targets_id, loss, lse] = c.ids("logits", "targets", "loss", "lse");
-  const std::optional<TensorId> grad = with_grad ? std::optional(c.id("grad_logits")) : std::nullopt;
-  c.entry = [=](CaseTensors t, cudaStream_t s) {
-    cross_entropy_forward(t[logits_id], t[targets_id], t[loss], t[lse], grad ? t[*grad] : TensorView{}, {}, s);
-  };
+  c.entry = forward_entry(c, CrossEntropyKernel::kAuto);
   c.reference = on_cpu(c.entry);
   return c;
 }
@@ -34,6 +46,18 @@ const Registrar kRegister([](Registry& r) {
             [](std::span<const std::int64_t> s, DType d) { return cross_entropy_case("cross_entropy_forward", s, d, false); }});
   r.add_op({"cross_entropy_forward_with_grad", "loss", "M x V (gradient in the same pass)",
             [](std::span<const std::int64_t> s, DType d) { return cross_entropy_case("cross_entropy_forward_with_grad", s, d, true); }});
+  const std::pair<const char*, CrossEntropyKernel> forced[] = {{"trainscale-held", CrossEntropyKernel::kHeld},
+                                                                {"trainscale-streamed", CrossEntropyKernel::kStreamed}};
+  for (const auto& [impl, kernel] : forced) {
+    for (const char* op : {"cross_entropy_forward", "cross_entropy_forward_with_grad"}) {
+      if (kernel == CrossEntropyKernel::kStreamed && std::string_view(op) != "cross_entropy_forward") continue;
+      r.add_opt_in(op, impl, [kernel](const Case& c) {
+        Implementation forced_kernel;
+        forced_kernel.run = forward_entry(c, kernel);
+        return std::optional<Implementation>(std::move(forced_kernel));
+      });
+    }
+  }
   const auto bf16 = std::vector<DType>{DType::kBFloat16};
   std::vector<Shape> dsv3;
   for (std::int64_t m : {4096, 16384, 65536}) {

@@ -14,9 +14,12 @@
 #include <cmath>
 #include <limits>
 
+#include <string>
+
 #include "common/row_kernel.cuh"
 #include "common/stream_scratch.h"
 #include "ops/loss/loss_cuda.h"
+#include "trainscale/error.h"
 
 namespace trainscale::ops::loss {
 namespace {
@@ -471,6 +474,10 @@ void cross_entropy_forward_cuda(const TensorView& logits, const TensorView& targ
                                 TensorView loss, TensorView lse, TensorView grad_logits,
                                 const CrossEntropyOptions& options, cudaStream_t stream) {
   const char* op = "cross_entropy_forward";
+  if (options.kernel == CrossEntropyKernel::kStreamed && grad_logits.defined()) {
+    throw UnsupportedVariantError(std::string("trainscale ") + op +
+                                  ": the streamed kernel computes the loss alone; grad_logits was given");
+  }
   const detail::Rows r = detail::row_layout(logits);
   const bool per_row = options.reduction == Reduction::kNone;
   ForwardArgs a{};
@@ -500,7 +507,7 @@ void cross_entropy_forward_cuda(const TensorView& logits, const TensorView& targ
     using T = typename decltype(tag)::type;
     const std::int64_t slots = detail::row_slots(
         r.cols, detail::kVec16<T>, detail::rows_max_shift(logits.data, r.row_stride, sizeof(T)));
-    if (cross_entropy_streams_loss(r.rows, slots, a.grad != nullptr)) {
+    if (cross_entropy_streams_loss(options.kernel, r.rows, slots, a.grad != nullptr)) {
       if (slots > std::int64_t{std::numeric_limits<int>::max()} - kLossThreads * kLossBatch)
         detail::throw_op_error(op, "rows of " + std::to_string(r.cols) + " logits are too long");
       a.slots = static_cast<int>(slots);

@@ -162,6 +162,7 @@ void fused_linear_cross_entropy_forward_cuda(const FusedLinearCrossEntropyArgs& 
 
   CrossEntropyOptions per_row = options;
   per_row.reduction = Reduction::kNone;
+  per_row.kernel = CrossEntropyKernel::kAuto;  // the row pass's own choice, whatever was asked
   auto* row_losses = reinterpret_cast<float*>(base + plan.row_losses);
   auto* row_lse = reinterpret_cast<float*>(base + plan.row_lse);
   void* logits = base + plan.logits;

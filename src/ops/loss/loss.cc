@@ -53,6 +53,10 @@ void check_options(detail::OpChecker& c, const CrossEntropyOptions& o) {
   if (!known)
     c.fail("options.reduction", "none, mean or sum",
            "enum value " + std::to_string(static_cast<int>(o.reduction)));
+  const bool known_kernel = o.kernel == CrossEntropyKernel::kAuto || o.kernel == CrossEntropyKernel::kHeld ||
+                            o.kernel == CrossEntropyKernel::kStreamed;
+  if (!known_kernel)
+    c.fail("options.kernel", "auto, held or streamed", "enum value " + std::to_string(static_cast<int>(o.kernel)));
 }
 
 // One float32 (float64 on the CPU) value per row of `rows_of`.

@@ -20,14 +20,17 @@ void cross_entropy_backward_cpu(const TensorView& grad_loss, const TensorView& l
                                 TensorView grad_logits, const CrossEntropyOptions& options);
 
 // Whether the forward computes loss and lse without holding rows (cross_entropy_loss_kernel: a
-// block per row streams it once, keeping the online statistics only). Taken for the loss alone
-// (no gradient, which needs the row held) on rows of 1024 16-byte slots and more (bf16 / fp16 N
-// >= 8192, fp32 4096) when there are enough rows to fill the GPU with blocks (256): held in
-// registers, such rows leave an SM one or two rows whose reductions wait on their loads. Fewer
-// and longer rows keep the register path, whose clusters spread a row over several SMs.
+// block per row streams it once, keeping the online statistics only). kAuto takes it for the
+// loss alone (no gradient, which needs the row held) on rows of 1024 16-byte slots and more
+// (bf16 / fp16 N >= 8192, fp32 4096) when there are enough rows to fill the GPU with blocks
+// (256): held in registers, such rows leave an SM one or two rows whose reductions wait on their
+// loads. Fewer and longer rows keep the register path, whose clusters spread a row over several
+// SMs. A forced kStreamed with a gradient is the caller's error (checked before).
 inline constexpr std::int64_t kStreamedLossMinSlots = 1024;
 inline constexpr std::int64_t kStreamedLossMinRows = 256;
-constexpr bool cross_entropy_streams_loss(std::int64_t rows, std::int64_t slots, bool grad) {
+constexpr bool cross_entropy_streams_loss(CrossEntropyKernel kernel, std::int64_t rows,
+                                          std::int64_t slots, bool grad) {
+  if (kernel != CrossEntropyKernel::kAuto) return kernel == CrossEntropyKernel::kStreamed;
   return !grad && slots >= kStreamedLossMinSlots && rows >= kStreamedLossMinRows;
 }
 
