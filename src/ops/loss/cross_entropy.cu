@@ -1,11 +1,7 @@
-// Cross-entropy kernels. The forward holds a row of logits in registers (common/row_kernel.cuh,
-// a cluster of blocks for long vocabularies) and reduces four statistics in one pass: the
-// online-softmax pair (max, sum of exp) and the plain sums of the logits (label smoothing) and
-// of the target's logit. The gradient, when asked, is written from the held row in the same
-// pass, so the logits are read once and the gradient written once (over the logits in place):
-// without the softcap the sum's exponentials are kept in place of the logits (one exponential
-// per logit), with it the logits themselves (the softcap's slope needs them).
-// The backward from a saved lse needs no reduction: a plain streaming kernel.
+// Cross-entropy: the entry points, the streamed loss-only forward, the backward and the row
+// reductions; the held-row forward is in cross_entropy_held.cu, what both share in
+// cross_entropy_kernels.cuh. The backward from a saved lse needs no reduction: a plain streaming
+// kernel.
 //
 // Reductions over rows: kMean / kSum losses are written per row to a scratch buffer and then
 // summed by one block in a fixed order (double); kMean's row count is counted likewise. The
@@ -13,248 +9,18 @@
 // targets first.
 #include <cmath>
 #include <limits>
-
 #include <string>
 
 #include "common/row_kernel.cuh"
 #include "common/stream_scratch.h"
+#include "ops/loss/cross_entropy_kernels.cuh"
 #include "ops/loss/loss_cuda.h"
 #include "trainscale/error.h"
 
 namespace trainscale::ops::loss {
 namespace {
 
-using detail::kLog2e;
-template <class T>
-using Exp = detail::ExpStorage<T>;
-
-constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
-constexpr float kInf = std::numeric_limits<float>::infinity();
-
-struct Targets {
-  const void* data;
-  std::int64_t stride;
-  bool is_64;
-  __device__ __forceinline__ std::int64_t operator[](std::int64_t i) const {
-    return is_64 ? static_cast<const std::int64_t*>(data)[i * stride]
-                 : static_cast<const std::int32_t*>(data)[i * stride];
-  }
-};
-
-// The options as the kernels use them.
-struct Options {
-  std::int64_t ignore_index;
-  float smoothing;  // e
-  float z_loss;     // lambda
-  float softcap;    // c, 0 = off
-  float inv_softcap;
-};
-
-// The softcapped logit c tanh(x / c) and, for the gradient, its slope 1 - tanh^2 = 4 e / (1 + e)^2
-// with e = exp(-2 |x / c|): 1 - t * t cancels as |t| nears 1 (fp32, c = 5, |x| ~ 60: relative
-// error 1e-4 in the gradient), the exponential form does not.
-template <bool kSoftcap>
-__device__ __forceinline__ float softcapped(float x, const Options& o) {
-  return kSoftcap ? o.softcap * tanhf(x * o.inv_softcap) : x;
-}
-__device__ __forceinline__ float softcap_slope(float x, const Options& o) {
-  const float e = detail::exp2_approx(-2.f * kLog2e * fabsf(x * o.inv_softcap));
-  const float d = 1.f + e;
-  return 4.f * e / (d * d);
-}
-
-// d loss / d raw logit for a row not ignored, before the upstream scale: raw the logit, x its
-// softcapped value, lse the row's, hit whether it is the target's.
-template <bool kSoftcap>
-__device__ __forceinline__ float logit_gradient(float raw, float x, float lse, bool hit,
-                                                float prob_weight, float smooth, const Options& o) {
-  float g = detail::exp_minus(x, lse) * prob_weight - smooth;
-  if (hit) g -= 1.f - o.smoothing;
-  if constexpr (kSoftcap) g *= softcap_slope(raw, o);
-  return g;
-}
-
-// Writes the gradient of one 16-byte slot of a row (column c of n, logits held in registers):
-// zeros for an ignored row, else logit_gradient times the row's scale. Shared by the forward that
-// writes the gradient in its pass and the backward from the saved lse.
-template <class T, int V, bool kSoftcap>
-__device__ __forceinline__ void store_gradient(T* g_row, int c, int n, bool g_vectors, const detail::Vec<T, V>& held,
-                                               bool ignored, float lse, int t_col, float prob_weight,
-                                               float smooth, float scale, const Options& o) {
-  float v[V];
-  if (ignored) {
-#pragma unroll
-    for (int j = 0; j < V; ++j) v[j] = 0.f;
-  } else {
-    detail::to_floats(held, v);
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-      const float x = softcapped<kSoftcap>(v[j], o);
-      v[j] = logit_gradient<kSoftcap>(v[j], x, lse, c + j == t_col, prob_weight, smooth, o) * scale;
-    }
-  }
-  detail::store_slot<T, V>(g_row, c, n, g_vectors && c >= 0 && c + V <= n, v);
-}
-
-struct ForwardArgs {
-  const void* logits;
-  std::int64_t logits_stride;
-  Targets targets;
-  float* loss;  // per row: the loss output (kNone) or the scratch rows (kMean / kSum)
-  std::int64_t loss_stride;
-  float* lse;  // optional
-  std::int64_t lse_stride;
-  void* grad;  // optional; may be logits
-  std::int64_t grad_stride;
-  const std::int64_t* valid_rows;  // kMean's gradient scale 1 / count; null: scale 1
-  Options o;
-  std::int64_t rows;
-  int cols;
-  int slots;  // 16-byte slots of the longest row
-};
-
-// A row's target as one int: its column, or kIgnoredRow, or kBadTarget for a target outside
-// [0, n) (not checked on the device: that row's loss and gradient are NaN). One register where
-// the target and two flags took four across the row's reduction.
-constexpr int kIgnoredRow = -1;
-constexpr int kBadTarget = -2;
-__device__ __forceinline__ int target_column(std::int64_t target, std::int64_t ignore_index, int n) {
-  if (target == ignore_index) return kIgnoredRow;
-  return target >= 0 && target < n ? static_cast<int>(target) : kBadTarget;
-}
-
-// A row's lse from its online statistics: NaN without a finite maximum, or with a NaN logit (via
-// the sum), as the reference.
-__device__ __forceinline__ float row_lse(float max, float sum) {
-  return max == -kInf ? kNaN : max + logf(sum);
-}
-
-// A row's loss from its lse, its target's (softcapped) logit and the sum of its logits; t_col as
-// target_column gives it.
-__device__ __forceinline__ float row_loss(float lse, float target_logit, float logit_sum, int t_col,
-                                          int n, const Options& o) {
-  if (t_col == kIgnoredRow) return 0.f;
-  if (t_col == kBadTarget) return kNaN;
-  float loss = o.z_loss * lse * lse;
-  // Zero-weight terms are skipped so that a -inf logit cannot turn 0 * inf into NaN.
-  if (o.smoothing < 1.f) loss += (1.f - o.smoothing) * (lse - target_logit);
-  if (o.smoothing > 0.f) loss += o.smoothing * (lse - logit_sum / static_cast<float>(n));
-  return loss;
-}
-
-template <class T, bool kSoftcap, int kThreads, int kVecs, int kCluster>
-__global__ void __launch_bounds__(detail::row_block_threads(kThreads),
-                                  detail::kRowMaxThreads / detail::row_block_threads(kThreads))
-    cross_entropy_forward_kernel(ForwardArgs a) {
-  // (max, sum of exp(x - max), sum of x, x[target]) of the softcapped logits.
-  using Tile = detail::RowTile<T, kThreads, kVecs, kCluster, detail::OnlineSoftmaxOp, 4>;
-  constexpr int V = Tile::V;
-  constexpr int kForwardStages = detail::kRowRingStages;
-  __shared__ Tile tile;
-  tile.start();
-  const typename Tile::Share share = Tile::share(a.slots);
-  const Options& o = a.o;
-  const int n = a.cols;
-  // kMean's gradient scale, read once: a load per row would wait on it before the writes.
-  const float scale = a.valid_rows ? 1.f / static_cast<float>(*a.valid_rows) : 1.f;
-  int reduced = 0;
-  const T* logits = static_cast<const T*>(a.logits);
-  const auto fetch = Tile::template fetch_rows<kForwardStages>(logits, a.logits_stride, share, n);
-  Tile::template for_each_row<kForwardStages>(a.rows, fetch, [&](std::int64_t row, bool valid,
-                                                                 int stage, auto&& refill) {
-    const T* x_row = logits + row * a.logits_stride;
-    const int shift = detail::row_shift(x_row);
-    const int t_col = valid ? target_column(a.targets[row], o.ignore_index, n) : kIgnoredRow;
-    // Elements outside the row load as -inf: no effect on the maximum, exp 0 in the sum (with
-    // the softcap, which maps them to -c, they are tested for instead).
-    const T pad = detail::from_float<T>(-kInf);
-    detail::Vec<T, V> held[kVecs];
-    Tile::take(x_row, share, shift, n, valid, true, pad,
-               Tile::template staged<kForwardStages>(stage), held);
-    const auto logit = [&](float raw, int col) {
-      if constexpr (kSoftcap) {
-        return detail::in_row(col, n) ? softcapped<true>(raw, o) : -kInf;
-      } else {
-        return raw;
-      }
-    };
-    // The softcap is increasing: the maximum of the raw logits, softcapped.
-    const float m = softcapped<kSoftcap>(detail::held_max(held), o);
-    refill();  // every value taken from the stage went into m
-    // Summed against 0 when the thread has no finite maximum (see softmax_forward.cu).
-    const float pivot = m == -kInf ? 0.f : m;
-    if constexpr (kSoftcap) detail::reconvert_after(held);
-    float stats[4] = {m, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int i = 0; i < kVecs; ++i) {
-      // Slots the thread does not own hold the padding and match no column of the row.
-      const int c = Tile::column(share, i, shift, n);
-      float v[V];
-      detail::to_floats(held[i], v);
-      detail::Vec<Exp<T>, V> e;
-#pragma unroll
-      for (int j = 0; j < V; ++j) {
-        const float x = logit(v[j], c + j);
-        const float ex = detail::exp_minus(x, pivot);
-        stats[1] += ex;
-        if (c + j == t_col) stats[3] = x;
-        if (detail::in_row(c + j, n)) stats[2] += x;  // skips the padding
-        e.v[j] = detail::from_float<Exp<T>>(ex);
-      }
-      // Without the softcap the gradient needs only the exponentials: kept in place of x.
-      if constexpr (!kSoftcap) memcpy(&held[i], &e, sizeof(e));
-    }
-    tile.reduce(stats, reduced);
-    if (!valid) return;
-    const float lse = row_lse(stats[0], stats[1]);
-    const bool ignored = t_col == kIgnoredRow;
-    // Every thread forms the loss (the reporting thread writes it below): four statistics less
-    // held through the gradient's pass.
-    const float loss = row_loss(lse, stats[3], stats[2], t_col, n, o);
-    if (Tile::reporter()) {
-      a.loss[row * a.loss_stride] = loss;
-      if (a.lse) a.lse[row * a.lse_stride] = lse;
-    }
-    if (a.grad == nullptr) return;
-    T* g_row = static_cast<T*>(a.grad) + row * a.grad_stride;
-    const bool g_vectors = detail::row_shift(g_row) == shift;
-    const float prob_weight = 1.f + 2.f * o.z_loss * lse;
-    const float smooth = o.smoothing / static_cast<float>(n);
-    const float row_scale = t_col == kBadTarget ? kNaN : scale;
-    if constexpr (kSoftcap) {
-      detail::reconvert_after(held);
-#pragma unroll
-      for (int i = 0; i < kVecs; ++i) {
-        if (!Tile::owns(share, i)) continue;
-        const int c = Tile::slot(share, i) * V - shift;
-        store_gradient<T, V, true>(g_row, c, n, g_vectors, held[i], ignored, lse, t_col,
-                                   prob_weight, smooth, row_scale, o);
-      }
-    } else {
-      // p = e exp(pivot - lse), one multiply where exp(x - lse) took a second exponential per
-      // logit. A thread holding only -inf (e = 0) takes 0 (NaN with a NaN lse), not exp(0 - lse),
-      // which overflows where lse is below -88.
-      const float factor =
-          (m == -kInf ? (lse == lse ? 0.f : kNaN) : detail::exp_minus(pivot, lse)) * prob_weight;
-#pragma unroll
-      for (int i = 0; i < kVecs; ++i) {
-        if (!Tile::owns(share, i)) continue;
-        const int c = Tile::slot(share, i) * V - shift;
-        detail::Vec<Exp<T>, V> e;
-        memcpy(&e, &held[i], sizeof(e));
-        float g[V];
-        detail::to_floats(e, g);
-#pragma unroll
-        for (int j = 0; j < V; ++j) {
-          g[j] = g[j] * factor - smooth;
-          if (c + j == t_col) g[j] -= 1.f - o.smoothing;
-          g[j] = ignored ? 0.f : g[j] * row_scale;
-        }
-        detail::store_slot<T, V>(g_row, c, n, g_vectors && c >= 0 && c + V <= n, g);
-      }
-    }
-  });
-}
+using namespace ce;
 
 // The loss alone (cross_entropy_streams_loss): a block per row streams it in batches of
 // kLossBatch 16-byte slots per thread (that many loads in flight), folding each batch into the
@@ -517,21 +283,8 @@ void cross_entropy_forward_cuda(const TensorView& logits, const TensorView& targ
       detail::check_launch(op);
       return;
     }
-    // The softmax's split, from one thread per row: with a warp per row at least, a short row
-    // filled one 16-byte slot of the four each thread holds, four times the instructions per
-    // logit.
-    constexpr int kMinThreads = 1;
-    detail::launch_rows<T, kMinThreads>(
-        op, r.rows, r.cols, detail::rows_max_shift(logits.data, r.row_stride, sizeof(T)), stream,
-        [&](auto threads, auto vecs, auto cluster) {
-          constexpr int kThreads = decltype(threads)::value;
-          constexpr int kVecs = decltype(vecs)::value;
-          constexpr int kCluster = decltype(cluster)::value;
-          return options.softcap > 0
-                     ? cross_entropy_forward_kernel<T, true, kThreads, kVecs, kCluster>
-                     : cross_entropy_forward_kernel<T, false, kThreads, kVecs, kCluster>;
-        },
-        [](int) { return detail::kRowRingStages; }, a);
+    launch_held_forward<T>(a, options.softcap > 0, r.cols,
+                           detail::rows_max_shift(logits.data, r.row_stride, sizeof(T)), stream, op);
   });
   if (!per_row) {
     reduce_row_losses_cuda(scratch.rows, targets, options.ignore_index,

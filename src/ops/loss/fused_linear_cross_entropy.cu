@@ -1,6 +1,6 @@
 // Fused linear cross-entropy: tokens in chunks (fused_linear_plan.h), per chunk
 //   logits = hidden_c @ weight^T (+ bias)           cuBLASLt, into the workspace
-//   loss, lse and the logits' gradient in place      cross_entropy.cu's one-pass kernel
+//   loss, lse and the logits' gradient in place      cross_entropy_held.cu's one-pass kernel
 //   grad_hidden_c = alpha G @ weight                 cuBLASLt, written once (full V per chunk)
 //   grad_weight (+)= alpha G^T @ hidden_c            cuBLASLt, float32 buffer or in place
 //   grad_bias (+)= alpha G^T @ 1                     cuBLASLt

@@ -1,5 +1,5 @@
 // CUDA launchers of the loss family; arguments arrive validated by loss.cc: MSE (mse.cu),
-// cross-entropy (cross_entropy.cu), fused linear cross-entropy (fused_linear_cross_entropy.cu).
+// cross-entropy (cross_entropy.cu, cross_entropy_held.cu), fused linear cross-entropy (fused_linear_cross_entropy.cu).
 #pragma once
 
 #include "ops/loss/loss_internal.h"
@@ -19,7 +19,9 @@ void mse_backward_cuda(const TensorView& grad_out, const TensorView& a, const Te
 
 // One pass over the logits: each row held in registers (a cluster of blocks for long rows; rows
 // of up to detail::max_row_cols elements, longer ones throw), lse, the loss and, when given,
-// grad_logits written from the held row (over the logits when grad_logits is their view).
+// grad_logits written from the held row (over the logits when grad_logits is their view); or,
+// for the loss alone (options.kernel, cross_entropy_streams_loss), each row streamed through a
+// block, any length.
 // loss, lse: float32. Targets are not range-checked on the device: a target outside [0, V) that
 // is not ignore_index gives NaN for that row's loss and gradient (and so a NaN mean / sum).
 // kMean / kSum add the per-row losses in a fixed order (double) in a second one-block kernel:

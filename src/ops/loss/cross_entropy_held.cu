@@ -1,0 +1,154 @@
+// Cross-entropy forward with each row held in registers (common/row_kernel.cuh, a cluster of
+// blocks for long vocabularies), reducing four statistics in one pass: the online-softmax pair
+// (max, sum of exp) and the plain sums of the logits (label smoothing) and of the target's logit.
+// The gradient, when asked, is written from the held row in the same pass, so the logits are read
+// once and the gradient written once (over the logits in place): without the softcap the sum's
+// exponentials are kept in place of the logits (one exponential per logit), with it the logits
+// themselves (the softcap's slope needs them). Its own translation unit: the row splits times
+// the dtypes make it the family's heaviest compile.
+#include "ops/loss/cross_entropy_kernels.cuh"
+
+namespace trainscale::ops::loss::ce {
+namespace {
+
+template <class T, bool kSoftcap, int kThreads, int kVecs, int kCluster>
+__global__ void __launch_bounds__(detail::row_block_threads(kThreads),
+                                  detail::kRowMaxThreads / detail::row_block_threads(kThreads))
+    cross_entropy_forward_kernel(ForwardArgs a) {
+  // (max, sum of exp(x - max), sum of x, x[target]) of the softcapped logits.
+  using Tile = detail::RowTile<T, kThreads, kVecs, kCluster, detail::OnlineSoftmaxOp, 4>;
+  constexpr int V = Tile::V;
+  constexpr int kForwardStages = detail::kRowRingStages;
+  __shared__ Tile tile;
+  tile.start();
+  const typename Tile::Share share = Tile::share(a.slots);
+  const Options& o = a.o;
+  const int n = a.cols;
+  // kMean's gradient scale, read once: a load per row would wait on it before the writes.
+  const float scale = a.valid_rows ? 1.f / static_cast<float>(*a.valid_rows) : 1.f;
+  int reduced = 0;
+  const T* logits = static_cast<const T*>(a.logits);
+  const auto fetch = Tile::template fetch_rows<kForwardStages>(logits, a.logits_stride, share, n);
+  Tile::template for_each_row<kForwardStages>(a.rows, fetch, [&](std::int64_t row, bool valid,
+                                                                 int stage, auto&& refill) {
+    const T* x_row = logits + row * a.logits_stride;
+    const int shift = detail::row_shift(x_row);
+    const int t_col = valid ? target_column(a.targets[row], o.ignore_index, n) : kIgnoredRow;
+    // Elements outside the row load as -inf: no effect on the maximum, exp 0 in the sum (with
+    // the softcap, which maps them to -c, they are tested for instead).
+    const T pad = detail::from_float<T>(-kInf);
+    detail::Vec<T, V> held[kVecs];
+    Tile::take(x_row, share, shift, n, valid, true, pad,
+               Tile::template staged<kForwardStages>(stage), held);
+    const auto logit = [&](float raw, int col) {
+      if constexpr (kSoftcap) {
+        return detail::in_row(col, n) ? softcapped<true>(raw, o) : -kInf;
+      } else {
+        return raw;
+      }
+    };
+    // The softcap is increasing: the maximum of the raw logits, softcapped.
+    const float m = softcapped<kSoftcap>(detail::held_max(held), o);
+    refill();  // every value taken from the stage went into m
+    // Summed against 0 when the thread has no finite maximum (see softmax_forward.cu).
+    const float pivot = m == -kInf ? 0.f : m;
+    if constexpr (kSoftcap) detail::reconvert_after(held);
+    float stats[4] = {m, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      // Slots the thread does not own hold the padding and match no column of the row.
+      const int c = Tile::column(share, i, shift, n);
+      float v[V];
+      detail::to_floats(held[i], v);
+      detail::Vec<Exp<T>, V> e;
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const float x = logit(v[j], c + j);
+        const float ex = detail::exp_minus(x, pivot);
+        stats[1] += ex;
+        if (c + j == t_col) stats[3] = x;
+        if (detail::in_row(c + j, n)) stats[2] += x;  // skips the padding
+        e.v[j] = detail::from_float<Exp<T>>(ex);
+      }
+      // Without the softcap the gradient needs only the exponentials: kept in place of x.
+      if constexpr (!kSoftcap) memcpy(&held[i], &e, sizeof(e));
+    }
+    tile.reduce(stats, reduced);
+    if (!valid) return;
+    const float lse = row_lse(stats[0], stats[1]);
+    const bool ignored = t_col == kIgnoredRow;
+    // Every thread forms the loss (the reporting thread writes it below): four statistics less
+    // held through the gradient's pass.
+    const float loss = row_loss(lse, stats[3], stats[2], t_col, n, o);
+    if (Tile::reporter()) {
+      a.loss[row * a.loss_stride] = loss;
+      if (a.lse) a.lse[row * a.lse_stride] = lse;
+    }
+    if (a.grad == nullptr) return;
+    T* g_row = static_cast<T*>(a.grad) + row * a.grad_stride;
+    const bool g_vectors = detail::row_shift(g_row) == shift;
+    const float prob_weight = 1.f + 2.f * o.z_loss * lse;
+    const float smooth = o.smoothing / static_cast<float>(n);
+    const float row_scale = t_col == kBadTarget ? kNaN : scale;
+    if constexpr (kSoftcap) {
+      detail::reconvert_after(held);
+#pragma unroll
+      for (int i = 0; i < kVecs; ++i) {
+        if (!Tile::owns(share, i)) continue;
+        const int c = Tile::slot(share, i) * V - shift;
+        store_gradient<T, V, true>(g_row, c, n, g_vectors, held[i], ignored, lse, t_col,
+                                   prob_weight, smooth, row_scale, o);
+      }
+    } else {
+      // p = e exp(pivot - lse), one multiply where exp(x - lse) took a second exponential per
+      // logit. A thread holding only -inf (e = 0) takes 0 (NaN with a NaN lse), not exp(0 - lse),
+      // which overflows where lse is below -88.
+      const float factor =
+          (m == -kInf ? (lse == lse ? 0.f : kNaN) : detail::exp_minus(pivot, lse)) * prob_weight;
+#pragma unroll
+      for (int i = 0; i < kVecs; ++i) {
+        if (!Tile::owns(share, i)) continue;
+        const int c = Tile::slot(share, i) * V - shift;
+        detail::Vec<Exp<T>, V> e;
+        memcpy(&e, &held[i], sizeof(e));
+        float g[V];
+        detail::to_floats(e, g);
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          g[j] = g[j] * factor - smooth;
+          if (c + j == t_col) g[j] -= 1.f - o.smoothing;
+          g[j] = ignored ? 0.f : g[j] * row_scale;
+        }
+        detail::store_slot<T, V>(g_row, c, n, g_vectors && c >= 0 && c + V <= n, g);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+template <class T>
+void launch_held_forward(ForwardArgs a, bool softcap, std::int64_t cols, int max_shift, cudaStream_t stream,
+                         const char* op) {
+  // The softmax's split, from one thread per row: with a warp per row at least, a short row
+  // filled one 16-byte slot of the four each thread holds, four times the instructions per
+  // logit.
+  constexpr int kMinThreads = 1;
+  detail::launch_rows<T, kMinThreads>(
+      op, a.rows, cols, max_shift, stream,
+      [&](auto threads, auto vecs, auto cluster) {
+        constexpr int kThreads = decltype(threads)::value;
+        constexpr int kVecs = decltype(vecs)::value;
+        constexpr int kCluster = decltype(cluster)::value;
+        return softcap ? cross_entropy_forward_kernel<T, true, kThreads, kVecs, kCluster>
+                       : cross_entropy_forward_kernel<T, false, kThreads, kVecs, kCluster>;
+      },
+      [](int) { return detail::kRowRingStages; }, a);
+}
+
+template void launch_held_forward<float>(ForwardArgs, bool, std::int64_t, int, cudaStream_t, const char*);
+template void launch_held_forward<__half>(ForwardArgs, bool, std::int64_t, int, cudaStream_t, const char*);
+template void launch_held_forward<__nv_bfloat16>(ForwardArgs, bool, std::int64_t, int, cudaStream_t,
+                                                 const char*);
+
+}  // namespace trainscale::ops::loss::ce
