@@ -240,8 +240,8 @@ inline TileOrder forward_tile_order(std::int64_t q_len, std::int64_t batch, std:
 // Whether the forward's persistent grid claims its tiles from a counter (TileScheduler). kAuto
 // claims when a mask makes tile costs uneven and the tiles are heavy enough to repay the counter
 // (a memset and one atomic per tile): head dim 128 and 256 at any length, head dim 64 from 8192
-// queries. Measured over the attention and llama suites: causal D128/D256 rows 2-48 % faster,
-// causal D64 below 8192 queries and every unmasked row within noise or slower (tiny ones 13-23 %).
+// queries. Unmasked tiles cost alike, and the counter only adds to them (docs/perf/attention.md,
+// "Scheduler", has the measurements behind the rule).
 constexpr bool forward_dynamic_schedule(AttentionSchedule schedule, bool masked, int head_dim,
                                         std::int64_t q_len) {
   if (schedule != AttentionSchedule::kAuto) return schedule == AttentionSchedule::kDynamic;
