@@ -271,8 +271,8 @@ void cross_entropy_forward_cuda(const TensorView& logits, const TensorView& targ
   }
   detail::dispatch_activation_dtype(logits.dtype, op, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    const std::int64_t slots = detail::row_slots(
-        r.cols, detail::kVec16<T>, detail::rows_max_shift(logits.data, r.row_stride, sizeof(T)));
+    const int max_shift = detail::rows_max_shift(logits.data, r.row_stride, sizeof(T));
+    const std::int64_t slots = detail::row_slots(r.cols, detail::kVec16<T>, max_shift);
     if (cross_entropy_streams_loss(options.kernel, r.rows, slots, a.grad != nullptr)) {
       if (slots > std::int64_t{std::numeric_limits<int>::max()} - kLossThreads * kLossBatch)
         detail::throw_op_error(op, "rows of " + std::to_string(r.cols) + " logits are too long");
@@ -283,8 +283,7 @@ void cross_entropy_forward_cuda(const TensorView& logits, const TensorView& targ
       detail::check_launch(op);
       return;
     }
-    launch_held_forward<T>(a, options.softcap > 0, r.cols,
-                           detail::rows_max_shift(logits.data, r.row_stride, sizeof(T)), stream, op);
+    launch_held_forward<T>(a, options.softcap > 0, r.cols, max_shift, stream, op);
   });
   if (!per_row) {
     reduce_row_losses_cuda(scratch.rows, targets, options.ignore_index,
