@@ -145,20 +145,22 @@ def _prep(op, t, shape):
     return None
 
 
+def _compile_fresh(fn):
+    """torch.compile(fn, dynamic=False) for one case: dynamo is reset first, since past its
+    recompile limit (8 shapes of one function) torch.compile would silently run the rest eagerly."""
+    torch._dynamo.reset()
+    return torch.compile(fn, dynamic=False)
+
+
 def _torch_baseline(compiled):
     def make(op, shape, dtype):
         op = _base_op(op)
-        fn = _TORCH.get(op)
-        if fn is None:
+        eager = _TORCH.get(op)
+        if eager is None:
             return None
-        if compiled:
-            fn = torch.compile(fn, dynamic=False)
 
         def setup(t):
-            if compiled:
-                # One compilation per case: past dynamo's recompile limit (8 shapes of one
-                # function) torch.compile would silently run the rest eagerly.
-                torch._dynamo.reset()
+            fn = _compile_fresh(eager) if compiled else eager
             state = _prep(op, t, shape)
             fn(t, state)  # compiles (torch.compile) and warms up, untimed
             return lambda: fn(t, state)
@@ -354,11 +356,9 @@ def _flce_implementations(use_gpu):
     """(name, is ours, make) of each implementation available here; make() -> loss_fn(h, w, t)."""
     from .loss import linear_cross_entropy
 
-    def compiled():
-        torch._dynamo.reset()  # one compilation per shape: not limited by dynamo's recompile limit
-        return torch.compile(_flce_eager, dynamic=False)
     out = [("trainscale" if use_gpu else "cpu-ref", True, lambda: linear_cross_entropy),
-           ("torch", False, lambda: _flce_eager), ("torch-compile", False, compiled)]
+           ("torch", False, lambda: _flce_eager),
+           ("torch-compile", False, lambda: _compile_fresh(_flce_eager))]
     if hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions"):
         def torch_chunked():
             options = torch.nn.LinearCrossEntropyOptions()
@@ -669,12 +669,9 @@ def _muon_implementations(use_gpu, distributed=False):
     every rank."""
     from .optim import Muon, newton_schulz
 
-    def compiled():
-        torch._dynamo.reset()
-        return torch.compile(ns_eager, dynamic=False)
     ours = "trainscale" if use_gpu else "cpu-ref"
     out = [("newton_schulz", ours, True, lambda: newton_schulz), ("newton_schulz", "torch", False, lambda: ns_eager),
-           ("newton_schulz", "torch-compile", False, compiled)]
+           ("newton_schulz", "torch-compile", False, lambda: _compile_fresh(ns_eager))]
     if distributed:
         # The distributed step is ours here and the one-process step its baseline, so that the
         # report's speedup column is the distributed gain.
@@ -790,11 +787,9 @@ def _mlp_implementations(use_gpu):
     def unfused(x, wg, wu, wd):
         return F.linear(torch.ops.trainscale.swiglu_forward(F.linear(x, wg), F.linear(x, wu)), wd)
 
-    def compiled():
-        torch._dynamo.reset()
-        return torch.compile(_mlp_eager, dynamic=False)
     return [("trainscale" if use_gpu else "cpu-ref", True, lambda: swiglu_mlp), ("unfused", False, lambda: unfused),
-            ("torch", False, lambda: _mlp_eager), ("torch-compile", False, compiled)]
+            ("torch", False, lambda: _mlp_eager),
+            ("torch-compile", False, lambda: _compile_fresh(_mlp_eager))]
 
 
 def _saved_bytes(fn, inputs):
