@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the Python package (PyTorch extension + the trainscale library, CUDA sources included
-# when nvcc is found) with `pip install .` and runs its pytest suite (python/tests; GPU tests
+# when nvcc is found) with `pip install .` (in scripts/build.sh's tree when there is one) and runs its pytest suite (python/tests; GPU tests
 # skip without a device). Installs torch, pytest, scikit-build-core, ninja, transformers and
 # matplotlib from PyPI when missing. PYTHON picks the interpreter (default python3).
 set -euo pipefail
@@ -32,11 +32,22 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 
 # Without build isolation: the extension must be built against the torch installed here.
-# The build tree (build/python-*) is kept, so a second run only rebuilds what changed.
-echo "[python] building and installing trainscale (pip install .)"
+# Where scripts/build.sh left a build tree (BUILD_DIR, default build), the package is built in
+# it, keeping its tests and bench as configured: the library is compiled once for both, and the
+# extension alone is added. Otherwise pip's own tree (build/python-*) is kept, so a second run
+# only rebuilds what changed.
+build_args=()
+BUILD_DIR=${BUILD_DIR:-build}
+if [ -f "$BUILD_DIR/CMakeCache.txt" ]; then
+  cached() { sed -n "s/^$1:BOOL=//p" "$BUILD_DIR/CMakeCache.txt"; }
+  build_args=(-C "build-dir=$BUILD_DIR"
+              -C "cmake.define.TRAINSCALE_BUILD_TESTS=$(cached TRAINSCALE_BUILD_TESTS)"
+              -C "cmake.define.TRAINSCALE_BUILD_BENCH=$(cached TRAINSCALE_BUILD_BENCH)")
+fi
+echo "[python] building and installing trainscale (pip install .${build_args:+ in $BUILD_DIR})"
 export CMAKE_BUILD_PARALLEL_LEVEL=${JOBS:-$(nproc)}
 log=$(mktemp)
-if ! pip_install . --no-build-isolation --no-deps -v >"$log" 2>&1; then
+if ! pip_install . --no-build-isolation --no-deps -v "${build_args[@]}" >"$log" 2>&1; then
   grep -E "error|Error" -A3 "$log" | head -60
   tail -20 "$log"
   exit 1
