@@ -159,6 +159,22 @@ TEST(SoftmaxCuda, DenseFeedAndSparseSplitRows) {
   }
 }
 
+// More long rows than the persistent grid has blocks (clusters), so each block takes several
+// rows through its ring, each next row's copies landing while the one before is reduced and
+// written: rows of 2048 16-byte slots (512 threads), shifted and strided in place, and of 8192
+// (a cluster of 2).
+TEST(SoftmaxCuda, LongRowsThroughTheRing) {
+  TS_REQUIRE_GPU();
+  for (DType dt : kDtypes) {
+    const auto v = static_cast<std::int64_t>(16 / dtype_size(dt));
+    for (const Layout& l : {Layout{700, 2048 * v, 0, false}, Layout{600, 2048 * v - 3, 5, true},
+                            Layout{300, 8192 * v, 0, false}}) {
+      check_forward(dt, l, l.shift);
+      check_backward(dt, l, l.shift);
+    }
+  }
+}
+
 TEST(SoftmaxCuda, RowsLongerThanSupportedThrow) {
   TS_REQUIRE_GPU();
   const DType dt = DType::kFloat32;

@@ -20,11 +20,21 @@ struct BackwardArgs {
 
 // Rows in flight per thread beyond the one it works on (common/row_kernel.cuh's ring), each as
 // dy and y: two for rows of up to a warp (bf16 N <= 1024; 64 KiB per 256-thread block, 9-12 %
-// faster there on an H100). Longer rows load straight into registers: two stages measured the
-// same at N 2048 and 5-8 % slower at 4096-8192, one stage 3-24 % slower, and 1024-thread blocks
-// have no room for two.
+// faster there on an H100). Rows of 129 to 1024 slots (the 2-slot split below) load straight into
+// registers: two stages measured the same at N 2048 and 5-8 % slower at 4096-8192, one stage
+// 3-24 % slower. Longer rows (4 slots per thread on 512 or 1024 threads, clusters beyond) take
+// one: a block per SM (two of 512) reduces and writes its row while the next row's copies land
+// (64 or 128 KiB per block), 7-10 % faster at bf16 32768 x 16384-65536 and 23 % at 16384 x 131072
+// and 8192 x 262144 than straight into registers.
 constexpr int kRingMaxThreads = 32;  // rows of up to kRingMaxThreads * kRowVecs = 128 slots
-constexpr int backward_stages(int threads) { return threads <= kRingMaxThreads ? 2 : 0; }
+constexpr int kDenseVecs = 2, kDenseMinThreads = 128, kDenseMaxThreads = 512;
+constexpr int backward_stages(int threads, int vecs) {
+  if (threads <= kRingMaxThreads) return 2;
+  return vecs == detail::kRowVecs ? 1 : 0;
+}
+// The ring's buffers for launch_rows: dy and y per stage.
+template <int kVecs>
+constexpr auto kRingBuffers = [](int threads) { return 2 * backward_stages(threads, kVecs); };
 
 // Rows of 129 to 1024 slots (bf16 N 1025-8192) take 2 slots per thread on twice the threads,
 // at 40 registers: 1536 threads per SM instead of 1024 hide more of the loads of a kernel that
@@ -32,20 +42,19 @@ constexpr int backward_stages(int threads) { return threads <= kRingMaxThreads ?
 // registers and 2048 threads per SM (kSparse): 2-20 % faster at bf16 N 6144 and 7168 (4096 to
 // 65536 rows), where full rows (N 2048-8192) ran 5-9 % slower so (32 registers spill 28 bytes).
 // Longer rows keep 4 slots per thread: a 1024-thread block of 2 was slower (docs/perf/softmax.md).
-constexpr int kDenseVecs = 2, kDenseMinThreads = 128, kDenseMaxThreads = 512;
 enum class Occupancy { kDefault, kSparse };
 template <int kVecs, int kCluster, Occupancy kOccupancy>
 constexpr int kSmThreads = kOccupancy == Occupancy::kSparse               ? 2048
                            : kVecs == kDenseVecs && kCluster == 1 ? 1536
                                                                   : detail::kRowMaxThreads;
-template <int kThreads>
-constexpr int kBackwardBlock = detail::row_block_threads(kThreads, backward_stages(kThreads) > 0);
+template <int kThreads, int kVecs>
+constexpr int kBackwardBlock = detail::row_block_threads(kThreads, backward_stages(kThreads, kVecs) > 0);
 
 template <class T, int kThreads, int kVecs, int kCluster, Occupancy kOccupancy>
-__global__ void __launch_bounds__(kBackwardBlock<kThreads>,
-                                  kSmThreads<kVecs, kCluster, kOccupancy> / kBackwardBlock<kThreads>)
+__global__ void __launch_bounds__(kBackwardBlock<kThreads, kVecs>,
+                                  kSmThreads<kVecs, kCluster, kOccupancy> / kBackwardBlock<kThreads, kVecs>)
     softmax_backward_kernel(BackwardArgs a) {
-  constexpr int kStages = backward_stages(kThreads);
+  constexpr int kStages = backward_stages(kThreads, kVecs);
   using Tile = detail::RowTile<T, kThreads, kVecs, kCluster, detail::SumOp, 1, (kStages > 0)>;
   constexpr int V = Tile::V;
   __shared__ Tile tile;
@@ -138,16 +147,16 @@ void softmax_backward_cuda(const TensorView& dy, const TensorView& y, TensorView
       }
       return softmax_backward_kernel<T, kThreads, kVecs, kCluster, Occupancy::kDefault>;
     };
-    const auto stages = [](int threads) { return 2 * backward_stages(threads); };
     // Three ranges of the row length, each compiling only the splits it uses.
     if (slots <= kRingMaxThreads * detail::kRowVecs) {
-      detail::launch_rows<T, 1, detail::kRowVecs, kRingMaxThreads>(op, r.rows, r.cols, max_shift,
-                                                                    stream, kernel, stages, a);
+      detail::launch_rows<T, 1, detail::kRowVecs, kRingMaxThreads>(op, r.rows, r.cols, max_shift, stream,
+                                                                    kernel, kRingBuffers<detail::kRowVecs>, a);
     } else if (slots <= kDenseMaxThreads * kDenseVecs) {
       detail::launch_rows<T, kDenseMinThreads, kDenseVecs, kDenseMaxThreads>(
-          op, r.rows, r.cols, max_shift, stream, kernel, stages, a);
+          op, r.rows, r.cols, max_shift, stream, kernel, kRingBuffers<kDenseVecs>, a);
     } else {
-      detail::launch_rows<T, kDenseMaxThreads>(op, r.rows, r.cols, max_shift, stream, kernel, stages, a);
+      detail::launch_rows<T, kDenseMaxThreads>(op, r.rows, r.cols, max_shift, stream, kernel,
+                                               kRingBuffers<detail::kRowVecs>, a);
     }
   });
 }
