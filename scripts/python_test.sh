@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds the Python package (PyTorch extension + the trainscale library, CUDA sources included
-# when nvcc is found) with `pip install .` (in scripts/build.sh's tree when there is one) and runs its pytest suite (python/tests; GPU tests
-# skip without a device). Installs torch, pytest, scikit-build-core, ninja, transformers and
-# matplotlib from PyPI when missing. PYTHON picks the interpreter (default python3).
+# when nvcc is found) with `pip install .` (in scripts/build.sh's tree when there is one) and
+# runs its pytest suite (python/tests; GPU tests skip without a device). Installs torch, pytest,
+# scikit-build-core, ninja, transformers and matplotlib from PyPI when missing. PYTHON picks the
+# interpreter (default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x /usr/local/cuda/bin/nvcc ] && export PATH="/usr/local/cuda/bin:$PATH"
@@ -32,13 +33,13 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 
 # Without build isolation: the extension must be built against the torch installed here.
-# Where scripts/build.sh left a build tree (BUILD_DIR, default build), the package is built in
-# it, keeping its tests and bench as configured: the library is compiled once for both, and the
-# extension alone is added. Otherwise pip's own tree (build/python-*) is kept, so a second run
-# only rebuilds what changed.
+# Where scripts/build.sh left a build tree (BUILD_DIR, default build; Ninja, as pip's build
+# uses), the package is built in it, keeping its tests and bench as configured: the library is
+# compiled once for both, and the extension alone is added. Otherwise pip's own tree
+# (build/python-*) is kept, so a second run only rebuilds what changed.
 build_args=()
 BUILD_DIR=${BUILD_DIR:-build}
-if [ -f "$BUILD_DIR/CMakeCache.txt" ]; then
+if grep -qx "CMAKE_GENERATOR:INTERNAL=Ninja" "$BUILD_DIR/CMakeCache.txt" 2>/dev/null; then
   cached() { sed -n "s/^$1:BOOL=//p" "$BUILD_DIR/CMakeCache.txt"; }
   build_args=(-C "build-dir=$BUILD_DIR"
               -C "cmake.define.TRAINSCALE_BUILD_TESTS=$(cached TRAINSCALE_BUILD_TESTS)"
