@@ -1,5 +1,6 @@
 // CUDA launchers of the loss family; arguments arrive validated by loss.cc: MSE (mse.cu),
-// cross-entropy (cross_entropy.cu, cross_entropy_held.cu), fused linear cross-entropy (fused_linear_cross_entropy.cu).
+// cross-entropy (cross_entropy.cu, cross_entropy_held.cu), fused linear cross-entropy
+// (fused_linear_cross_entropy.cu).
 #pragma once
 
 #include "ops/loss/loss_internal.h"
