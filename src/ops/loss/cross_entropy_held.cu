@@ -60,18 +60,20 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
       const int c = Tile::column(share, i, shift, n);
       float v[V];
       detail::to_floats(held[i], v);
-      detail::Vec<Exp<T>, V> e;
+      float ex[V];
 #pragma unroll
       for (int j = 0; j < V; ++j) {
         const float x = logit(v[j], c + j);
-        const float ex = detail::exp_minus(x, pivot);
-        stats[1] += ex;
+        ex[j] = detail::exp_minus(x, pivot);
+        stats[1] += ex[j];
         if (c + j == t_col) stats[3] = x;
         if (detail::in_row(c + j, n)) stats[2] += x;  // skips the padding
-        e.v[j] = detail::from_float<Exp<T>>(ex);
       }
       // Without the softcap the gradient needs only the exponentials: kept in place of x.
-      if constexpr (!kSoftcap) memcpy(&held[i], &e, sizeof(e));
+      if constexpr (!kSoftcap) {
+        const auto e = detail::to_exp_storage<T>(ex);
+        memcpy(&held[i], &e, sizeof(e));
+      }
     }
     tile.reduce(stats, reduced);
     if (!valid) return;

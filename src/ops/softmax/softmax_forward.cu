@@ -80,13 +80,12 @@ __global__ void __launch_bounds__(kFeedBlock<kFeed, kThreads>,
     for (int i = 0; i < kVecs; ++i) {
       float v[V];
       detail::to_floats(held[i], v);
-      detail::Vec<detail::ExpStorage<T>, V> e;
 #pragma unroll
       for (int j = 0; j < V; ++j) {
         v[j] = detail::exp_minus(v[j], pivot);
         s += v[j];
-        e.v[j] = detail::from_float<detail::ExpStorage<T>>(v[j]);
       }
+      const auto e = detail::to_exp_storage<T>(v);
       memcpy(&held[i], &e, sizeof(e));
     }
     float stats[2] = {m, s};
