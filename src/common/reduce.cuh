@@ -83,8 +83,11 @@ __device__ __forceinline__ void warp_segment_reduce(F (&v)[kCount]) {
 // Combines over kThreads consecutive threads (a power of two); when kThreads > 32 they are
 // whole warps and `scratch` holds kThreads / 32 * kCount values. Every participating thread
 // gets the result. Callers that loop must not reuse `scratch` before all threads have read
-// it: the leading barrier of the next call takes care of that.
-template <int kThreads, class Op, class F, int kCount>
+// it: the leading barrier of the next call takes care of that, or, without it
+// (kLeadingBarrier false), scratch alternating between two buffers call by call (a thread
+// writes buffer p for call k + 2 only after every thread passed call k + 1's barrier, hence
+// finished reading buffer p for call k).
+template <int kThreads, class Op, bool kLeadingBarrier = true, class F, int kCount>
 __device__ __forceinline__ void row_reduce(F (&v)[kCount], F* scratch) {
   warp_segment_reduce<(kThreads < 32 ? kThreads : 32), Op>(v);
   if constexpr (kThreads > 32) {
@@ -92,7 +95,7 @@ __device__ __forceinline__ void row_reduce(F (&v)[kCount], F* scratch) {
     const int lane = threadIdx.x % 32;
     const int warp = (threadIdx.x % kThreads) / 32;
     F* row_scratch = scratch + (threadIdx.x / kThreads) * kWarps * kCount;
-    __syncthreads();
+    if constexpr (kLeadingBarrier) __syncthreads();
     if (lane == 0) {
 #pragma unroll
       for (int c = 0; c < kCount; ++c) row_scratch[warp * kCount + c] = v[c];

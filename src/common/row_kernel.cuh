@@ -261,7 +261,8 @@ struct RowTile {
   static constexpr int kBlock = row_block_threads(kThreads, kRing);
   static constexpr int kRowsPerBlock = kBlock / kThreads;
   static_assert(kCluster == 1 || kRowsPerBlock == 1, "a cluster shares one row");
-  float scratch[kThreads > 32 ? kBlock / 32 * kCount : 1];
+  // Two buffers, alternating by row: row_reduce without its leading barrier.
+  float scratch[2][kThreads > 32 ? kBlock / 32 * kCount : 1];
   ClusterRowReduce<kCluster, kCount, Op> cluster;  // kCluster > 1
 
   // The block's share of a row of `slots` slots (the launch's maximum over rows).
@@ -419,10 +420,12 @@ struct RowTile {
   // v: this thread's partial values, replaced by the row's (bitwise alike in every thread of
   // the row, across the cluster too). reduced: the thread's count of rows reduced so far.
   __device__ __forceinline__ void reduce(float (&v)[kCount], int& reduced) {
-    row_reduce<kThreads, Op>(v, scratch);
+    row_reduce<kThreads, Op, false>(v, scratch[reduced & 1]);
     if constexpr (kCluster > 1) {
       if (reduced == 0) cluster.wait_started();
-      cluster.reduce(v, reduced);
+      cluster.reduce(v, reduced);  // advances reduced
+    } else {
+      ++reduced;
     }
   }
 };
