@@ -252,17 +252,18 @@ __device__ __forceinline__ void reconvert_after(Vec<T, V> (&held)[kVecs]) {
 // rows, or one row per cluster) and which slots of them (a contiguous share per block of the
 // cluster, spread over the threads slot by slot so that a warp's accesses are contiguous).
 // kCount values are reduced per row with Op (reduce()). kRing: the rows stream through a row
-// ring (for_each_row with stages), which sets the block (row_block_threads). Lives in shared
-// memory (the reduction scratch and the cluster's exchange); every thread runs every row group
-// of its block.
-template <class T, int kThreads, int kVecs, int kCluster, class Op, int kCount, bool kRing = true>
+// ring (for_each_row with stages), which sets the block (row_block_threads). kAlternating: the
+// reduction's scratch alternates between two buffers by row, so each row takes one block
+// barrier instead of two (row_reduce without its leading barrier). Lives in shared memory (the
+// reduction scratch and the cluster's exchange); every thread runs every row group of its block.
+template <class T, int kThreads, int kVecs, int kCluster, class Op, int kCount, bool kRing = true,
+          bool kAlternating = false>
 struct RowTile {
   static constexpr int V = kVec16<T>;
   static constexpr int kBlock = row_block_threads(kThreads, kRing);
   static constexpr int kRowsPerBlock = kBlock / kThreads;
   static_assert(kCluster == 1 || kRowsPerBlock == 1, "a cluster shares one row");
-  // Two buffers, alternating by row: row_reduce without its leading barrier.
-  float scratch[2][kThreads > 32 ? kBlock / 32 * kCount : 1];
+  float scratch[kAlternating ? 2 : 1][kThreads > 32 ? kBlock / 32 * kCount : 1];
   ClusterRowReduce<kCluster, kCount, Op> cluster;  // kCluster > 1
 
   // The block's share of a row of `slots` slots (the launch's maximum over rows).
@@ -420,7 +421,11 @@ struct RowTile {
   // v: this thread's partial values, replaced by the row's (bitwise alike in every thread of
   // the row, across the cluster too). reduced: the thread's count of rows reduced so far.
   __device__ __forceinline__ void reduce(float (&v)[kCount], int& reduced) {
-    row_reduce<kThreads, Op, false>(v, scratch[reduced & 1]);
+    if constexpr (kAlternating) {
+      row_reduce<kThreads, Op, false>(v, scratch[reduced & 1]);
+    } else {
+      row_reduce<kThreads, Op>(v, scratch[0]);
+    }
     if constexpr (kCluster > 1) {
       if (reduced == 0) cluster.wait_started();
       cluster.reduce(v, reduced);  // advances reduced
