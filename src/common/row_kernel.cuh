@@ -213,7 +213,7 @@ using ExpStorage = std::conditional_t<std::is_same_v<T, float>, float, __half>;
 
 // V exponentials rounded to ExpStorage<T>: fp16 pairs one conversion each (converted one by one,
 // every value took a conversion and a register of its own until the output: bf16 softmax
-// forward 32768 x 4096-8192 1-3 % slower).
+// forward 32768 x 4096-8192 1-2 % slower).
 template <class T, int V>
 __device__ __forceinline__ Vec<ExpStorage<T>, V> to_exp_storage(const float (&v)[V]) {
   Vec<ExpStorage<T>, V> e;
