@@ -171,6 +171,25 @@ TEST(CrossEntropyCuda, ForwardMatchesReference) {
       }
 }
 
+// More long rows with the gradient than the held kernel's persistent grid has clusters, so each
+// cluster reduces several rows in turn (its reduction scratch alternating between two buffers
+// by row): bf16 / fp16 N 40000 in clusters of 2, float32 in clusters of 4; plain, misaligned and
+// strided in place, and softcapped.
+TEST(CrossEntropyCuda, ManyLongRowsPerCluster) {
+  TS_REQUIRE_GPU();
+  for (DType dt : kDtypes)
+    for (const Layout& l : {Layout{300, 40000, 0, false}, Layout{257, 39997, 5, true}}) {
+      Case c{dt, l};
+      c.o.reduction = Reduction::kMean;
+      c.in_place = l.shift;
+      check_forward(c);
+      c.o.softcap = 5;
+      c.lo = -60;
+      c.hi = 60;
+      check_forward(c);
+    }
+}
+
 TEST(CrossEntropyCuda, EveryOption) {
   TS_REQUIRE_GPU();
   for (DType dt : kDtypes)
