@@ -42,6 +42,15 @@ inline int rows_max_shift(const void* data, std::int64_t stride, std::size_t ele
   return static_cast<int>((reinterpret_cast<std::uintptr_t>(data) % 16) / elem_bytes);
 }
 
+// Whether every row at `data` every `stride` elements of `elem_bytes` starts at 16 bytes and
+// `cols` of them fill whole 16-byte slots (RowTile's kAligned).
+inline bool rows_at_slots(const void* data, std::int64_t stride, std::int64_t cols,
+                          std::size_t elem_bytes) {
+  const auto bytes = static_cast<std::int64_t>(elem_bytes);
+  return reinterpret_cast<std::uintptr_t>(data) % 16 == 0 && (stride * bytes) % 16 == 0 &&
+         (cols * bytes) % 16 == 0;
+}
+
 // The split of a row of `slots` slots, a pure function of its length:
 //   up to 2 slots: 1 or 2 threads of one slot each; then `vecs` slots per thread (4 by default)
 //   and as few threads as cover the row (at least min_threads), up to 1024 (bf16 N = 32768,

@@ -254,10 +254,12 @@ __device__ __forceinline__ void reconvert_after(Vec<T, V> (&held)[kVecs]) {
 // kCount values are reduced per row with Op (reduce()). kRing: the rows stream through a row
 // ring (for_each_row with stages), which sets the block (row_block_threads). kAlternating: the
 // reduction's scratch alternates between two buffers by row, so each row takes one block
-// barrier instead of two (row_reduce without its leading barrier). Lives in shared memory (the
+// barrier instead of two (row_reduce without its leading barrier). kAligned: every row of every
+// tensor the kernel moves starts at 16 bytes and fills whole slots (rows_at_slots), so each slot
+// a thread owns moves as one vector, without bounds or shift tests. Lives in shared memory (the
 // reduction scratch and the cluster's exchange); every thread runs every row group of its block.
 template <class T, int kThreads, int kVecs, int kCluster, class Op, int kCount, bool kRing = true,
-          bool kAlternating = false>
+          bool kAlternating = false, bool kAligned = false>
 struct RowTile {
   static constexpr int V = kVec16<T>;
   static constexpr int kBlock = row_block_threads(kThreads, kRing);
@@ -308,8 +310,15 @@ struct RowTile {
   }
   // Whether the slot at column c moves by a vector: wholly inside the row, and at 16 bytes in
   // this tensor (`vectors`: its rows share the phase of the rows the slots are cut along).
+  // Always, for a slot the thread owns, under kAligned.
   static __device__ __forceinline__ bool whole(int c, int n, bool vectors) {
+    if constexpr (kAligned) return true;
     return vectors && c >= 0 && c + V <= n;
+  }
+  // Elements of `row` before it in its first slot (row_shift; 0 under kAligned).
+  static __device__ __forceinline__ int shift_of(const T* row) {
+    if constexpr (kAligned) return 0;
+    return row_shift(row);
   }
   // Starts copying the thread's whole slots of `row` into the ring at `to` (staged()); partial
   // slots are read by take().
@@ -328,7 +337,7 @@ struct RowTile {
                                                     const Share& s, int n) {
     return [=](std::int64_t row, int stage) {
       const T* r = base + row * stride;
-      fetch(r, s, row_shift(r), n, true, staged<kStages>(stage));
+      fetch(r, s, shift_of(r), n, true, staged<kStages>(stage));
     };
   }
   // The thread's slot i (first column c) of `row`: from the ring at `from` when it is whole and

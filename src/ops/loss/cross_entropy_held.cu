@@ -11,14 +11,15 @@
 namespace trainscale::ops::loss::ce {
 namespace {
 
-template <class T, bool kSoftcap, int kThreads, int kVecs, int kCluster>
+template <class T, bool kSoftcap, int kThreads, int kVecs, int kCluster, bool kAligned>
 __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
                                   detail::kRowMaxThreads / detail::row_block_threads(kThreads))
     cross_entropy_forward_kernel(ForwardArgs a) {
   // (max, sum of exp(x - max), sum of x, x[target]) of the softcapped logits.
   // One barrier per row on the cluster kernels: 2.4-4.6 % faster with the gradient at bf16 N
   // 65536-262144 and 128256; on a single block it was up to 4 % slower (32768 x 32768).
-  using Tile = detail::RowTile<T, kThreads, kVecs, kCluster, detail::OnlineSoftmaxOp, 4, true, (kCluster > 1)>;
+  using Tile = detail::RowTile<T, kThreads, kVecs, kCluster, detail::OnlineSoftmaxOp, 4, true, (kCluster > 1),
+                               kAligned>;
   constexpr int V = Tile::V;
   constexpr int kForwardStages = detail::kRowRingStages;
   __shared__ Tile tile;
@@ -34,7 +35,7 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
   Tile::template for_each_row<kForwardStages>(a.rows, fetch, [&](std::int64_t row, bool valid,
                                                                  int stage, auto&& refill) {
     const T* x_row = logits + row * a.logits_stride;
-    const int shift = detail::row_shift(x_row);
+    const int shift = Tile::shift_of(x_row);
     const int t_col = valid ? target_column(a.targets[row], o.ignore_index, n) : kIgnoredRow;
     // Elements outside the row load as -inf: no effect on the maximum, exp 0 in the sum (with
     // the softcap, which maps them to -c, they are tested for instead).
@@ -60,6 +61,7 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
     for (int i = 0; i < kVecs; ++i) {
       // Slots the thread does not own hold the padding and match no column of the row.
       const int c = Tile::column(share, i, shift, n);
+      const bool owned = Tile::owns(share, i);
       float v[V];
       detail::to_floats(held[i], v);
       float ex[V];
@@ -69,7 +71,7 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
         ex[j] = detail::exp_minus(x, pivot);
         stats[1] += ex[j];
         if (c + j == t_col) stats[3] = x;
-        if (detail::in_row(c + j, n)) stats[2] += x;  // skips the padding
+        if (kAligned ? owned : detail::in_row(c + j, n)) stats[2] += x;  // skips the padding
       }
       // Without the softcap the gradient needs only the exponentials: kept in place of x.
       if constexpr (!kSoftcap) {
@@ -123,7 +125,7 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
           if (c + j == t_col) g[j] -= 1.f - o.smoothing;
           g[j] = ignored ? 0.f : g[j] * row_scale;
         }
-        detail::store_slot<T, V>(g_row, c, n, g_vectors && c >= 0 && c + V <= n, g);
+        detail::store_slot<T, V>(g_row, c, n, Tile::whole(c, n, g_vectors), g);
       }
     }
   });
@@ -138,14 +140,19 @@ void launch_held_forward(ForwardArgs a, bool softcap, std::int64_t cols, int max
   // filled one 16-byte slot of the four each thread holds, four times the instructions per
   // logit.
   constexpr int kMinThreads = 1;
+  // Rows at 16 bytes filling whole slots take kernels without bounds tests (not softcapped).
+  const bool aligned =
+      !softcap && detail::rows_at_slots(a.logits, a.logits_stride, cols, sizeof(T)) &&
+      (a.grad == nullptr || detail::rows_at_slots(a.grad, a.grad_stride, cols, sizeof(T)));
   detail::launch_rows<T, kMinThreads>(
       op, a.rows, cols, max_shift, stream,
       [&](auto threads, auto vecs, auto cluster) {
         constexpr int kThreads = decltype(threads)::value;
         constexpr int kVecs = decltype(vecs)::value;
         constexpr int kCluster = decltype(cluster)::value;
-        return softcap ? cross_entropy_forward_kernel<T, true, kThreads, kVecs, kCluster>
-                       : cross_entropy_forward_kernel<T, false, kThreads, kVecs, kCluster>;
+        if (softcap) return cross_entropy_forward_kernel<T, true, kThreads, kVecs, kCluster, false>;
+        return aligned ? cross_entropy_forward_kernel<T, false, kThreads, kVecs, kCluster, true>
+                       : cross_entropy_forward_kernel<T, false, kThreads, kVecs, kCluster, false>;
       },
       [](int) { return detail::kRowRingStages; }, a);
 }

@@ -50,12 +50,13 @@ constexpr int kSmThreads = kOccupancy == Occupancy::kSparse               ? 2048
 template <int kThreads, int kVecs>
 constexpr int kBackwardBlock = detail::row_block_threads(kThreads, backward_stages(kThreads, kVecs) > 0);
 
-template <class T, int kThreads, int kVecs, int kCluster, Occupancy kOccupancy>
+template <class T, int kThreads, int kVecs, int kCluster, Occupancy kOccupancy, bool kAligned>
 __global__ void __launch_bounds__(kBackwardBlock<kThreads, kVecs>,
                                   kSmThreads<kVecs, kCluster, kOccupancy> / kBackwardBlock<kThreads, kVecs>)
     softmax_backward_kernel(BackwardArgs a) {
   constexpr int kStages = backward_stages(kThreads, kVecs);
-  using Tile = detail::RowTile<T, kThreads, kVecs, kCluster, detail::SumOp, 1, (kStages > 0)>;
+  using Tile = detail::RowTile<T, kThreads, kVecs, kCluster, detail::SumOp, 1, (kStages > 0), false,
+                               kAligned>;
   constexpr int V = Tile::V;
   __shared__ Tile tile;
   tile.start();
@@ -73,7 +74,7 @@ __global__ void __launch_bounds__(kBackwardBlock<kThreads, kVecs>,
   const auto fetch = [&](std::int64_t row, int stage) {
     const T* dy_row = dy_row_of(row);
     const T* y_row = y_row_of(row);
-    const int shift = detail::row_shift(dy_row);
+    const int shift = Tile::shift_of(dy_row);
     Tile::fetch(dy_row, share, shift, n, true, Tile::template staged<kStages>(2 * stage));
     Tile::fetch(y_row, share, shift, n, detail::same_phase(dy_row, y_row),
                 Tile::template staged<kStages>(2 * stage + 1));
@@ -82,7 +83,7 @@ __global__ void __launch_bounds__(kBackwardBlock<kThreads, kVecs>,
                                                           auto&& refill) {
     const T* dy_row = dy_row_of(row);
     const T* y_row = y_row_of(row);
-    const int shift = detail::row_shift(dy_row);
+    const int shift = Tile::shift_of(dy_row);
     const bool y_vectors = detail::same_phase(dy_row, y_row);
     const uint4* dy_staged = Tile::template staged<kStages>(2 * stage);
     const uint4* y_staged = Tile::template staged<kStages>(2 * stage + 1);
@@ -92,9 +93,8 @@ __global__ void __launch_bounds__(kBackwardBlock<kThreads, kVecs>,
     for (int i = 0; i < kVecs; ++i) {
       const int c = Tile::slot(share, i) * V - shift;
       if (!valid || !Tile::owns(share, i)) continue;
-      const bool inside = c >= 0 && c + V <= n;
-      Tile::take_slot(dy_row, c, n, inside, T(0.f), dy_staged, i, dy_held[i]);
-      Tile::take_slot(y_row, c, n, inside && y_vectors, T(0.f), y_staged, i, y_held[i]);
+      Tile::take_slot(dy_row, c, n, Tile::whole(c, n, true), T(0.f), dy_staged, i, dy_held[i]);
+      Tile::take_slot(y_row, c, n, Tile::whole(c, n, y_vectors), T(0.f), y_staged, i, y_held[i]);
     }
     float dot[1] = {0.f};
 #pragma unroll
@@ -120,7 +120,7 @@ __global__ void __launch_bounds__(kBackwardBlock<kThreads, kVecs>,
       detail::to_floats(y_held[i], p);
 #pragma unroll
       for (int j = 0; j < V; ++j) g[j] = p[j] * (g[j] - dot[0]);
-      detail::store_slot<T, V>(dx_row, c, n, dx_vectors && c >= 0 && c + V <= n, g);
+      detail::store_slot<T, V>(dx_row, c, n, Tile::whole(c, n, dx_vectors), g);
     }
   });
 }
@@ -139,13 +139,21 @@ void softmax_backward_cuda(const TensorView& dy, const TensorView& y, TensorView
     const std::int64_t slots = detail::row_slots(r.cols, detail::kVec16<T>, max_shift);
     // The dense split's occupancy where it leaves slots empty.
     const bool sparse = (slots & (slots - 1)) != 0;
-    const auto kernel = [sparse](auto threads, auto vecs, auto cluster) {
+    // Rows at 16 bytes filling whole slots (the common case) take kernels without bounds tests.
+    const bool aligned = detail::rows_at_slots(dy.data, r.row_stride, r.cols, sizeof(T)) &&
+                         detail::rows_at_slots(y.data, a.y_stride, r.cols, sizeof(T)) &&
+                         detail::rows_at_slots(dx.data, a.dx_stride, r.cols, sizeof(T));
+    const auto kernel = [sparse, aligned](auto threads, auto vecs, auto cluster) {
       constexpr int kThreads = decltype(threads)::value, kVecs = decltype(vecs)::value,
                     kCluster = decltype(cluster)::value;
       if constexpr (kVecs == kDenseVecs) {
-        if (sparse) return softmax_backward_kernel<T, kThreads, kVecs, kCluster, Occupancy::kSparse>;
+        if (sparse) {
+          return aligned ? softmax_backward_kernel<T, kThreads, kVecs, kCluster, Occupancy::kSparse, true>
+                         : softmax_backward_kernel<T, kThreads, kVecs, kCluster, Occupancy::kSparse, false>;
+        }
       }
-      return softmax_backward_kernel<T, kThreads, kVecs, kCluster, Occupancy::kDefault>;
+      return aligned ? softmax_backward_kernel<T, kThreads, kVecs, kCluster, Occupancy::kDefault, true>
+                     : softmax_backward_kernel<T, kThreads, kVecs, kCluster, Occupancy::kDefault, false>;
     };
     // Three ranges of the row length, each compiling only the splits it uses.
     if (slots <= kRingMaxThreads * detail::kRowVecs) {

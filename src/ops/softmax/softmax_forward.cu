@@ -45,12 +45,13 @@ bool dense_feed(std::int64_t slots, std::int64_t rows) {
          rows >= kDenseMinRows;
 }
 
-template <class T, Feed kFeed, int kThreads, int kVecs, int kCluster>
+template <class T, Feed kFeed, int kThreads, int kVecs, int kCluster, bool kAligned>
 __global__ void __launch_bounds__(kFeedBlock<kFeed, kThreads>,
                                   kFeedSmThreads<kFeed> / kFeedBlock<kFeed, kThreads>)
     softmax_forward_kernel(ForwardArgs a) {
   constexpr int kStages = kFeedStages<kFeed>;
-  using Tile = detail::RowTile<T, kThreads, kVecs, kCluster, detail::OnlineSoftmaxOp, 2, (kStages > 0)>;
+  using Tile = detail::RowTile<T, kThreads, kVecs, kCluster, detail::OnlineSoftmaxOp, 2, (kStages > 0),
+                               false, kAligned>;
   constexpr int V = Tile::V;
   constexpr float kInf = std::numeric_limits<float>::infinity();
   __shared__ Tile tile;
@@ -63,7 +64,7 @@ __global__ void __launch_bounds__(kFeedBlock<kFeed, kThreads>,
   Tile::template for_each_row<kStages>(a.rows, fetch, [&](std::int64_t row, bool valid, int stage,
                                                           auto&& refill) {
     const T* x_row = x + row * a.x_stride;
-    const int shift = detail::row_shift(x_row);
+    const int shift = Tile::shift_of(x_row);
     // Elements outside the row load as -inf: no effect on the maximum, exp 0 in the sum.
     const T pad = detail::from_float<T>(-kInf);
     detail::Vec<T, V> held[kVecs];  // x, then the thread's exponentials as detail::ExpStorage<T>
@@ -107,7 +108,7 @@ __global__ void __launch_bounds__(kFeedBlock<kFeed, kThreads>,
       detail::to_floats(e, v);
 #pragma unroll
       for (int j = 0; j < V; ++j) v[j] *= factor;
-      detail::store_slot<T, V>(y_row, c, n, y_vectors && c >= 0 && c + V <= n, v);
+      detail::store_slot<T, V>(y_row, c, n, Tile::whole(c, n, y_vectors), v);
     }
   });
 }
@@ -123,21 +124,28 @@ void softmax_forward_cuda(const TensorView& x, TensorView y, cudaStream_t stream
     using T = typename decltype(tag)::type;
     const int max_shift = detail::rows_max_shift(x.data, xr.row_stride, sizeof(T));
     const std::int64_t slots = detail::row_slots(xr.cols, detail::kVec16<T>, max_shift);
+    // Rows at 16 bytes filling whole slots (the common case) take kernels without bounds tests.
+    const bool aligned = detail::rows_at_slots(x.data, xr.row_stride, xr.cols, sizeof(T)) &&
+                         detail::rows_at_slots(y.data, a.y_stride, xr.cols, sizeof(T));
     if (dense_feed(slots, xr.rows)) {
       detail::launch_rows<T, kDenseMinSlots / kDenseVecs, kDenseVecs, kDenseMaxSlots / kDenseVecs>(
           op, xr.rows, xr.cols, max_shift, stream,
-          [](auto threads, auto vecs, auto cluster) {
-            return softmax_forward_kernel<T, Feed::kDense, decltype(threads)::value,
-                                          decltype(vecs)::value, decltype(cluster)::value>;
+          [aligned](auto threads, auto vecs, auto cluster) {
+            constexpr int kThreads = decltype(threads)::value, kVecs = decltype(vecs)::value,
+                          kCluster = decltype(cluster)::value;
+            return aligned ? softmax_forward_kernel<T, Feed::kDense, kThreads, kVecs, kCluster, true>
+                           : softmax_forward_kernel<T, Feed::kDense, kThreads, kVecs, kCluster, false>;
           },
           [](int) { return 0; }, a);
       return;
     }
     detail::launch_rows<T, 1>(
         op, xr.rows, xr.cols, max_shift, stream,
-        [](auto threads, auto vecs, auto cluster) {
-          return softmax_forward_kernel<T, Feed::kRing, decltype(threads)::value,
-                                        decltype(vecs)::value, decltype(cluster)::value>;
+        [aligned](auto threads, auto vecs, auto cluster) {
+          constexpr int kThreads = decltype(threads)::value, kVecs = decltype(vecs)::value,
+                        kCluster = decltype(cluster)::value;
+          return aligned ? softmax_forward_kernel<T, Feed::kRing, kThreads, kVecs, kCluster, true>
+                         : softmax_forward_kernel<T, Feed::kRing, kThreads, kVecs, kCluster, false>;
         },
         [](int) { return detail::kRowRingStages; }, a);
   });
