@@ -60,5 +60,16 @@ TEST(RowConfig, SlotsCountTheFirstRowsShift) {
   EXPECT_EQ(rows_max_shift(buffer, 9, 2), 7);      // rows at every phase
 }
 
+TEST(RowConfig, RowsAtSlotsNeedBaseStrideAndLengthAtSixteenBytes) {
+  alignas(16) static char buffer[64];
+  EXPECT_TRUE(rows_at_slots(buffer, 8, 8, 2));       // bf16: 16-byte rows of 8
+  EXPECT_TRUE(rows_at_slots(buffer, 16, 8, 2));      // strided, every row at 16 bytes
+  EXPECT_TRUE(rows_at_slots(buffer, 4, 4, 4));       // fp32: 4 per slot
+  EXPECT_FALSE(rows_at_slots(buffer + 2, 8, 8, 2));  // base one element in
+  EXPECT_FALSE(rows_at_slots(buffer, 12, 8, 2));     // every other row off 16 bytes
+  EXPECT_FALSE(rows_at_slots(buffer, 8, 7, 2));      // a partial last slot
+  EXPECT_FALSE(rows_at_slots(buffer, 6, 6, 4));      // fp32 rows of 6: 24 bytes
+}
+
 }  // namespace
 }  // namespace trainscale::detail
