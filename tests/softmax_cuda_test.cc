@@ -8,6 +8,8 @@
 #include <vector>
 
 #include "common/row_config.h"
+#include "ops/softmax/softmax_cuda.h"
+#include "trainscale/error.h"
 #include "trainscale/softmax.h"
 #include "util/strided_device_buffer.h"
 
@@ -46,12 +48,19 @@ Values reference_forward(DType dt, const Values& x, const Layout& l) {
   return test::rounded(dt, y64);
 }
 
-void check_forward(DType dt, const Layout& l, bool in_place) {
+// feed kAuto: through the public entry point; else the CUDA launcher with that feed forced.
+using ops::softmax::SoftmaxFeed;
+
+void check_forward(DType dt, const Layout& l, bool in_place, SoftmaxFeed feed = SoftmaxFeed::kAuto) {
   SCOPED_TRACE(test::describe(dt, l) + (in_place ? " in place" : ""));
   const Values x = test::random_inputs(dt, l.rows * l.cols, 0, -8, 8, /*specials=*/false);
   StridedDeviceBuffer d_x(dt, l, &x), d_y(dt, l);
   const StridedDeviceBuffer& out = in_place ? d_x : d_y;
-  softmax_forward(d_x.view(), out.view());
+  if (feed == SoftmaxFeed::kAuto) {
+    softmax_forward(d_x.view(), out.view());
+  } else {
+    ops::softmax::softmax_forward_cuda(d_x.view(), out.view(), nullptr, feed);
+  }
   EXPECT_TRUE(test::matches_reference(out.values(), reference_forward(dt, x, l), test::tolerance(dt)));
   EXPECT_TRUE(out.padding_untouched());
 }
@@ -96,7 +105,7 @@ TEST(SoftmaxCuda, ForwardNanInfRows) {
   }
 }
 
-void check_backward(DType dt, const Layout& l, bool in_place) {
+void check_backward(DType dt, const Layout& l, bool in_place, SoftmaxFeed feed = SoftmaxFeed::kAuto) {
   SCOPED_TRACE(test::describe(dt, l) + (in_place ? " in place" : ""));
   const std::int64_t n = l.rows * l.cols;
   // y: a softmax output (probabilities) as the kernel's dtype holds it.
@@ -105,7 +114,11 @@ void check_backward(DType dt, const Layout& l, bool in_place) {
   const Values dy = test::random_inputs(dt, n, 1, -1, 1, false);
   StridedDeviceBuffer d_dy(dt, l, &dy), d_y(dt, l, &y), d_dx(dt, l);
   const StridedDeviceBuffer& out = in_place ? d_dy : d_dx;
-  softmax_backward(d_dy.view(), d_y.view(), out.view());
+  if (feed == SoftmaxFeed::kAuto) {
+    softmax_backward(d_dy.view(), d_y.view(), out.view());
+  } else {
+    ops::softmax::softmax_backward_cuda(d_dy.view(), d_y.view(), out.view(), nullptr, feed);
+  }
   auto dy64 = test::as_f64(dy, l.rows, l.cols), y64 = test::as_f64(y, l.rows, l.cols);
   HostTensor dx64(DType::kFloat64, {l.rows, l.cols});
   softmax_backward(dy64.view(), y64.view(), dx64.view());
@@ -171,6 +184,32 @@ TEST(SoftmaxCuda, LongRowsThroughTheRing) {
                             Layout{300, 8192 * v, 0, false}}) {
       check_forward(dt, l, l.shift);
       check_backward(dt, l, l.shift);
+    }
+  }
+}
+
+// The direct feed forced (rows of 1025-4096 slots at 16 bytes, a block of 512 or 1024 threads
+// each): at both block sizes, strided by whole slots and in place; other rows throw.
+TEST(SoftmaxCuda, DirectFeedRows) {
+  TS_REQUIRE_GPU();
+  for (DType dt : kDtypes) {
+    const auto v = static_cast<std::int64_t>(16 / dtype_size(dt));
+    for (const Layout& l : {Layout{300, 1025 * v, 0, false}, Layout{257, 2048 * v, v, false},
+                            Layout{40, 4096 * v, 0, false}, Layout{33, 3000 * v, 0, false}}) {
+      check_forward(dt, l, false, SoftmaxFeed::kDirect);
+      check_forward(dt, l, true, SoftmaxFeed::kDirect);
+      check_backward(dt, l, false, SoftmaxFeed::kDirect);
+      check_backward(dt, l, true, SoftmaxFeed::kDirect);
+    }
+    for (const Layout& l : {Layout{4, 1024 * v, 0, false}, Layout{4, 4097 * v, 0, false},
+                            Layout{4, 2048 * v, 0, true}, Layout{4, 2048 * v - 1, 0, false}}) {
+      SCOPED_TRACE(test::describe(dt, l));
+      StridedDeviceBuffer d_x(dt, l), d_y(dt, l);
+      EXPECT_THROW(ops::softmax::softmax_forward_cuda(d_x.view(), d_y.view(), nullptr, SoftmaxFeed::kDirect),
+                   UnsupportedVariantError);
+      EXPECT_THROW(ops::softmax::softmax_backward_cuda(d_x.view(), d_x.view(), d_y.view(), nullptr,
+                                                       SoftmaxFeed::kDirect),
+                   UnsupportedVariantError);
     }
   }
 }

@@ -28,7 +28,10 @@ struct BackwardArgs {
 // and 8192 x 262144 than straight into registers.
 constexpr int kRingMaxThreads = 32;  // rows of up to kRingMaxThreads * kRowVecs = 128 slots
 constexpr int kDenseVecs = 2, kDenseMinThreads = 128, kDenseMaxThreads = 512;
-constexpr int backward_stages(int threads, int vecs) {
+// kDirect: SoftmaxFeed::kDirect's rows (no ring), 4 slots per thread at 64 registers.
+enum class Occupancy { kDefault, kSparse, kDirect };
+constexpr int backward_stages(int threads, int vecs, Occupancy occupancy = Occupancy::kDefault) {
+  if (occupancy == Occupancy::kDirect) return 0;
   if (threads <= kRingMaxThreads) return 2;
   return vecs == detail::kRowVecs ? 1 : 0;
 }
@@ -42,19 +45,19 @@ constexpr auto kRingBuffers = [](int threads) { return 2 * backward_stages(threa
 // registers and 2048 threads per SM (kSparse): 2-20 % faster at bf16 N 6144 and 7168 (4096 to
 // 65536 rows), where full rows (N 2048-8192) ran 5-9 % slower so (32 registers spill 28 bytes).
 // Longer rows keep 4 slots per thread: a 1024-thread block of 2 was slower (docs/perf/softmax.md).
-enum class Occupancy { kDefault, kSparse };
 template <int kVecs, int kCluster, Occupancy kOccupancy>
 constexpr int kSmThreads = kOccupancy == Occupancy::kSparse               ? 2048
                            : kVecs == kDenseVecs && kCluster == 1 ? 1536
                                                                   : detail::kRowMaxThreads;
-template <int kThreads, int kVecs>
-constexpr int kBackwardBlock = detail::row_block_threads(kThreads, backward_stages(kThreads, kVecs) > 0);
+template <int kThreads, int kVecs, Occupancy kOccupancy>
+constexpr int kBackwardBlock =
+    detail::row_block_threads(kThreads, backward_stages(kThreads, kVecs, kOccupancy) > 0);
 
 template <class T, int kThreads, int kVecs, int kCluster, Occupancy kOccupancy, bool kAligned>
-__global__ void __launch_bounds__(kBackwardBlock<kThreads, kVecs>,
-                                  kSmThreads<kVecs, kCluster, kOccupancy> / kBackwardBlock<kThreads, kVecs>)
+__global__ void __launch_bounds__(kBackwardBlock<kThreads, kVecs, kOccupancy>,
+                                  kSmThreads<kVecs, kCluster, kOccupancy> / kBackwardBlock<kThreads, kVecs, kOccupancy>)
     softmax_backward_kernel(BackwardArgs a) {
-  constexpr int kStages = backward_stages(kThreads, kVecs);
+  constexpr int kStages = backward_stages(kThreads, kVecs, kOccupancy);
   using Tile = detail::RowTile<T, kThreads, kVecs, kCluster, detail::SumOp, 1, (kStages > 0), false,
                                kAligned>;
   constexpr int V = Tile::V;
@@ -128,7 +131,7 @@ __global__ void __launch_bounds__(kBackwardBlock<kThreads, kVecs>,
 }  // namespace
 
 void softmax_backward_cuda(const TensorView& dy, const TensorView& y, TensorView dx,
-                           cudaStream_t stream) {
+                           cudaStream_t stream, SoftmaxFeed feed) {
   const char* op = "softmax_backward";
   const detail::Rows r = detail::row_layout(dy);
   BackwardArgs a{dy.data, r.row_stride, y.data, detail::row_layout(y).row_stride, dx.data,
@@ -155,6 +158,16 @@ void softmax_backward_cuda(const TensorView& dy, const TensorView& y, TensorView
       return aligned ? softmax_backward_kernel<T, kThreads, kVecs, kCluster, Occupancy::kDefault, true>
                      : softmax_backward_kernel<T, kThreads, kVecs, kCluster, Occupancy::kDefault, false>;
     };
+    if (feed == SoftmaxFeed::kDirect) {
+      if (!direct_feed(aligned, slots)) throw_direct_unsupported(op, r.cols);
+      a.slots = static_cast<int>(slots);
+      const int threads = slots <= 2048 ? 512 : 1024;
+      constexpr auto kDirect = Occupancy::kDirect;
+      const auto direct = threads == 512 ? softmax_backward_kernel<T, 512, detail::kRowVecs, 1, kDirect, true>
+                                         : softmax_backward_kernel<T, 1024, detail::kRowVecs, 1, kDirect, true>;
+      detail::launch_row_kernel(direct, threads, detail::kRowVecs, 1, 0, r.rows, stream, op, a);
+      return;
+    }
     // Three ranges of the row length, each compiling only the splits it uses.
     if (slots <= kRingMaxThreads * detail::kRowVecs) {
       detail::launch_rows<T, 1, detail::kRowVecs, kRingMaxThreads>(op, r.rows, r.cols, max_shift, stream,

@@ -29,7 +29,8 @@ struct ForwardArgs {
 // 4-7 % faster there (bf16 32768 x 2048-8192, 65536 x 8192), 3 % at 16384 x 8192. The ring
 // stays faster over fewer rows (4096 x 8192: 3 %) and where a split leaves slots empty (N 6144,
 // 7168: 5-12 %); from N 16384, 2 slots per thread spill at 32 registers (1-33 % slower).
-enum class Feed { kRing, kDense };
+// kDirect: SoftmaxFeed::kDirect's rows, 4 slots per thread at 64 registers, a block per row.
+enum class Feed { kRing, kDense, kDirect };
 constexpr int kDenseVecs = 2, kDenseMinSlots = 256, kDenseMaxSlots = 1024;
 constexpr std::int64_t kDenseMinRows = 16384;
 
@@ -38,7 +39,7 @@ constexpr int kFeedStages = kFeed == Feed::kRing ? detail::kRowRingStages : 0;
 template <Feed kFeed, int kThreads>
 constexpr int kFeedBlock = detail::row_block_threads(kThreads, kFeed == Feed::kRing);
 template <Feed kFeed>
-constexpr int kFeedSmThreads = kFeed == Feed::kRing ? detail::kRowMaxThreads : 2048;
+constexpr int kFeedSmThreads = kFeed == Feed::kDense ? 2048 : detail::kRowMaxThreads;
 
 bool dense_feed(std::int64_t slots, std::int64_t rows) {
   return slots >= kDenseMinSlots && slots <= kDenseMaxSlots && (slots & (slots - 1)) == 0 &&
@@ -115,7 +116,7 @@ __global__ void __launch_bounds__(kFeedBlock<kFeed, kThreads>,
 
 }  // namespace
 
-void softmax_forward_cuda(const TensorView& x, TensorView y, cudaStream_t stream) {
+void softmax_forward_cuda(const TensorView& x, TensorView y, cudaStream_t stream, SoftmaxFeed feed) {
   const char* op = "softmax_forward";
   const detail::Rows xr = detail::row_layout(x);
   ForwardArgs a{x.data, xr.row_stride, y.data, detail::row_layout(y).row_stride, xr.rows,
@@ -127,6 +128,15 @@ void softmax_forward_cuda(const TensorView& x, TensorView y, cudaStream_t stream
     // Rows at 16 bytes filling whole slots (the common case) take kernels without bounds tests.
     const bool aligned = detail::rows_at_slots(x.data, xr.row_stride, xr.cols, sizeof(T)) &&
                          detail::rows_at_slots(y.data, a.y_stride, xr.cols, sizeof(T));
+    if (feed == SoftmaxFeed::kDirect) {
+      if (!direct_feed(aligned, slots)) throw_direct_unsupported(op, xr.cols);
+      a.slots = static_cast<int>(slots);
+      const int threads = slots <= 2048 ? 512 : 1024;
+      const auto kernel = threads == 512 ? softmax_forward_kernel<T, Feed::kDirect, 512, detail::kRowVecs, 1, true>
+                                         : softmax_forward_kernel<T, Feed::kDirect, 1024, detail::kRowVecs, 1, true>;
+      detail::launch_row_kernel(kernel, threads, detail::kRowVecs, 1, 0, xr.rows, stream, op, a);
+      return;
+    }
     if (dense_feed(slots, xr.rows)) {
       detail::launch_rows<T, kDenseMinSlots / kDenseVecs, kDenseVecs, kDenseMaxSlots / kDenseVecs>(
           op, xr.rows, xr.cols, max_shift, stream,
