@@ -167,15 +167,32 @@ Values run_split(DType dt, std::int64_t count, const Layout& l, const Values& x,
   return d_out.values();
 }
 
+// `count` random matrices l through run_split against the reference one by one, and, for a batch,
+// bit-identical to a call on each matrix alone.
+void check_split(DType dt, std::int64_t count, const Layout& l, int k, std::int64_t panel_rows) {
+  SCOPED_TRACE(test::describe(dt, l) + " x " + std::to_string(count) + " blocks " + std::to_string(k) +
+               " panel rows " + std::to_string(panel_rows));
+  const Values x = test::random_inputs(dt, count * l.rows * l.cols, 0, -1, 1, false);
+  const Values got = run_split(dt, count, l, x, k, panel_rows);
+  const std::int64_t n_elems = l.rows * l.cols;
+  for (std::int64_t n = 0; n < count; ++n) {
+    const Values one(x.begin() + n * n_elems, x.begin() + (n + 1) * n_elems);
+    const Values ref = run_reference(dt, l, one, {});
+    const Values mine(got.begin() + n * n_elems, got.begin() + (n + 1) * n_elems);
+    std::cout << "[newton_schulz split] matrix " << n << ": relative L2 error " << test::rel_l2(mine, ref) << '\n';
+    EXPECT_TRUE(test::matches_reference(mine, ref, tolerance(dt))) << "matrix " << n;
+    if (count > 1) {
+      EXPECT_EQ(run_split(dt, 1, l, one, k, panel_rows), mine) << "matrix " << n;
+    }
+  }
+}
+
 // The Gram products by blocks (only the lower block triangle computed, then mirrored), forced
 // at sizes whose fp64 reference is cheap (newton_schulz takes them only from p = 4096,
 // gram_blocks): against the reference, wide and tall, and a batch (a call per block over the
 // matrices) bit-identical to one call per matrix (a call per band of blocks).
 TEST(NewtonSchulzCuda, BlockedGramProductsMatchReferenceAndBatchBits) {
   TS_REQUIRE_GPU();
-  const auto run_blocked = [](DType dt, std::int64_t count, const Layout& l, const Values& x, int k) {
-    return run_split(dt, count, l, x, k);
-  };
   struct Case {
     int k;
     std::int64_t count;
@@ -185,22 +202,7 @@ TEST(NewtonSchulzCuda, BlockedGramProductsMatchReferenceAndBatchBits) {
     for (const Case& c : {Case{2, 1, {64, 96, 0, false}}, Case{4, 1, {256, 384, 0, false}},
                           Case{4, 1, {384, 256, 3, false}}, Case{2, 1, {192, 192, 0, false}},
                           Case{4, 3, {128, 160, 0, false}}, Case{2, 2, {160, 64, 0, false}}}) {
-      const Layout& l = c.l;
-      SCOPED_TRACE(test::describe(dt, l) + " x " + std::to_string(c.count) + " blocks " + std::to_string(c.k));
-      const Values x = test::random_inputs(dt, c.count * l.rows * l.cols, 0, -1, 1, false);
-      const Values got = run_blocked(dt, c.count, l, x, c.k);
-      const std::int64_t n_elems = l.rows * l.cols;
-      for (std::int64_t n = 0; n < c.count; ++n) {
-        const Values one(x.begin() + n * n_elems, x.begin() + (n + 1) * n_elems);
-        const Values ref = run_reference(dt, l, one, {});
-        const Values mine(got.begin() + n * n_elems, got.begin() + (n + 1) * n_elems);
-        std::cout << "[newton_schulz blocked] matrix " << n << ": relative L2 error " << test::rel_l2(mine, ref)
-                  << '\n';
-        EXPECT_TRUE(test::matches_reference(mine, ref, tolerance(dt))) << "matrix " << n;
-        if (c.count > 1) {
-          EXPECT_EQ(run_blocked(dt, 1, l, one, c.k), mine) << "matrix " << n;
-        }
-      }
+      check_split(dt, c.count, c.l, c.k, 0);
     }
   }
 }
@@ -215,25 +217,10 @@ TEST(NewtonSchulzCuda, GramPanelsMatchReferenceAndBatchBits) {
     std::int64_t panel, count;
     Layout l;
   };
-  const DType dt = DType::kBFloat16;
   for (const Case& c : {Case{128, 1, {256, 384, 0, false}}, Case{128, 1, {200, 96, 8, false}},
                         Case{256, 1, {384, 512, 0, false}}, Case{256, 1, {520, 264, 0, false}},
                         Case{128, 3, {136, 160, 0, false}}, Case{256, 2, {160, 328, 8, false}}}) {
-    const Layout& l = c.l;
-    SCOPED_TRACE(test::describe(dt, l) + " x " + std::to_string(c.count) + " panels of " + std::to_string(c.panel));
-    const Values x = test::random_inputs(dt, c.count * l.rows * l.cols, 0, -1, 1, false);
-    const Values got = run_split(dt, c.count, l, x, 1, c.panel);
-    const std::int64_t n_elems = l.rows * l.cols;
-    for (std::int64_t n = 0; n < c.count; ++n) {
-      const Values one(x.begin() + n * n_elems, x.begin() + (n + 1) * n_elems);
-      const Values ref = run_reference(dt, l, one, {});
-      const Values mine(got.begin() + n * n_elems, got.begin() + (n + 1) * n_elems);
-      std::cout << "[newton_schulz panels] matrix " << n << ": relative L2 error " << test::rel_l2(mine, ref) << '\n';
-      EXPECT_TRUE(test::matches_reference(mine, ref, tolerance(dt))) << "matrix " << n;
-      if (c.count > 1) {
-        EXPECT_EQ(run_split(dt, 1, l, one, 1, c.panel), mine) << "matrix " << n;
-      }
-    }
+    check_split(DType::kBFloat16, c.count, c.l, 1, c.panel);
   }
 #endif
   const Layout odd{60, 100, 0, false};  // p not a multiple of 8
