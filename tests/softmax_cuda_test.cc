@@ -189,13 +189,14 @@ TEST(SoftmaxCuda, LongRowsThroughTheRing) {
 }
 
 // The direct feed forced (rows of 1025-4096 slots at 16 bytes, a block of 512 or 1024 threads
-// each): at both block sizes, strided by whole slots and in place; other rows throw.
+// each): at both block sizes, strided by whole slots, in place, M = 0; other rows throw.
 TEST(SoftmaxCuda, DirectFeedRows) {
   TS_REQUIRE_GPU();
   for (DType dt : kDtypes) {
     const auto v = static_cast<std::int64_t>(16 / dtype_size(dt));
     for (const Layout& l : {Layout{300, 1025 * v, 0, false}, Layout{257, 2048 * v, v, false},
-                            Layout{40, 4096 * v, 0, false}, Layout{33, 3000 * v, 0, false}}) {
+                            Layout{40, 4096 * v, 0, false}, Layout{33, 3000 * v, 0, false},
+                            Layout{0, 2048 * v, 0, false}}) {
       check_forward(dt, l, false, SoftmaxFeed::kDirect);
       check_forward(dt, l, true, SoftmaxFeed::kDirect);
       check_backward(dt, l, false, SoftmaxFeed::kDirect);

@@ -160,6 +160,7 @@ void softmax_backward_cuda(const TensorView& dy, const TensorView& y, TensorView
     };
     if (feed == SoftmaxFeed::kDirect) {
       if (!direct_feed(aligned, slots)) throw_direct_unsupported(op, r.cols);
+      if (r.rows == 0) return;
       a.slots = static_cast<int>(slots);
       const int threads = slots <= 2048 ? 512 : 1024;
       constexpr auto kDirect = Occupancy::kDirect;
