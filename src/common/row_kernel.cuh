@@ -71,6 +71,13 @@ auto with_row_config(const RowConfig& c, Fn&& fn) {
   }
 }
 
+// fn(std::true_type{}) where every row the kernel moves satisfies rows_at_slots (RowTile's
+// kAligned), else fn(std::false_type{}): the launchers' choice between the two compilations.
+template <class Fn>
+auto with_aligned(bool aligned, Fn&& fn) {
+  return aligned ? fn(std::true_type{}) : fn(std::false_type{});
+}
+
 // Stages of the row ring of a kernel that streams one tensor: rows in flight per thread beyond
 // the one it works on. Two: 32 KiB per 256-thread block, 128 KiB per 1024-thread block. Three
 // measured the same for softmax and up to 6 % slower for cross-entropy at N 1024 to 4096, and

@@ -151,8 +151,9 @@ void launch_held_forward(ForwardArgs a, bool softcap, std::int64_t cols, int max
         constexpr int kVecs = decltype(vecs)::value;
         constexpr int kCluster = decltype(cluster)::value;
         if (softcap) return cross_entropy_forward_kernel<T, true, kThreads, kVecs, kCluster, false>;
-        return aligned ? cross_entropy_forward_kernel<T, false, kThreads, kVecs, kCluster, true>
-                       : cross_entropy_forward_kernel<T, false, kThreads, kVecs, kCluster, false>;
+        return detail::with_aligned(aligned, [](auto al) {
+          return cross_entropy_forward_kernel<T, false, kThreads, kVecs, kCluster, decltype(al)::value>;
+        });
       },
       [](int) { return detail::kRowRingStages; }, a);
 }

@@ -116,9 +116,10 @@ bool run_gemm(const char* op, int groups, Shape3* shapes, const Element** a, Str
               StrideB* sb, const Element** c, StrideC* sc, Element** d, StrideD* sd, float alpha, float beta,
               char* workspace, std::size_t workspace_bytes, cudaStream_t stream) {
   using Gemm = typename G::Gemm;
+  const detail::DeviceInfo& device = detail::current_device_info();
   cutlass::KernelHardwareInfo hw;
-  cudaGetDevice(&hw.device_id);
-  hw.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(hw.device_id);
+  hw.device_id = device.device;
+  hw.sm_count = device.sm_count;
   typename Gemm::Arguments arguments;
   decltype(arguments.epilogue.thread) fusion;
   fusion.alpha = alpha;

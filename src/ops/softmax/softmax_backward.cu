@@ -149,14 +149,13 @@ void softmax_backward_cuda(const TensorView& dy, const TensorView& y, TensorView
     const auto kernel = [sparse, aligned](auto threads, auto vecs, auto cluster) {
       constexpr int kThreads = decltype(threads)::value, kVecs = decltype(vecs)::value,
                     kCluster = decltype(cluster)::value;
-      if constexpr (kVecs == kDenseVecs) {
-        if (sparse) {
-          return aligned ? softmax_backward_kernel<T, kThreads, kVecs, kCluster, Occupancy::kSparse, true>
-                         : softmax_backward_kernel<T, kThreads, kVecs, kCluster, Occupancy::kSparse, false>;
+      return detail::with_aligned(aligned, [sparse](auto al) {
+        constexpr bool kAligned = decltype(al)::value;
+        if constexpr (kVecs == kDenseVecs) {
+          if (sparse) return softmax_backward_kernel<T, kThreads, kVecs, kCluster, Occupancy::kSparse, kAligned>;
         }
-      }
-      return aligned ? softmax_backward_kernel<T, kThreads, kVecs, kCluster, Occupancy::kDefault, true>
-                     : softmax_backward_kernel<T, kThreads, kVecs, kCluster, Occupancy::kDefault, false>;
+        return softmax_backward_kernel<T, kThreads, kVecs, kCluster, Occupancy::kDefault, kAligned>;
+      });
     };
     if (feed == SoftmaxFeed::kDirect) {
       if (!direct_feed(aligned, slots)) throw_direct_unsupported(op, r.cols);

@@ -142,10 +142,10 @@ void softmax_forward_cuda(const TensorView& x, TensorView y, cudaStream_t stream
       detail::launch_rows<T, kDenseMinSlots / kDenseVecs, kDenseVecs, kDenseMaxSlots / kDenseVecs>(
           op, xr.rows, xr.cols, max_shift, stream,
           [aligned](auto threads, auto vecs, auto cluster) {
-            constexpr int kThreads = decltype(threads)::value, kVecs = decltype(vecs)::value,
-                          kCluster = decltype(cluster)::value;
-            return aligned ? softmax_forward_kernel<T, Feed::kDense, kThreads, kVecs, kCluster, true>
-                           : softmax_forward_kernel<T, Feed::kDense, kThreads, kVecs, kCluster, false>;
+            return detail::with_aligned(aligned, [](auto al) {
+              return softmax_forward_kernel<T, Feed::kDense, decltype(threads)::value, decltype(vecs)::value,
+                                            decltype(cluster)::value, decltype(al)::value>;
+            });
           },
           [](int) { return 0; }, a);
       return;
@@ -153,10 +153,10 @@ void softmax_forward_cuda(const TensorView& x, TensorView y, cudaStream_t stream
     detail::launch_rows<T, 1>(
         op, xr.rows, xr.cols, max_shift, stream,
         [aligned](auto threads, auto vecs, auto cluster) {
-          constexpr int kThreads = decltype(threads)::value, kVecs = decltype(vecs)::value,
-                        kCluster = decltype(cluster)::value;
-          return aligned ? softmax_forward_kernel<T, Feed::kRing, kThreads, kVecs, kCluster, true>
-                         : softmax_forward_kernel<T, Feed::kRing, kThreads, kVecs, kCluster, false>;
+          return detail::with_aligned(aligned, [](auto al) {
+            return softmax_forward_kernel<T, Feed::kRing, decltype(threads)::value, decltype(vecs)::value,
+                                          decltype(cluster)::value, decltype(al)::value>;
+          });
         },
         [](int) { return detail::kRowRingStages; }, a);
   });
