@@ -140,6 +140,21 @@ TEST(SoftmaxCuda, BackwardInPlace) {
       check_backward(dt, l, true);
 }
 
+// x at 16 bytes in whole slots, y not (another stride and phase): the rows' layout of every
+// tensor decides the aligned kernels, so y moves element by element.
+TEST(SoftmaxCuda, ForwardMixedLayouts) {
+  TS_REQUIRE_GPU();
+  for (DType dt : kDtypes) {
+    const Layout lx{7, 3000, 0, false}, ly{7, 3000, 1, true};
+    SCOPED_TRACE(test::describe(dt, ly));
+    const Values x = test::random_inputs(dt, lx.rows * lx.cols, 0, -8, 8, false);
+    StridedDeviceBuffer d_x(dt, lx, &x), d_y(dt, ly);
+    softmax_forward(d_x.view(), d_y.view());
+    EXPECT_TRUE(test::matches_reference(d_y.values(), reference_forward(dt, x, lx), test::tolerance(dt)));
+    EXPECT_TRUE(d_y.padding_untouched());
+  }
+}
+
 // y and dx with other strides than dy (other 16-byte phases): element accesses where they differ.
 TEST(SoftmaxCuda, BackwardMixedLayouts) {
   TS_REQUIRE_GPU();

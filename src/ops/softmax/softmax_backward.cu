@@ -158,10 +158,9 @@ void softmax_backward_cuda(const TensorView& dy, const TensorView& y, TensorView
       });
     };
     if (feed == SoftmaxFeed::kDirect) {
-      if (!direct_feed(aligned, slots)) throw_direct_unsupported(op, r.cols);
+      const int threads = direct_feed_threads(op, aligned, slots, r.cols);
       if (r.rows == 0) return;
       a.slots = static_cast<int>(slots);
-      const int threads = slots <= 2048 ? 512 : 1024;
       constexpr auto kDirect = Occupancy::kDirect;
       const auto direct = threads == 512 ? softmax_backward_kernel<T, 512, detail::kRowVecs, 1, kDirect, true>
                                          : softmax_backward_kernel<T, 1024, detail::kRowVecs, 1, kDirect, true>;

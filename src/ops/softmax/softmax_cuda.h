@@ -18,13 +18,15 @@ namespace trainscale::ops::softmax {
 // row, no ring; other rows throw UnsupportedVariantError.
 enum class SoftmaxFeed { kAuto, kDirect };
 
-// Whether kDirect takes rows of `slots` 16-byte slots (`aligned`: rows_at_slots for every tensor).
-inline bool direct_feed(bool aligned, std::int64_t slots) { return aligned && slots > 1024 && slots <= 4096; }
-
-[[noreturn]] inline void throw_direct_unsupported(const char* op, std::int64_t cols) {
-  throw UnsupportedVariantError(std::string("trainscale ") + op +
-                                ": the direct feed takes rows at 16 bytes of 1025-4096 16-byte slots; got rows of " +
-                                std::to_string(cols) + " elements");
+// kDirect's block for rows of `slots` 16-byte slots (`aligned`: rows_at_slots for every tensor):
+// 512 threads up to 2048 slots, else 1024; throws UnsupportedVariantError for rows it does not take.
+inline int direct_feed_threads(const char* op, bool aligned, std::int64_t slots, std::int64_t cols) {
+  if (!aligned || slots <= 1024 || slots > 4096) {
+    throw UnsupportedVariantError(std::string("trainscale ") + op +
+                                  ": the direct feed takes rows at 16 bytes of 1025-4096 16-byte slots; got rows of " +
+                                  std::to_string(cols) + " elements");
+  }
+  return slots <= 2048 ? 512 : 1024;
 }
 
 void softmax_forward_cuda(const TensorView& x, TensorView y, cudaStream_t stream,

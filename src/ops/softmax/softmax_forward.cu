@@ -129,10 +129,9 @@ void softmax_forward_cuda(const TensorView& x, TensorView y, cudaStream_t stream
     const bool aligned = detail::rows_at_slots(x.data, xr.row_stride, xr.cols, sizeof(T)) &&
                          detail::rows_at_slots(y.data, a.y_stride, xr.cols, sizeof(T));
     if (feed == SoftmaxFeed::kDirect) {
-      if (!direct_feed(aligned, slots)) throw_direct_unsupported(op, xr.cols);
+      const int threads = direct_feed_threads(op, aligned, slots, xr.cols);
       if (xr.rows == 0) return;
       a.slots = static_cast<int>(slots);
-      const int threads = slots <= 2048 ? 512 : 1024;
       const auto kernel = threads == 512 ? softmax_forward_kernel<T, Feed::kDirect, 512, detail::kRowVecs, 1, true>
                                          : softmax_forward_kernel<T, Feed::kDirect, 1024, detail::kRowVecs, 1, true>;
       detail::launch_row_kernel(kernel, threads, detail::kRowVecs, 1, 0, xr.rows, stream, op, a);
