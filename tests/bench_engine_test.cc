@@ -568,7 +568,8 @@ TEST(BenchGate, CoupledRowsOfALargeCaseAreGatedOnAPrefixProblem) {
 }
 
 // A case whose cost grows faster than its rows (Newton-Schulz) names it: above the FLOP limit
-// the prefix problem is the most rows that stay within it.
+// the prefix problem is the most rows that stay within it, rounded down to a multiple of 16 from
+// 16 rows on (aligned sides, as the whole problem has).
 TEST(BenchGate, CoupledRowsWithACostPerRowCountAreGatedWithinTheFlopLimit) {
   const std::int64_t shape[] = {64, 16};
   Case c = column_sum_case(shape, 1.0);
@@ -580,6 +581,8 @@ TEST(BenchGate, CoupledRowsWithACostPerRowCountAreGatedWithinTheFlopLimit) {
   const GateResult ok = gate_on_cpu(c, gate, c.entry);
   EXPECT_TRUE(ok.passed) << ok.message;
   EXPECT_EQ(ok.rows_checked, 10);
+  const GateData aligned(c, 9, {.reference_flops = 1000});  // 31 rows fit: 16 are checked
+  EXPECT_EQ(aligned.gated_case().tensors[0].shape, (std::vector<std::int64_t>{16, 16}));
   EXPECT_EQ(GateData(c, 9, {.reference_flops = 4096}).coverage(), RowCoverage::kAll);
 }
 
@@ -591,14 +594,15 @@ TEST(BenchGate, GroupsCostlierThanTheLimitAreGatedOnThePrefixOfTheFirstGroup) {
   const std::vector<std::int64_t> shape = {3, 40, 24};
   const Case c = op->make(shape, DType::kFloat32);
   ASSERT_EQ(c.groups, 3);
-  // 5 (3 r^2 n + r^3) with r = rows <= 24, n = 24: 184000 at 20 rows, 205065 at 21.
+  // 5 (3 r^2 n + r^3) with r = rows <= 24, n = 24: 184000 at 20 rows, 205065 at 21; 20 rounds
+  // down to 16.
   const GateData gate(c, 13, {.reference_flops = 200000});
   ASSERT_EQ(gate.coverage(), RowCoverage::kPrefix);
-  EXPECT_EQ(gate.gated_case().tensors[0].shape, (std::vector<std::int64_t>{1, 20, 24}));
-  EXPECT_EQ(gate.gated_case().shape, (std::vector<std::int64_t>{1, 20, 24}));
+  EXPECT_EQ(gate.gated_case().tensors[0].shape, (std::vector<std::int64_t>{1, 16, 24}));
+  EXPECT_EQ(gate.gated_case().shape, (std::vector<std::int64_t>{1, 16, 24}));
   const GateResult right = gate_on_cpu(c, gate, c.entry);
   EXPECT_TRUE(right.passed) << right.message;
-  EXPECT_EQ(right.rows_checked, 20);
+  EXPECT_EQ(right.rows_checked, 16);
   EXPECT_EQ(right.rows_total, 40);
   const GateResult wrong = gate_on_cpu(c, gate, off_by_one_percent(c, "out"));
   EXPECT_FALSE(wrong.passed);

@@ -94,6 +94,18 @@ struct GroupRun {
   }
 };
 
+// The most rows, at most `cap`, whose prefix problem stays within the FLOP budget (the cost grows
+// with rows); a multiple of 16 where it can be, so a path that wants aligned sides (TMA, 16-byte
+// vectors) runs on the prefix as on the whole problem.
+std::int64_t prefix_rows_within(const Case& c, std::int64_t cap, double budget) {
+  std::int64_t lo = 1, hi = std::max<std::int64_t>(cap, 1);
+  while (lo < hi) {
+    const std::int64_t mid = lo + (hi - lo + 1) / 2;
+    if (c.flops_of_rows(mid) <= budget) lo = mid; else hi = mid - 1;
+  }
+  return lo >= 16 ? lo / 16 * 16 : lo;
+}
+
 }  // namespace
 
 ValueCheck check_values(const std::vector<double>& out, const std::vector<double>& ref, double tolerance) {
@@ -190,15 +202,7 @@ GateData::GateData(const Case& c, std::uint64_t seed, const GateLimits& limits) 
     } else if (!c.rows_independent && (largest > limits.prefix_elements ||
                                        (c.flops_of_rows && c.flops > limits.reference_flops))) {
       std::int64_t prefix = std::max<std::int64_t>(1, limits.prefix_elements / largest_row);
-      if (c.flops_of_rows) {
-        // The most rows whose problem stays within the FLOP budget (the cost grows with rows).
-        std::int64_t lo = 1, hi = std::min(prefix, rows_total_);
-        while (lo < hi) {
-          const std::int64_t mid = lo + (hi - lo + 1) / 2;
-          if (c.flops_of_rows(mid) <= limits.reference_flops) lo = mid; else hi = mid - 1;
-        }
-        prefix = lo;
-      }
+      if (c.flops_of_rows) prefix = prefix_rows_within(c, std::min(prefix, rows_total_), limits.reference_flops);
       if (prefix < rows_total_) {
         coverage_ = RowCoverage::kPrefix;
         rows_checked_ = prefix;
@@ -374,24 +378,20 @@ void GateData::plan_group_prefix(const Case& c, const GateLimits& limits) {
   for (const TensorSpec& spec : c.tensors) {
     if (spec.group_dim == 0 && spec.shape.size() >= 2) rows = std::max(rows, spec.shape[1]);
   }
-  std::int64_t lo = 1, hi = std::max<std::int64_t>(rows, 1);
-  while (lo < hi) {
-    const std::int64_t mid = lo + (hi - lo + 1) / 2;
-    if (c.flops_of_rows(mid) <= limits.reference_flops) lo = mid; else hi = mid - 1;
-  }
+  const std::int64_t kept = prefix_rows_within(c, rows, limits.reference_flops);
   coverage_ = RowCoverage::kPrefix;
   rows_total_ = rows;
-  rows_checked_ = lo;
+  rows_checked_ = kept;
   prefix_case_ = c;
   prefix_case_->groups = 1;
   for (TensorSpec& spec : prefix_case_->tensors) {
     if (spec.group_dim != 0 || spec.shape.size() < 2) continue;
     spec.shape[0] = 1;
-    spec.shape[1] = lo;
+    spec.shape[1] = kept;
   }
   if (prefix_case_->shape.size() >= 2 && prefix_case_->shape[0] == c.groups) {
     prefix_case_->shape[0] = 1;
-    prefix_case_->shape[1] = lo;
+    prefix_case_->shape[1] = kept;
   }
 }
 
