@@ -230,6 +230,17 @@ TEST(SoftmaxCuda, DirectFeedRows) {
   }
 }
 
+// kAuto takes the direct feed for many aligned rows of 1025-4096 slots, the row splits otherwise.
+TEST(SoftmaxCuda, DirectFeedIsChosenForManyAlignedRowsOf1025To4096Slots) {
+  using ops::softmax::direct_feed_default;
+  EXPECT_TRUE(direct_feed_default(true, 1025, 16384));
+  EXPECT_TRUE(direct_feed_default(true, 4096, 32768));
+  EXPECT_FALSE(direct_feed_default(false, 2048, 32768));
+  EXPECT_FALSE(direct_feed_default(true, 1024, 32768));
+  EXPECT_FALSE(direct_feed_default(true, 4097, 32768));
+  EXPECT_FALSE(direct_feed_default(true, 2048, 16383));
+}
+
 TEST(SoftmaxCuda, RowsLongerThanSupportedThrow) {
   TS_REQUIRE_GPU();
   const DType dt = DType::kFloat32;

@@ -38,22 +38,22 @@ Case softmax_backward_case(std::span<const std::int64_t> shape, DType dtype) {
 }
 
 #if TRAINSCALE_HAVE_CUDA
-// Opt-in trainscale-direct: the CUDA kernels with rows straight into registers
-// (ops::softmax::SoftmaxFeed::kDirect; rows it does not take are reported unsupported).
-std::optional<Implementation> direct_forward(const Case& c) {
+// Opt-in trainscale-row-splits: the CUDA kernels without the direct feed
+// (ops::softmax::SoftmaxFeed::kRowSplits), to time the choice where kAuto makes it.
+std::optional<Implementation> row_splits_forward(const Case& c) {
   const auto [x, y] = c.ids("x", "y");
   Implementation impl;
   impl.run = [=](CaseTensors t, cudaStream_t s) {
-    ops::softmax::softmax_forward_cuda(t[x], t[y], s, ops::softmax::SoftmaxFeed::kDirect);
+    ops::softmax::softmax_forward_cuda(t[x], t[y], s, ops::softmax::SoftmaxFeed::kRowSplits);
   };
   return impl;
 }
 
-std::optional<Implementation> direct_backward(const Case& c) {
+std::optional<Implementation> row_splits_backward(const Case& c) {
   const auto [dy, y, dx] = c.ids("dy", "y", "dx");
   Implementation impl;
   impl.run = [=](CaseTensors t, cudaStream_t s) {
-    ops::softmax::softmax_backward_cuda(t[dy], t[y], t[dx], s, ops::softmax::SoftmaxFeed::kDirect);
+    ops::softmax::softmax_backward_cuda(t[dy], t[y], t[dx], s, ops::softmax::SoftmaxFeed::kRowSplits);
   };
   return impl;
 }
@@ -63,8 +63,8 @@ const Registrar kRegister([](Registry& r) {
   r.add_op({"softmax_forward", "softmax", "M x N", softmax_forward_case});
   r.add_op({"softmax_backward", "softmax", "M x N", softmax_backward_case});
 #if TRAINSCALE_HAVE_CUDA
-  r.add_opt_in("softmax_forward", "trainscale-direct", direct_forward);
-  r.add_opt_in("softmax_backward", "trainscale-direct", direct_backward);
+  r.add_opt_in("softmax_forward", "trainscale-row-splits", row_splits_forward);
+  r.add_opt_in("softmax_backward", "trainscale-row-splits", row_splits_backward);
 #endif
   const auto bf16 = std::vector<DType>{DType::kBFloat16};
   for (const char* op : {"softmax_forward", "softmax_backward"}) {

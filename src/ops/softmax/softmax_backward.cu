@@ -157,7 +157,7 @@ void softmax_backward_cuda(const TensorView& dy, const TensorView& y, TensorView
         return softmax_backward_kernel<T, kThreads, kVecs, kCluster, Occupancy::kDefault, kAligned>;
       });
     };
-    if (feed == SoftmaxFeed::kDirect) {
+    if (feed == SoftmaxFeed::kDirect || (feed == SoftmaxFeed::kAuto && direct_feed_default(aligned, slots, r.rows))) {
       const int threads = direct_feed_threads(op, aligned, slots, r.cols);
       if (r.rows == 0) return;
       a.slots = static_cast<int>(slots);

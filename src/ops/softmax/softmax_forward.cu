@@ -29,7 +29,8 @@ struct ForwardArgs {
 // 4-7 % faster there (bf16 32768 x 2048-8192, 65536 x 8192), 3 % at 16384 x 8192. The ring
 // stays faster over fewer rows (4096 x 8192: 3 %) and where a split leaves slots empty (N 6144,
 // 7168: 5-12 %); from N 16384, 2 slots per thread spill at 32 registers (1-33 % slower).
-// kDirect: SoftmaxFeed::kDirect's rows, 4 slots per thread at 64 registers, a block per row.
+// kDirect: SoftmaxFeed::kDirect's rows (softmax_cuda.h), 4 slots per thread at 64 registers, a
+// block per row.
 enum class Feed { kRing, kDense, kDirect };
 constexpr int kDenseVecs = 2, kDenseMinSlots = 256, kDenseMaxSlots = 1024;
 constexpr std::int64_t kDenseMinRows = 16384;
@@ -128,7 +129,7 @@ void softmax_forward_cuda(const TensorView& x, TensorView y, cudaStream_t stream
     // Rows at 16 bytes filling whole slots (the common case) take kernels without bounds tests.
     const bool aligned = detail::rows_at_slots(x.data, xr.row_stride, xr.cols, sizeof(T)) &&
                          detail::rows_at_slots(y.data, a.y_stride, xr.cols, sizeof(T));
-    if (feed == SoftmaxFeed::kDirect) {
+    if (feed == SoftmaxFeed::kDirect || (feed == SoftmaxFeed::kAuto && direct_feed_default(aligned, slots, xr.rows))) {
       const int threads = direct_feed_threads(op, aligned, slots, xr.cols);
       if (xr.rows == 0) return;
       a.slots = static_cast<int>(slots);
