@@ -12,7 +12,6 @@
 #include <vector>
 
 #include "ops/newton_schulz/newton_schulz_internal.h"
-#include "trainscale/error.h"
 #include "trainscale/newton_schulz.h"
 #include "util/strided_device_buffer.h"
 
@@ -144,55 +143,32 @@ TEST(NewtonSchulzCuda, BatchEqualsOneCallPerMatrix) {
   }
 }
 
-// `count` matrices l of x (stacked) through the CUDA path with the Gram products split into k x k
-// blocks, or by panels of panel_rows rows; the outputs, stacked.
-Values run_split(DType dt, std::int64_t count, const Layout& l, const Values& x, int k, std::int64_t panel_rows = 0) {
-  const Layout all{count * l.rows, l.cols, l.pad, false};
-  StridedDeviceBuffer d_g(dt, all, &x), d_out(dt, all);
-  const auto batch = [&](const StridedDeviceBuffer& b) {
-    TensorView v = b.view();
-    if (count > 1) {
-      v.ndim = 3;
-      v.shape = {count, l.rows, l.cols};
-      v.strides = {l.rows * (l.cols + l.pad), l.cols + l.pad, 1};
-    }
-    return v;
-  };
-  const std::size_t bytes = newton_schulz_workspace_bytes(batch(d_g));
-  DeviceTensor ws(HostTensor(DType::kInt64, {static_cast<std::int64_t>(bytes / 8 + 1)}), false);
-  ws.poison();
-  ops::newton_schulz::newton_schulz_cuda(batch(d_g), batch(d_out), {}, ws.view(), nullptr, k, panel_rows);
-  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  EXPECT_TRUE(d_out.padding_untouched());
-  return d_out.values();
-}
-
-// `count` random matrices l through run_split against the reference one by one, and, for a batch,
-// bit-identical to a call on each matrix alone.
-void check_split(DType dt, std::int64_t count, const Layout& l, int k, std::int64_t panel_rows) {
-  SCOPED_TRACE(test::describe(dt, l) + " x " + std::to_string(count) + " blocks " + std::to_string(k) +
-               " panel rows " + std::to_string(panel_rows));
-  const Values x = test::random_inputs(dt, count * l.rows * l.cols, 0, -1, 1, false);
-  const Values got = run_split(dt, count, l, x, k, panel_rows);
-  const std::int64_t n_elems = l.rows * l.cols;
-  for (std::int64_t n = 0; n < count; ++n) {
-    const Values one(x.begin() + n * n_elems, x.begin() + (n + 1) * n_elems);
-    const Values ref = run_reference(dt, l, one, {});
-    const Values mine(got.begin() + n * n_elems, got.begin() + (n + 1) * n_elems);
-    std::cout << "[newton_schulz split] matrix " << n << ": relative L2 error " << test::rel_l2(mine, ref) << '\n';
-    EXPECT_TRUE(test::matches_reference(mine, ref, tolerance(dt))) << "matrix " << n;
-    if (count > 1) {
-      EXPECT_EQ(run_split(dt, 1, l, one, k, panel_rows), mine) << "matrix " << n;
-    }
-  }
-}
-
 // The Gram products by blocks (only the lower block triangle computed, then mirrored), forced
 // at sizes whose fp64 reference is cheap (newton_schulz takes them only from p = 4096,
 // gram_blocks): against the reference, wide and tall, and a batch (a call per block over the
 // matrices) bit-identical to one call per matrix (a call per band of blocks).
 TEST(NewtonSchulzCuda, BlockedGramProductsMatchReferenceAndBatchBits) {
   TS_REQUIRE_GPU();
+  const auto run_blocked = [](DType dt, std::int64_t count, const Layout& l, const Values& x, int k) {
+    const Layout all{count * l.rows, l.cols, l.pad, false};
+    StridedDeviceBuffer d_g(dt, all, &x), d_out(dt, all);
+    const auto batch = [&](const StridedDeviceBuffer& b) {
+      TensorView v = b.view();
+      if (count > 1) {
+        v.ndim = 3;
+        v.shape = {count, l.rows, l.cols};
+        v.strides = {l.rows * (l.cols + l.pad), l.cols + l.pad, 1};
+      }
+      return v;
+    };
+    const std::size_t bytes = newton_schulz_workspace_bytes(batch(d_g));
+    DeviceTensor ws(HostTensor(DType::kInt64, {static_cast<std::int64_t>(bytes / 8 + 1)}), false);
+    ws.poison();
+    ops::newton_schulz::newton_schulz_cuda(batch(d_g), batch(d_out), {}, ws.view(), nullptr, k);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_TRUE(d_out.padding_untouched());
+    return d_out.values();
+  };
   struct Case {
     int k;
     std::int64_t count;
@@ -202,38 +178,24 @@ TEST(NewtonSchulzCuda, BlockedGramProductsMatchReferenceAndBatchBits) {
     for (const Case& c : {Case{2, 1, {64, 96, 0, false}}, Case{4, 1, {256, 384, 0, false}},
                           Case{4, 1, {384, 256, 3, false}}, Case{2, 1, {192, 192, 0, false}},
                           Case{4, 3, {128, 160, 0, false}}, Case{2, 2, {160, 64, 0, false}}}) {
-      check_split(dt, c.count, c.l, c.k, 0);
+      const Layout& l = c.l;
+      SCOPED_TRACE(test::describe(dt, l) + " x " + std::to_string(c.count) + " blocks " + std::to_string(c.k));
+      const Values x = test::random_inputs(dt, c.count * l.rows * l.cols, 0, -1, 1, false);
+      const Values got = run_blocked(dt, c.count, l, x, c.k);
+      const std::int64_t n_elems = l.rows * l.cols;
+      for (std::int64_t n = 0; n < c.count; ++n) {
+        const Values one(x.begin() + n * n_elems, x.begin() + (n + 1) * n_elems);
+        const Values ref = run_reference(dt, l, one, {});
+        const Values mine(got.begin() + n * n_elems, got.begin() + (n + 1) * n_elems);
+        std::cout << "[newton_schulz blocked] matrix " << n << ": relative L2 error " << test::rel_l2(mine, ref)
+                  << '\n';
+        EXPECT_TRUE(test::matches_reference(mine, ref, tolerance(dt))) << "matrix " << n;
+        if (c.count > 1) {
+          EXPECT_EQ(run_blocked(dt, 1, l, one, c.k), mine) << "matrix " << n;
+        }
+      }
     }
   }
-}
-
-// The Gram products by panels in one grouped launch (gram_panels.cu; bf16): panels of 128 and
-// 256 rows, p a multiple of the panel and not (a partial last panel), wide and tall, padded rows,
-// a batch bit-identical to one call per matrix; shapes it does not take throw.
-TEST(NewtonSchulzCuda, GramPanelsMatchReferenceAndBatchBits) {
-  TS_REQUIRE_GPU();
-#if TRAINSCALE_HAVE_CUTLASS
-  struct Case {
-    std::int64_t panel, count;
-    Layout l;
-  };
-  for (const Case& c : {Case{128, 1, {256, 384, 0, false}}, Case{128, 1, {200, 96, 8, false}},
-                        Case{256, 1, {384, 512, 0, false}}, Case{256, 1, {520, 264, 0, false}},
-                        Case{128, 3, {136, 160, 0, false}}, Case{256, 2, {160, 328, 8, false}}}) {
-    check_split(DType::kBFloat16, c.count, c.l, 1, c.panel);
-  }
-#endif
-  const Layout odd{60, 100, 0, false};  // p not a multiple of 8
-  StridedDeviceBuffer g(DType::kBFloat16, odd), out(DType::kBFloat16, odd);
-  const std::size_t bytes = newton_schulz_workspace_bytes(g.view());
-  DeviceTensor ws(HostTensor(DType::kInt64, {static_cast<std::int64_t>(bytes / 8 + 1)}), false);
-  EXPECT_THROW(ops::newton_schulz::newton_schulz_cuda(g.view(), out.view(), {}, ws.view(), nullptr, 1, 128),
-               UnsupportedVariantError);
-  StridedDeviceBuffer g32(DType::kFloat32, {64, 96, 0, false}), out32(DType::kFloat32, {64, 96, 0, false});
-  const std::size_t bytes32 = newton_schulz_workspace_bytes(g32.view());
-  DeviceTensor ws32(HostTensor(DType::kInt64, {static_cast<std::int64_t>(bytes32 / 8 + 1)}), false);
-  EXPECT_THROW(ops::newton_schulz::newton_schulz_cuda(g32.view(), out32.view(), {}, ws32.view(), nullptr, 1, 128),
-               UnsupportedVariantError);
 }
 
 TEST(NewtonSchulzCuda, WorkspaceErrors) {

@@ -89,14 +89,13 @@ Case newton_schulz_batched_case(std::span<const std::int64_t> shape, DType dtype
 
 #if TRAINSCALE_HAVE_CUDA
 // Opt-in: the CUDA path with its symmetric products split into k x k blocks whatever
-// gram_blocks(p) picks (1: dense products), or by panels of panel_rows rows in one grouped launch
-// (gram_panels.cu), so one run compares the splits.
-BaselineFactory with_gram_split(int k, std::int64_t panel_rows = 0) {
-  return [k, panel_rows](const Case& c) {
+// gram_blocks(p) picks (1: dense products), so one run compares the splits.
+BaselineFactory with_gram_blocks(int k) {
+  return [k](const Case& c) {
     const auto [g, out, workspace] = c.ids("g", "out", "workspace");
     Implementation impl;
     impl.run = [=](CaseTensors t, cudaStream_t s) {
-      ops::newton_schulz::newton_schulz_cuda(t[g], t[out], {}, t[workspace], s, k, panel_rows);
+      ops::newton_schulz::newton_schulz_cuda(t[g], t[out], {}, t[workspace], s, k);
     };
     return std::optional<Implementation>(std::move(impl));
   };
@@ -148,11 +147,9 @@ const Registrar kRegister([](Registry& r) {
   r.add_configs("llama", "newton_schulz", {{kLlamaHidden, kLlamaHidden}, {kLlamaHidden, kLlamaFfn}, {8192, 8192}},
                 {DType::kBFloat16});
 #if TRAINSCALE_HAVE_CUDA
-  r.add_opt_in("newton_schulz", "trainscale-dense", with_gram_split(1));
-  r.add_opt_in("newton_schulz", "trainscale-blocks-2", with_gram_split(2));
-  r.add_opt_in("newton_schulz", "trainscale-blocks-4", with_gram_split(4));
-  r.add_opt_in("newton_schulz", "trainscale-panels-128", with_gram_split(1, 128));
-  r.add_opt_in("newton_schulz", "trainscale-panels-256", with_gram_split(1, 256));
+  r.add_opt_in("newton_schulz", "trainscale-dense", with_gram_blocks(1));
+  r.add_opt_in("newton_schulz", "trainscale-blocks-2", with_gram_blocks(2));
+  r.add_opt_in("newton_schulz", "trainscale-blocks-4", with_gram_blocks(4));
 #endif
   r.add_op({"newton_schulz_batched", "newton_schulz", "N x R x C", newton_schulz_batched_case});
   r.add_baseline("newton_schulz_batched", "per-matrix", per_matrix_baseline);

@@ -6,8 +6,7 @@
 // implementations keep them):
 //   A = X X^T;   B = c A A + b A;   X' = B X + a X   (B and X' written beside A and X).
 // The two symmetric products compute only their lower block triangle and mirror it
-// (symmetric_product, gram_blocks in newton_schulz_internal.h), or, asked for, their lower
-// panel triangle in one grouped launch (gram_panels.cu).
+// (symmetric_product, gram_blocks in newton_schulz_internal.h).
 // Muon adds one pass before (momentum and Nesterov: the new buffer and u, Newton-Schulz's
 // input) and puts the parameter update (weight decay and the scaled orthogonal step) in the
 // tiled pass that copies X back out.
@@ -16,7 +15,6 @@
 #include <algorithm>
 #include <array>
 #include <string>
-#include <type_traits>
 
 #include "common/cuda_check.h"
 #include "common/dtype.cuh"
@@ -24,7 +22,6 @@
 #include "common/reduce.cuh"
 #include "common/vec.cuh"
 #include "ops/newton_schulz/newton_schulz_internal.h"
-#include "trainscale/error.h"
 
 namespace trainscale::ops::newton_schulz {
 namespace {
@@ -136,18 +133,6 @@ __global__ void mirror_upper_blocks_kernel(T* m, std::int64_t p, std::int64_t b,
   }
 }
 
-// The upper block triangle of out (blocks of b rows) from its lower, for each matrix.
-template <class T>
-void mirror_upper_blocks(const char* op, const detail::GemmResult& out, std::int64_t b,
-                         const detail::GemmBatch& matrices, cudaStream_t stream) {
-  const std::int64_t p = out.rows;
-  const dim3 grid(static_cast<unsigned>((p + 31) / 32), static_cast<unsigned>((p + 31) / 32),
-                  static_cast<unsigned>(matrices.count));
-  mirror_upper_blocks_kernel<T><<<grid, dim3(32, 8), 0, stream>>>(static_cast<T*>(out.data), p, b,
-                                                                   matrices.stride_out);
-  detail::check_launch(op);
-}
-
 // `m` with its data `offset` elements on and the logical shape [rows, cols].
 detail::GemmOperand block_of(detail::GemmOperand m, std::int64_t offset, std::int64_t rows, std::int64_t cols) {
   m.data = static_cast<const char*>(m.data) + offset * static_cast<std::int64_t>(dtype_size(m.dtype));
@@ -158,9 +143,7 @@ detail::GemmOperand block_of(detail::GemmOperand m, std::int64_t offset, std::in
 
 // out = alpha lhs @ rhs + beta addend for `matrices` (batch strides as gemm takes them) of a
 // symmetric [p, p] result (ld p): lhs [p, K] in row blocks of b = p / k rows lhs_step elements
-// apart, rhs [K, p] in column blocks of b columns rhs_step apart (rhs's storage holds the rows of
-// rhs^T: X's for X X^T, the symmetric A's for A A). panel_rows > 0: the lower panel triangle in
-// one grouped launch (gram_panels_bf16; bf16 only), then mirrored. k == 1: one dense product.
+// apart, rhs [K, p] in column blocks of b columns rhs_step apart. k == 1: one dense product.
 // Else only the lower block triangle's k (k + 1) / 2 blocks are computed, then mirrored. One
 // matrix: a call per diagonal band of blocks, batched along the band; several: a call per
 // block, batched over the matrices. Every block is a product of one shape whose algorithm is
@@ -169,22 +152,7 @@ template <class T>
 void symmetric_product(const char* op, int k, const detail::GemmOperand& lhs, std::int64_t lhs_step,
                        const detail::GemmOperand& rhs, std::int64_t rhs_step, const detail::GemmResult& out,
                        const detail::GemmScalars& scalars, void* gemm_ws, const detail::GemmBatch& matrices,
-                       std::int64_t panel_rows, cudaStream_t stream) {
-  if (panel_rows > 0) {
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-      if (!scalars.on_device &&
-          gram_panels_bf16(op, lhs.data, lhs.ld, matrices.stride_a, rhs.data, rhs.ld, matrices.stride_b, out.rows,
-                           lhs.cols, out.data, out.addend, matrices.stride_out, *scalars.alpha, *scalars.beta,
-                           matrices.count, panel_rows, gemm_ws, kGemmWorkspaceBytes, stream)) {
-        mirror_upper_blocks<T>(op, out, panel_rows, matrices, stream);
-        return;
-      }
-    }
-    throw UnsupportedVariantError(std::string("trainscale ") + op + ": the Gram products by panels of " +
-                                  std::to_string(panel_rows) + " rows take bfloat16 matrices whose sides are " +
-                                  "multiples of 8, with CUTLASS; got " + dtype_name(out.dtype) + " p " +
-                                  std::to_string(out.rows) + ", K " + std::to_string(lhs.cols));
-  }
+                       cudaStream_t stream) {
   if (k == 1) {
     detail::gemm(op, lhs, rhs, out, scalars, gemm_ws, kGemmWorkspaceBytes, stream, matrices);
     return;
@@ -206,7 +174,11 @@ void symmetric_product(const char* op, int k, const detail::GemmOperand& lhs, st
       for (std::int64_t i = 0; i + d < k; ++i) product(i + d, i, matrices);
     }
   }
-  mirror_upper_blocks<T>(op, out, b, matrices, stream);
+  const dim3 grid(static_cast<unsigned>((p + 31) / 32), static_cast<unsigned>((p + 31) / 32),
+                  static_cast<unsigned>(matrices.count));
+  mirror_upper_blocks_kernel<T><<<grid, dim3(32, 8), 0, stream>>>(static_cast<T*>(out.data), p, b,
+                                                                   matrices.stride_out);
+  detail::check_launch(op);
 }
 
 template <class T, class Store>
@@ -298,11 +270,11 @@ void check_workspace(const char* op, const TensorView& workspace, std::size_t by
 // workspace's x_next region); returns the workspace region holding the result X [p, q] per
 // matrix (x_stride apart): the transpose of the input's orientation when rows > cols.
 // gram_blocks: A = X X^T and A A by symmetric_product's blocks (1 where they would not divide p
-// into blocks of a multiple of 32 rows); gram_panel_rows > 0: by its panels instead.
+// into blocks of a multiple of 32 rows).
 template <class T>
 void* orthogonalize(const char* op, DType dt, const Layout& l, char* base, Strided<const T> src, std::int64_t count,
                     std::int64_t rows, std::int64_t cols, const NewtonSchulzOptions& options, int gram_blocks,
-                    std::int64_t gram_panel_rows, cudaStream_t stream) {
+                    cudaStream_t stream) {
   const bool transpose = rows > cols;
   const std::int64_t p = std::min(rows, cols), q = std::max(rows, cols);
   const int k = gram_blocks > 1 && p % (32 * gram_blocks) == 0 ? gram_blocks : 1;
@@ -329,10 +301,10 @@ void* orthogonalize(const char* op, DType dt, const Layout& l, char* base, Strid
     const float one = 1.f, zero = 0.f, fa = static_cast<float>(ca), fb = static_cast<float>(cb), fc = static_cast<float>(cc);
     const detail::GemmOperand xm{x, dt, p, q, q}, xt{x, dt, q, p, q, true}, am{a, dt, p, p, p}, bm{b, dt, p, p, p};
     symmetric_product<T>(op, k, xm, block * q, xt, block * q, {a, dt, p, p, p}, {&one, &zero}, gemm_ws, xx,
-                         gram_panel_rows, stream);  // A = X X^T
+                         stream);  // A = X X^T
     symmetric_product<T>(op, k, am, block * p, am, block,
                          {.data = b, .dtype = dt, .rows = p, .cols = p, .ld = p, .addend = a}, {&fc, &fb}, gemm_ws,
-                         aa, gram_panel_rows, stream);  // B = c A A + b A
+                         aa, stream);  // B = c A A + b A
     detail::gemm(op, bm, xm, {.data = x_next, .dtype = dt, .rows = p, .cols = q, .ld = q, .addend = x}, {&one, &fa},
                  gemm_ws, kGemmWorkspaceBytes, stream, bx);  // X' = B X + a X
     std::swap(x, x_next);
@@ -347,8 +319,7 @@ std::size_t newton_schulz_workspace_bytes_cuda(std::int64_t count, std::int64_t 
 }
 
 void newton_schulz_cuda(const TensorView& g, TensorView out, const NewtonSchulzOptions& options,
-                        const TensorView& workspace, cudaStream_t stream, int gram_blocks,
-                        std::int64_t gram_panel_rows) {
+                        const TensorView& workspace, cudaStream_t stream, int gram_blocks) {
   constexpr const char* kOp = "newton_schulz";
   const detail::Rows rg = detail::row_layout(g), ro = detail::row_layout(out);
   const std::int64_t count = g.ndim == 3 ? g.size(0) : 1, rows = g.size(-2), cols = g.size(-1);
@@ -359,7 +330,7 @@ void newton_schulz_cuda(const TensorView& g, TensorView out, const NewtonSchulzO
     using T = typename decltype(tag)::type;
     const Strided<const T> src{g.ptr<const T>(), rg.row_stride, rows * rg.row_stride};
     void* x = orthogonalize<T>(kOp, g.dtype, l, static_cast<char*>(workspace.data), src, count, rows, cols, options,
-                               gram_blocks, gram_panel_rows, stream);
+                               gram_blocks, stream);
     const std::int64_t p = std::min(rows, cols), q = std::max(rows, cols);
     copy_tiles<T>(kOp, {static_cast<const T*>(x), q, l.x_stride}, count, p, q, rows > cols, nullptr,
                   StoreTo<T>{{out.ptr<T>(), ro.row_stride, rows * ro.row_stride}}, stream);
@@ -419,7 +390,7 @@ void muon_step_cuda(std::span<const TensorView> params, std::span<const TensorVi
         detail::check_launch(kOp);
         const Strided<const T> u{m.u, cols, l.x_stride};
         void* x = orthogonalize<T>(kOp, dt, l, base, u, count, rows, cols, options.newton_schulz,
-                                   gram_blocks(std::min(rows, cols)), 0, stream);
+                                   gram_blocks(std::min(rows, cols)), stream);
         update.decay = decay;
         update.step = step;
         const std::int64_t p = std::min(rows, cols), q = std::max(rows, cols);

@@ -39,29 +39,13 @@ inline int gram_blocks(std::int64_t p) {
   return k;
 }
 
-// gram_panels.cu: the lower panel triangle of out = alpha lhs_rows rhs_rows^T + beta addend for
-// `count` bf16 matrices in one CUTLASS grouped launch, panels of `panel` rows (128 or 256), each
-// with its whole diagonal block; the caller mirrors the blocks above. lhs_rows, rhs_rows: [p, K]
-// row-major (ld_*), matrix n `*_stride` elements on; out and addend [p, p] (ld p; addend null:
-// beta 0). False, launching nothing, where it does not apply (sides or leading dimensions not
-// multiples of 8, workspace too small, built without CUTLASS).
-bool gram_panels_bf16(const char* op, const void* lhs, std::int64_t ld_lhs, std::int64_t lhs_stride,
-                      const void* rhs, std::int64_t ld_rhs, std::int64_t rhs_stride, std::int64_t p,
-                      std::int64_t k, void* out, const void* addend, std::int64_t out_stride, float alpha,
-                      float beta, std::int64_t count, std::int64_t panel, void* workspace,
-                      std::size_t workspace_bytes, cudaStream_t stream);
-
 // newton_schulz.cu: workspace of at least the bytes the *_workspace_bytes_cuda functions give
 // (checked there). count: matrices of rows x cols. gram_blocks: as the function above gives
 // for p (another k that divides p into blocks of a multiple of 32 rows runs too, for tests).
-// gram_panel_rows 128 or 256: the Gram products by gram_panels_bf16 instead (bf16; other dtypes
-// and shapes it does not take throw UnsupportedVariantError); for the bench and tests until it
-// is measured against the blocks.
 std::size_t newton_schulz_workspace_bytes_cuda(std::int64_t count, std::int64_t rows, std::int64_t cols,
                                                DType dtype);
 void newton_schulz_cuda(const TensorView& g, TensorView out, const NewtonSchulzOptions& options,
-                        const TensorView& workspace, cudaStream_t stream, int gram_blocks,
-                        std::int64_t gram_panel_rows = 0);
+                        const TensorView& workspace, cudaStream_t stream, int gram_blocks);
 std::size_t muon_step_workspace_bytes_cuda(std::int64_t count, std::int64_t rows, std::int64_t cols,
                                            DType dtype);
 void muon_step_cuda(std::span<const TensorView> params, std::span<const TensorView> grads,
