@@ -263,6 +263,46 @@ TEST(CrossEntropyCuda, ForcedKernels) {
   EXPECT_THROW(run_device_forward(c, x, targets), UnsupportedVariantError);
 }
 
+// kHeldDirect forced (aligned rows of 1025-32768 slots straight into registers, a block of 512
+// or 1024 threads, clusters of 2, 4 or 8 beyond 4096 slots): every split, strided by whole
+// slots, with the gradient (in place too), the options, NaN/Inf; the softcap, misaligned rows
+// and rows outside the range throw.
+TEST(CrossEntropyCuda, HeldDirectFeedRows) {
+  TS_REQUIRE_GPU();
+  for (DType dt : kDtypes) {
+    const auto v = static_cast<std::int64_t>(16 / dtype_size(dt));
+    for (const Layout& l : {Layout{6, 1025 * v, 0, false}, Layout{5, 4096 * v, v, false},
+                            Layout{5, 4097 * v, 0, false}, Layout{3, 16032 * v, 0, false},
+                            Layout{2, 32768 * v, 0, false}}) {
+      Case c{dt, l};
+      c.o.kernel = CrossEntropyKernel::kHeldDirect;
+      check_forward(c);
+      check_forward(c, /*specials=*/true);
+      c.in_place = true;
+      c.o.label_smoothing = 0.1;
+      c.o.z_loss = 1e-3;
+      c.o.reduction = Reduction::kSum;
+      check_forward(c);
+      c.grad = false;
+      check_forward(c);
+    }
+    const auto refused = [&](Layout l, double softcap) {
+      Case c{dt, l};
+      c.o.kernel = CrossEntropyKernel::kHeldDirect;
+      c.o.softcap = softcap;
+      SCOPED_TRACE(describe(c));
+      const Values x = test::random_inputs(c.dt, l.rows * l.cols, 0, -3, 3, false);
+      const HostTensor targets = HostTensor::from_values(c.target_dt, {l.rows}, random_targets(c));
+      EXPECT_THROW(run_device_forward(c, x, targets), UnsupportedVariantError);
+    };
+    refused({2, 2048 * v, 0, false}, 5.0);
+    refused({2, 1024 * v, 0, false}, 0.0);
+    refused({2, 32769 * v, 0, false}, 0.0);
+    refused({2, 2048 * v - 1, 0, false}, 0.0);
+    refused({2, 2048 * v, 0, true}, 0.0);
+  }
+}
+
 TEST(CrossEntropyCuda, GradientInPlace) {
   TS_REQUIRE_GPU();
   for (DType dt : kDtypes)

@@ -459,7 +459,7 @@ TEST(CrossEntropy, InputErrors) {
   TS_EXPECT_ERROR(fwd(logits.view(), targets.view(), loss.view(), {}, {}, {.reduction = static_cast<Reduction>(7)}),
                   op, "argument 'options.reduction'", "none, mean or sum", "7");
   TS_EXPECT_ERROR(fwd(logits.view(), targets.view(), loss.view(), {}, {}, {.kernel = static_cast<CrossEntropyKernel>(5)}),
-                  op, "argument 'options.kernel'", "auto, held or streamed", "5");
+                  op, "argument 'options.kernel'", "auto, held, streamed or held_direct", "5");
   TensorView cuda_logits = logits.view(), cuda_targets = targets.view(), cuda_loss = loss.view();
   cuda_logits.device = cuda_targets.device = cuda_loss.device = Device::cuda(0);
   TS_EXPECT_ERROR(fwd(cuda_logits, targets.view(), loss.view(), {}, {}), op, "argument 'targets'", "cuda:0");

@@ -71,5 +71,20 @@ TEST(RowConfig, RowsAtSlotsNeedBaseStrideAndLengthAtSixteenBytes) {
   EXPECT_FALSE(rows_at_slots(buffer, 6, 6, 4));      // fp32 rows of 6: 24 bytes
 }
 
+
+TEST(RowConfig, DirectSplitTakesABlockThenTheFewestClustersOf1024Threads) {
+  EXPECT_EQ(direct_split(1024).threads, 0);  // short rows: the row splits
+  EXPECT_EQ(direct_split(1025).threads, 512);
+  EXPECT_EQ(direct_split(2048).threads, 512);
+  EXPECT_EQ(direct_split(2049).threads, 1024);
+  EXPECT_EQ(direct_split(4096).cluster, 1);
+  EXPECT_EQ(direct_split(4097).cluster, 2);
+  EXPECT_EQ(direct_split(8193).cluster, 4);
+  EXPECT_EQ(direct_split(16032).cluster, 4);  // bf16 N 128256
+  EXPECT_EQ(direct_split(32768).cluster, 8);  // bf16 N 262144
+  EXPECT_EQ(direct_split(32768).threads, 1024);
+  EXPECT_EQ(direct_split(32769).threads, 0);
+}
+
 }  // namespace
 }  // namespace trainscale::detail

@@ -33,6 +33,9 @@ enum class CrossEntropyKernel {
               // reduced; the gradient, when asked, written from them in the same pass
   kStreamed,  // the loss alone (no grad_logits): each row streamed through a block once,
               // nothing held; any row length
+  kHeldDirect,  // kHeld with each row loaded straight into registers, no ring: rows at 16 bytes
+                // of 1025-32768 16-byte vectors (bf16 / fp16 V 8200-262144), no softcap; a
+                // block, or a cluster of blocks, per row
 };
 
 struct CrossEntropyOptions {

@@ -33,6 +33,7 @@
 #include "common/reduce.cuh"
 #include "common/vec.cuh"
 #include "core/check.h"
+#include "trainscale/error.h"
 
 namespace trainscale::detail {
 
@@ -152,6 +153,39 @@ void launch_rows(std::string_view op, std::int64_t rows, std::int64_t cols, int 
                          " elements are longer than the CUDA kernels hold (at most " +
                          std::to_string(max_row_cols(V)) +
                          " with rows at 16 bytes, where a cluster of 16 blocks can be resident)");
+}
+
+// Launches make_kernel(threads, cluster) (std::integral_constant each), compiled for the direct
+// feed's split `d` (direct_split) without a ring, over `rows` rows: only its five splits are
+// compiled. Throws UnsupportedVariantError naming `op` where d holds no split (rows outside
+// kDirectMinSlots-kDirectMaxSlots slots, or not at 16 bytes: `cols` for the message), and an
+// op error where the cluster cannot be resident.
+template <class MakeKernel, class Args>
+void launch_direct(const char* op, const DirectSplit& d, std::int64_t rows, std::int64_t cols,
+                   cudaStream_t stream, MakeKernel&& make_kernel, Args& args) {
+  if (d.threads == 0) {
+    throw UnsupportedVariantError(std::string("trainscale ") + op + ": the direct feed takes rows at 16 bytes of " +
+                                  std::to_string(kDirectMinSlots) + "-" + std::to_string(kDirectMaxSlots) +
+                                  " 16-byte slots; got rows of " + std::to_string(cols) + " elements");
+  }
+  if (rows == 0) return;
+  using std::integral_constant;
+  const auto launch = [&](auto threads, auto cluster) {
+    return launch_row_kernel(make_kernel(threads, cluster), decltype(threads)::value, kRowVecs,
+                             decltype(cluster)::value, 0, rows, stream, op, args);
+  };
+  bool launched = false;
+  if (d.cluster == 1) {
+    launched = d.threads == 512 ? launch(integral_constant<int, 512>{}, integral_constant<int, 1>{})
+                                : launch(integral_constant<int, kRowMaxThreads>{}, integral_constant<int, 1>{});
+  } else if (d.cluster == 2) {
+    launched = launch(integral_constant<int, kRowMaxThreads>{}, integral_constant<int, 2>{});
+  } else if (d.cluster == 4) {
+    launched = launch(integral_constant<int, kRowMaxThreads>{}, integral_constant<int, 4>{});
+  } else {
+    launched = launch(integral_constant<int, kRowMaxThreads>{}, integral_constant<int, 8>{});
+  }
+  if (!launched) throw_op_error(op, "a cluster of " + std::to_string(d.cluster) + " blocks cannot be resident");
 }
 
 // ---- device side ----

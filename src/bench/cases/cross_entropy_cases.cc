@@ -1,6 +1,7 @@
 // Cross-entropy over a vocabulary (mean reduction): loss and lse alone, and with the logits
 // gradient written in the same pass. Config M x V. Opt-in implementations force the forward's
-// kernel (CrossEntropyKernel): trainscale-held, and trainscale-streamed for the loss alone.
+// kernel (CrossEntropyKernel): trainscale-held, trainscale-held-direct, and trainscale-streamed
+// for the loss alone.
 #include <functional>
 #include <optional>
 #include <string_view>
@@ -46,8 +47,10 @@ const Registrar kRegister([](Registry& r) {
             [](std::span<const std::int64_t> s, DType d) { return cross_entropy_case("cross_entropy_forward", s, d, false); }});
   r.add_op({"cross_entropy_forward_with_grad", "loss", "M x V (gradient in the same pass)",
             [](std::span<const std::int64_t> s, DType d) { return cross_entropy_case("cross_entropy_forward_with_grad", s, d, true); }});
-  const std::pair<const char*, CrossEntropyKernel> forced[] = {{"trainscale-held", CrossEntropyKernel::kHeld},
-                                                                {"trainscale-streamed", CrossEntropyKernel::kStreamed}};
+  const std::pair<const char*, CrossEntropyKernel> forced[] = {
+      {"trainscale-held", CrossEntropyKernel::kHeld},
+      {"trainscale-streamed", CrossEntropyKernel::kStreamed},
+      {"trainscale-held-direct", CrossEntropyKernel::kHeldDirect}};
   for (const auto& [impl, kernel] : forced) {
     for (const char* op : {"cross_entropy_forward", "cross_entropy_forward_with_grad"}) {
       if (kernel == CrossEntropyKernel::kStreamed && std::string_view(op) != "cross_entropy_forward") continue;

@@ -38,24 +38,27 @@ Case softmax_backward_case(std::span<const std::int64_t> shape, DType dtype) {
 }
 
 #if TRAINSCALE_HAVE_CUDA
-// Opt-in trainscale-row-splits: the CUDA kernels without the direct feed
-// (ops::softmax::SoftmaxFeed::kRowSplits), to time the choice where kAuto makes it.
-std::optional<Implementation> row_splits_forward(const Case& c) {
-  const auto [x, y] = c.ids("x", "y");
-  Implementation impl;
-  impl.run = [=](CaseTensors t, cudaStream_t s) {
-    ops::softmax::softmax_forward_cuda(t[x], t[y], s, ops::softmax::SoftmaxFeed::kRowSplits);
+// Opt-ins with the CUDA kernels' feed forced (ops::softmax::SoftmaxFeed), to time the choice:
+// trainscale-row-splits (never the direct feed), trainscale-direct (the direct feed wherever it
+// takes the rows, clusters included; other rows are reported unsupported).
+BaselineFactory forward_fed(ops::softmax::SoftmaxFeed feed) {
+  return [feed](const Case& c) {
+    const auto [x, y] = c.ids("x", "y");
+    Implementation impl;
+    impl.run = [=](CaseTensors t, cudaStream_t s) { ops::softmax::softmax_forward_cuda(t[x], t[y], s, feed); };
+    return std::optional<Implementation>(std::move(impl));
   };
-  return impl;
 }
 
-std::optional<Implementation> row_splits_backward(const Case& c) {
-  const auto [dy, y, dx] = c.ids("dy", "y", "dx");
-  Implementation impl;
-  impl.run = [=](CaseTensors t, cudaStream_t s) {
-    ops::softmax::softmax_backward_cuda(t[dy], t[y], t[dx], s, ops::softmax::SoftmaxFeed::kRowSplits);
+BaselineFactory backward_fed(ops::softmax::SoftmaxFeed feed) {
+  return [feed](const Case& c) {
+    const auto [dy, y, dx] = c.ids("dy", "y", "dx");
+    Implementation impl;
+    impl.run = [=](CaseTensors t, cudaStream_t s) {
+      ops::softmax::softmax_backward_cuda(t[dy], t[y], t[dx], s, feed);
+    };
+    return std::optional<Implementation>(std::move(impl));
   };
-  return impl;
 }
 #endif
 
@@ -63,8 +66,11 @@ const Registrar kRegister([](Registry& r) {
   r.add_op({"softmax_forward", "softmax", "M x N", softmax_forward_case});
   r.add_op({"softmax_backward", "softmax", "M x N", softmax_backward_case});
 #if TRAINSCALE_HAVE_CUDA
-  r.add_opt_in("softmax_forward", "trainscale-row-splits", row_splits_forward);
-  r.add_opt_in("softmax_backward", "trainscale-row-splits", row_splits_backward);
+  using ops::softmax::SoftmaxFeed;
+  r.add_opt_in("softmax_forward", "trainscale-row-splits", forward_fed(SoftmaxFeed::kRowSplits));
+  r.add_opt_in("softmax_backward", "trainscale-row-splits", backward_fed(SoftmaxFeed::kRowSplits));
+  r.add_opt_in("softmax_forward", "trainscale-direct", forward_fed(SoftmaxFeed::kDirect));
+  r.add_opt_in("softmax_backward", "trainscale-direct", backward_fed(SoftmaxFeed::kDirect));
 #endif
   const auto bf16 = std::vector<DType>{DType::kBFloat16};
   for (const char* op : {"softmax_forward", "softmax_backward"}) {

@@ -11,17 +11,19 @@
 namespace trainscale::ops::loss::ce {
 namespace {
 
-template <class T, bool kSoftcap, int kThreads, int kVecs, int kCluster, bool kAligned>
-__global__ void __launch_bounds__(detail::row_block_threads(kThreads),
-                                  detail::kRowMaxThreads / detail::row_block_threads(kThreads))
+// kStages: the row ring's stages, or 0 for the direct feed (rows straight into registers).
+template <class T, bool kSoftcap, int kThreads, int kVecs, int kCluster, bool kAligned,
+          int kStages = detail::kRowRingStages>
+__global__ void __launch_bounds__(detail::row_block_threads(kThreads, kStages > 0),
+                                  detail::kRowMaxThreads / detail::row_block_threads(kThreads, kStages > 0))
     cross_entropy_forward_kernel(ForwardArgs a) {
   // (max, sum of exp(x - max), sum of x, x[target]) of the softcapped logits.
   // One barrier per row on the cluster kernels: 2.4-4.6 % faster with the gradient at bf16 N
   // 65536-262144 and 128256; on a single block it was up to 4 % slower (32768 x 32768).
-  using Tile = detail::RowTile<T, kThreads, kVecs, kCluster, detail::OnlineSoftmaxOp, 4, true, (kCluster > 1),
-                               kAligned>;
+  using Tile = detail::RowTile<T, kThreads, kVecs, kCluster, detail::OnlineSoftmaxOp, 4, (kStages > 0),
+                               (kCluster > 1), kAligned>;
   constexpr int V = Tile::V;
-  constexpr int kForwardStages = detail::kRowRingStages;
+  constexpr int kForwardStages = kStages;
   __shared__ Tile tile;
   tile.start();
   const typename Tile::Share share = Tile::share(a.slots);
@@ -134,8 +136,8 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads),
 }  // namespace
 
 template <class T>
-void launch_held_forward(ForwardArgs a, bool softcap, std::int64_t cols, int max_shift, cudaStream_t stream,
-                         const char* op) {
+void launch_held_forward(ForwardArgs a, bool softcap, std::int64_t cols, int max_shift, bool direct,
+                         cudaStream_t stream, const char* op) {
   // The softmax's split, from one thread per row: with a warp per row at least, a short row
   // filled one 16-byte slot of the four each thread holds, four times the instructions per
   // logit.
@@ -144,6 +146,19 @@ void launch_held_forward(ForwardArgs a, bool softcap, std::int64_t cols, int max
   const bool aligned =
       !softcap && detail::rows_at_slots(a.logits, a.logits_stride, cols, sizeof(T)) &&
       (a.grad == nullptr || detail::rows_at_slots(a.grad, a.grad_stride, cols, sizeof(T)));
+  if (direct) {
+    if (softcap) {
+      throw UnsupportedVariantError(std::string("trainscale ") + op + ": the direct feed does not take the softcap");
+    }
+    const std::int64_t slots = detail::row_slots(cols, detail::kVec16<T>, max_shift);
+    a.slots = static_cast<int>(std::min<std::int64_t>(slots, 1 << 30));
+    const detail::DirectSplit d = aligned ? detail::direct_split(slots) : detail::DirectSplit{};
+    detail::launch_direct(op, d, a.rows, cols, stream, [](auto threads, auto cluster) {
+      constexpr int kThreads = decltype(threads)::value, kCluster = decltype(cluster)::value;
+      return cross_entropy_forward_kernel<T, false, kThreads, detail::kRowVecs, kCluster, true, 0>;
+    }, a);
+    return;
+  }
   detail::launch_rows<T, kMinThreads>(
       op, a.rows, cols, max_shift, stream,
       [&](auto threads, auto vecs, auto cluster) {
@@ -158,9 +173,9 @@ void launch_held_forward(ForwardArgs a, bool softcap, std::int64_t cols, int max
       [](int) { return detail::kRowRingStages; }, a);
 }
 
-template void launch_held_forward<float>(ForwardArgs, bool, std::int64_t, int, cudaStream_t, const char*);
-template void launch_held_forward<__half>(ForwardArgs, bool, std::int64_t, int, cudaStream_t, const char*);
-template void launch_held_forward<__nv_bfloat16>(ForwardArgs, bool, std::int64_t, int, cudaStream_t,
+template void launch_held_forward<float>(ForwardArgs, bool, std::int64_t, int, bool, cudaStream_t, const char*);
+template void launch_held_forward<__half>(ForwardArgs, bool, std::int64_t, int, bool, cudaStream_t, const char*);
+template void launch_held_forward<__nv_bfloat16>(ForwardArgs, bool, std::int64_t, int, bool, cudaStream_t,
                                                  const char*);
 
 }  // namespace trainscale::ops::loss::ce

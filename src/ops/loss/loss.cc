@@ -54,9 +54,10 @@ void check_options(detail::OpChecker& c, const CrossEntropyOptions& o) {
     c.fail("options.reduction", "none, mean or sum",
            "enum value " + std::to_string(static_cast<int>(o.reduction)));
   const bool known_kernel = o.kernel == CrossEntropyKernel::kAuto || o.kernel == CrossEntropyKernel::kHeld ||
-                            o.kernel == CrossEntropyKernel::kStreamed;
+                            o.kernel == CrossEntropyKernel::kStreamed || o.kernel == CrossEntropyKernel::kHeldDirect;
   if (!known_kernel)
-    c.fail("options.kernel", "auto, held or streamed", "enum value " + std::to_string(static_cast<int>(o.kernel)));
+    c.fail("options.kernel", "auto, held, streamed or held_direct",
+           "enum value " + std::to_string(static_cast<int>(o.kernel)));
 }
 
 // One float32 (float64 on the CPU) value per row of `rows_of`.

@@ -158,13 +158,12 @@ void softmax_backward_cuda(const TensorView& dy, const TensorView& y, TensorView
       });
     };
     if (feed == SoftmaxFeed::kDirect || (feed == SoftmaxFeed::kAuto && direct_feed_default(aligned, slots, r.rows))) {
-      const int threads = direct_feed_threads(op, aligned, slots, r.cols);
-      if (r.rows == 0) return;
-      a.slots = static_cast<int>(slots);
-      constexpr auto kDirect = Occupancy::kDirect;
-      const auto direct = threads == 512 ? softmax_backward_kernel<T, 512, detail::kRowVecs, 1, kDirect, true>
-                                         : softmax_backward_kernel<T, 1024, detail::kRowVecs, 1, kDirect, true>;
-      detail::launch_row_kernel(direct, threads, detail::kRowVecs, 1, 0, r.rows, stream, op, a);
+      a.slots = static_cast<int>(std::min<std::int64_t>(slots, 1 << 30));
+      const detail::DirectSplit d = aligned ? detail::direct_split(slots) : detail::DirectSplit{};
+      detail::launch_direct(op, d, r.rows, r.cols, stream, [](auto threads, auto cluster) {
+        constexpr int kThreads = decltype(threads)::value, kCluster = decltype(cluster)::value;
+        return softmax_backward_kernel<T, kThreads, detail::kRowVecs, kCluster, Occupancy::kDirect, true>;
+      }, a);
       return;
     }
     // Three ranges of the row length, each compiling only the splits it uses.

@@ -30,7 +30,7 @@ struct ForwardArgs {
 // stays faster over fewer rows (4096 x 8192: 3 %) and where a split leaves slots empty (N 6144,
 // 7168: 5-12 %); from N 16384, 2 slots per thread spill at 32 registers (1-33 % slower).
 // kDirect: SoftmaxFeed::kDirect's rows (softmax_cuda.h), 4 slots per thread at 64 registers, a
-// block per row.
+// block (or cluster) per row.
 enum class Feed { kRing, kDense, kDirect };
 constexpr int kDenseVecs = 2, kDenseMinSlots = 256, kDenseMaxSlots = 1024;
 constexpr std::int64_t kDenseMinRows = 16384;
@@ -130,12 +130,12 @@ void softmax_forward_cuda(const TensorView& x, TensorView y, cudaStream_t stream
     const bool aligned = detail::rows_at_slots(x.data, xr.row_stride, xr.cols, sizeof(T)) &&
                          detail::rows_at_slots(y.data, a.y_stride, xr.cols, sizeof(T));
     if (feed == SoftmaxFeed::kDirect || (feed == SoftmaxFeed::kAuto && direct_feed_default(aligned, slots, xr.rows))) {
-      const int threads = direct_feed_threads(op, aligned, slots, xr.cols);
-      if (xr.rows == 0) return;
-      a.slots = static_cast<int>(slots);
-      const auto kernel = threads == 512 ? softmax_forward_kernel<T, Feed::kDirect, 512, detail::kRowVecs, 1, true>
-                                         : softmax_forward_kernel<T, Feed::kDirect, 1024, detail::kRowVecs, 1, true>;
-      detail::launch_row_kernel(kernel, threads, detail::kRowVecs, 1, 0, xr.rows, stream, op, a);
+      a.slots = static_cast<int>(std::min<std::int64_t>(slots, 1 << 30));
+      const detail::DirectSplit d = aligned ? detail::direct_split(slots) : detail::DirectSplit{};
+      detail::launch_direct(op, d, xr.rows, xr.cols, stream, [](auto threads, auto cluster) {
+        constexpr int kThreads = decltype(threads)::value, kCluster = decltype(cluster)::value;
+        return softmax_forward_kernel<T, Feed::kDirect, kThreads, detail::kRowVecs, kCluster, true>;
+      }, a);
       return;
     }
     if (dense_feed(slots, xr.rows)) {
