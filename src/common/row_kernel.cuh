@@ -156,18 +156,21 @@ void launch_rows(std::string_view op, std::int64_t rows, std::int64_t cols, int 
 }
 
 // Launches make_kernel(threads, cluster) (std::integral_constant each), compiled for the direct
-// feed's split `d` (direct_split) without a ring, over `rows` rows: only its five splits are
-// compiled. Throws UnsupportedVariantError naming `op` where d holds no split (rows outside
-// kDirectMinSlots-kDirectMaxSlots slots, or not at 16 bytes: `cols` for the message), and an
-// op error where the cluster cannot be resident.
+// feed's split (direct_split) of rows of `slots` slots, without a ring, over `rows` rows: only
+// its five splits are compiled. Throws UnsupportedVariantError naming `op` for rows it does not
+// take (not `aligned`, i.e. rows_at_slots for every tensor moved, or outside
+// kDirectMinSlots-kDirectMaxSlots slots; `cols` for the message), and an op error where the
+// cluster cannot be resident.
 template <class MakeKernel, class Args>
-void launch_direct(const char* op, const DirectSplit& d, std::int64_t rows, std::int64_t cols,
+void launch_direct(const char* op, bool aligned, std::int64_t slots, std::int64_t rows, std::int64_t cols,
                    cudaStream_t stream, MakeKernel&& make_kernel, Args& args) {
+  const DirectSplit d = aligned ? direct_split(slots) : DirectSplit{};
   if (d.threads == 0) {
     throw UnsupportedVariantError(std::string("trainscale ") + op + ": the direct feed takes rows at 16 bytes of " +
                                   std::to_string(kDirectMinSlots) + "-" + std::to_string(kDirectMaxSlots) +
                                   " 16-byte slots; got rows of " + std::to_string(cols) + " elements");
   }
+  args.slots = static_cast<int>(slots);
   if (rows == 0) return;
   using std::integral_constant;
   const auto launch = [&](auto threads, auto cluster) {

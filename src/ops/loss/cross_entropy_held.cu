@@ -151,9 +151,7 @@ void launch_held_forward(ForwardArgs a, bool softcap, std::int64_t cols, int max
       throw UnsupportedVariantError(std::string("trainscale ") + op + ": the direct feed does not take the softcap");
     }
     const std::int64_t slots = detail::row_slots(cols, detail::kVec16<T>, max_shift);
-    a.slots = static_cast<int>(std::min<std::int64_t>(slots, 1 << 30));
-    const detail::DirectSplit d = aligned ? detail::direct_split(slots) : detail::DirectSplit{};
-    detail::launch_direct(op, d, a.rows, cols, stream, [](auto threads, auto cluster) {
+    detail::launch_direct(op, aligned, slots, a.rows, cols, stream, [](auto threads, auto cluster) {
       constexpr int kThreads = decltype(threads)::value, kCluster = decltype(cluster)::value;
       return cross_entropy_forward_kernel<T, false, kThreads, detail::kRowVecs, kCluster, true, 0>;
     }, a);

@@ -158,9 +158,7 @@ void softmax_backward_cuda(const TensorView& dy, const TensorView& y, TensorView
       });
     };
     if (feed == SoftmaxFeed::kDirect || (feed == SoftmaxFeed::kAuto && direct_feed_default(aligned, slots, r.rows))) {
-      a.slots = static_cast<int>(std::min<std::int64_t>(slots, 1 << 30));
-      const detail::DirectSplit d = aligned ? detail::direct_split(slots) : detail::DirectSplit{};
-      detail::launch_direct(op, d, r.rows, r.cols, stream, [](auto threads, auto cluster) {
+      detail::launch_direct(op, aligned, slots, r.rows, r.cols, stream, [](auto threads, auto cluster) {
         constexpr int kThreads = decltype(threads)::value, kCluster = decltype(cluster)::value;
         return softmax_backward_kernel<T, kThreads, detail::kRowVecs, kCluster, Occupancy::kDirect, true>;
       }, a);

@@ -130,9 +130,7 @@ void softmax_forward_cuda(const TensorView& x, TensorView y, cudaStream_t stream
     const bool aligned = detail::rows_at_slots(x.data, xr.row_stride, xr.cols, sizeof(T)) &&
                          detail::rows_at_slots(y.data, a.y_stride, xr.cols, sizeof(T));
     if (feed == SoftmaxFeed::kDirect || (feed == SoftmaxFeed::kAuto && direct_feed_default(aligned, slots, xr.rows))) {
-      a.slots = static_cast<int>(std::min<std::int64_t>(slots, 1 << 30));
-      const detail::DirectSplit d = aligned ? detail::direct_split(slots) : detail::DirectSplit{};
-      detail::launch_direct(op, d, xr.rows, xr.cols, stream, [](auto threads, auto cluster) {
+      detail::launch_direct(op, aligned, slots, xr.rows, xr.cols, stream, [](auto threads, auto cluster) {
         constexpr int kThreads = decltype(threads)::value, kCluster = decltype(cluster)::value;
         return softmax_forward_kernel<T, Feed::kDirect, kThreads, detail::kRowVecs, kCluster, true>;
       }, a);
