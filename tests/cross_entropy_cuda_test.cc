@@ -263,15 +263,16 @@ TEST(CrossEntropyCuda, ForcedKernels) {
   EXPECT_THROW(run_device_forward(c, x, targets), UnsupportedVariantError);
 }
 
-// kHeldDirect forced (aligned rows of 1025-32768 slots straight into registers, a block of 512
-// or 1024 threads, clusters of 2, 4 or 8 beyond 4096 slots): every split, strided by whole
-// slots, with the gradient (in place too), the options, NaN/Inf; the softcap, misaligned rows
-// and rows outside the range throw.
+// kHeldDirect forced (aligned rows of 129-32768 slots straight into registers, a block of 64
+// (four rows to a block) to 1024 threads, clusters of 2, 4 or 8 beyond 4096 slots): every split,
+// strided by whole slots, with the gradient (in place too), the options, NaN/Inf; the softcap,
+// misaligned rows and rows outside the range throw.
 TEST(CrossEntropyCuda, HeldDirectFeedRows) {
   TS_REQUIRE_GPU();
   for (DType dt : kDtypes) {
     const auto v = static_cast<std::int64_t>(16 / dtype_size(dt));
-    for (const Layout& l : {Layout{6, 1025 * v, 0, false}, Layout{5, 4096 * v, v, false},
+    for (const Layout& l : {Layout{9, 129 * v, 0, false}, Layout{7, 512 * v, v, false},
+                            Layout{6, 1025 * v, 0, false}, Layout{5, 4096 * v, v, false},
                             Layout{5, 4097 * v, 0, false}, Layout{3, 16032 * v, 0, false},
                             Layout{2, 32768 * v, 0, false}}) {
       Case c{dt, l};
@@ -296,7 +297,7 @@ TEST(CrossEntropyCuda, HeldDirectFeedRows) {
       EXPECT_THROW(run_device_forward(c, x, targets), UnsupportedVariantError);
     };
     refused({2, 2048 * v, 0, false}, 5.0);
-    refused({2, 1024 * v, 0, false}, 0.0);
+    refused({2, 128 * v, 0, false}, 0.0);
     refused({2, 32769 * v, 0, false}, 0.0);
     refused({2, 2048 * v - 1, 0, false}, 0.0);
     refused({2, 2048 * v, 0, true}, 0.0);

@@ -73,7 +73,12 @@ TEST(RowConfig, RowsAtSlotsNeedBaseStrideAndLengthAtSixteenBytes) {
 
 
 TEST(RowConfig, DirectSplitTakesABlockThenTheFewestClustersOf1024Threads) {
-  EXPECT_EQ(direct_split(1024).threads, 0);  // short rows: the row splits
+  EXPECT_EQ(direct_split(128).threads, 0);  // short rows: the row splits
+  EXPECT_EQ(direct_split(129).threads, 64);
+  EXPECT_EQ(direct_split(256).threads, 64);
+  EXPECT_EQ(direct_split(257).threads, 128);
+  EXPECT_EQ(direct_split(1024).threads, 256);
+  EXPECT_EQ(direct_split(1024).cluster, 1);
   EXPECT_EQ(direct_split(1025).threads, 512);
   EXPECT_EQ(direct_split(2048).threads, 512);
   EXPECT_EQ(direct_split(2049).threads, 1024);

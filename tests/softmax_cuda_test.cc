@@ -203,14 +203,16 @@ TEST(SoftmaxCuda, LongRowsThroughTheRing) {
   }
 }
 
-// The direct feed forced (rows of 1025-32768 slots at 16 bytes, a block of 512 or 1024 threads
-// each, clusters of 2, 4 or 8 blocks beyond 4096 slots): at every split, strided by whole slots,
-// in place, M = 0; other rows throw.
+// The direct feed forced (rows of 129-32768 slots at 16 bytes, a block of 64 (four rows to a
+// block) to 1024 threads each, clusters of 2, 4 or 8 blocks beyond 4096 slots): at every split,
+// strided by whole slots, in place, M = 0; other rows throw.
 TEST(SoftmaxCuda, DirectFeedRows) {
   TS_REQUIRE_GPU();
   for (DType dt : kDtypes) {
     const auto v = static_cast<std::int64_t>(16 / dtype_size(dt));
-    for (const Layout& l : {Layout{300, 1025 * v, 0, false}, Layout{257, 2048 * v, v, false},
+    for (const Layout& l : {Layout{301, 129 * v, 0, false}, Layout{70, 300 * v, v, false},
+                            Layout{50, 1024 * v, 0, false}, Layout{300, 1025 * v, 0, false},
+                            Layout{257, 2048 * v, v, false},
                             Layout{40, 4096 * v, 0, false}, Layout{33, 3000 * v, 0, false},
                             Layout{0, 2048 * v, 0, false}, Layout{21, 4097 * v, 0, false},
                             Layout{9, 8192 * v, v, false}, Layout{6, 12000 * v, 0, false},
@@ -220,7 +222,7 @@ TEST(SoftmaxCuda, DirectFeedRows) {
       check_backward(dt, l, false, SoftmaxFeed::kDirect);
       check_backward(dt, l, true, SoftmaxFeed::kDirect);
     }
-    for (const Layout& l : {Layout{4, 1024 * v, 0, false}, Layout{4, 32769 * v, 0, false},
+    for (const Layout& l : {Layout{4, 128 * v, 0, false}, Layout{4, 32769 * v, 0, false},
                             Layout{4, 2048 * v, 0, true}, Layout{4, 2048 * v - 1, 0, false}}) {
       SCOPED_TRACE(test::describe(dt, l));
       StridedDeviceBuffer d_x(dt, l), d_y(dt, l);

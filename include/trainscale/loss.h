@@ -34,7 +34,7 @@ enum class CrossEntropyKernel {
   kStreamed,  // the loss alone (no grad_logits): each row streamed through a block once,
               // nothing held; any row length
   kHeldDirect,  // kHeld with each row loaded straight into registers, no ring: rows at 16 bytes
-                // of 1025-32768 16-byte vectors (bf16 / fp16 V 8200-262144), no softcap; a
+                // of 129-32768 16-byte vectors (bf16 / fp16 V 1032-262144), no softcap; a
                 // block, or a cluster of blocks, per row
 };
 

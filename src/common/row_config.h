@@ -84,18 +84,23 @@ inline std::int64_t max_row_cols(int vec) {
 }
 
 // The direct feed: aligned rows (rows_at_slots) loaded straight from global memory into
-// registers, no ring, 4 slots per thread on a block of 512 threads (up to 2048 slots) or 1024
-// (up to 4096), beyond that a cluster of the fewest blocks of 1024 (2, 4 or 8) that hold them;
-// a grid of a block (cluster) per row group (launch_direct). Rows of kDirectMinSlots to
-// kDirectMaxSlots slots (bf16 N 8200-262144); threads 0 outside.
-inline constexpr std::int64_t kDirectMinSlots = 1025, kDirectBlockSlots = 4096;
+// registers, no ring, 4 slots per thread on the fewest threads that hold the row (64 to 1024;
+// rows of up to 64 threads share a block of 256, longer ones get a block each), beyond 4096
+// slots a cluster of the fewest blocks of 1024 (2, 4 or 8); a grid of a block (cluster) per row
+// group (launch_direct). Rows of kDirectMinSlots to kDirectMaxSlots slots (bf16 N 1032-262144);
+// threads 0 outside.
+inline constexpr std::int64_t kDirectMinSlots = 129, kDirectBlockSlots = 4096;
 inline constexpr std::int64_t kDirectMaxSlots = 8 * kDirectBlockSlots;
 struct DirectSplit {
   int threads = 0, cluster = 0;
 };
 inline DirectSplit direct_split(std::int64_t slots) {
   if (slots < kDirectMinSlots || slots > kDirectMaxSlots) return {};
-  if (slots <= kDirectBlockSlots) return {slots <= 2048 ? 512 : 1024, 1};
+  if (slots <= kDirectBlockSlots) {
+    int threads = 64;
+    while (threads * kRowVecs < slots) threads *= 2;
+    return {threads, 1};
+  }
   int cluster = 2;
   while (cluster * kDirectBlockSlots < slots) cluster *= 2;
   return {kRowMaxThreads, cluster};

@@ -157,7 +157,7 @@ void launch_rows(std::string_view op, std::int64_t rows, std::int64_t cols, int 
 
 // Launches make_kernel(threads, cluster) (std::integral_constant each), compiled for the direct
 // feed's split (direct_split) of rows of `slots` slots, without a ring, over `rows` rows: only
-// its five splits are compiled. Throws UnsupportedVariantError naming `op` for rows it does not
+// its eight splits are compiled. Throws UnsupportedVariantError naming `op` for rows it does not
 // take (not `aligned`, i.e. rows_at_slots for every tensor moved, or outside
 // kDirectMinSlots-kDirectMaxSlots slots; `cols` for the message), and an op error where the
 // cluster cannot be resident.
@@ -177,10 +177,16 @@ void launch_direct(const char* op, bool aligned, std::int64_t slots, std::int64_
     return launch_row_kernel(make_kernel(threads, cluster), decltype(threads)::value, kRowVecs,
                              decltype(cluster)::value, 0, rows, stream, op, args);
   };
+  using One = integral_constant<int, 1>;
   bool launched = false;
   if (d.cluster == 1) {
-    launched = d.threads == 512 ? launch(integral_constant<int, 512>{}, integral_constant<int, 1>{})
-                                : launch(integral_constant<int, kRowMaxThreads>{}, integral_constant<int, 1>{});
+    switch (d.threads) {
+      case 64: launched = launch(integral_constant<int, 64>{}, One{}); break;
+      case 128: launched = launch(integral_constant<int, 128>{}, One{}); break;
+      case 256: launched = launch(integral_constant<int, 256>{}, One{}); break;
+      case 512: launched = launch(integral_constant<int, 512>{}, One{}); break;
+      default: launched = launch(integral_constant<int, kRowMaxThreads>{}, One{});
+    }
   } else if (d.cluster == 2) {
     launched = launch(integral_constant<int, kRowMaxThreads>{}, integral_constant<int, 2>{});
   } else if (d.cluster == 4) {

@@ -14,19 +14,20 @@ namespace trainscale::ops::softmax {
 
 // How rows reach the registers. kAuto: the launchers' choice by shape, kDirect where
 // direct_feed_default takes the rows, else kRowSplits. kDirect: detail::direct_split's rows
-// (aligned, 1025-32768 16-byte slots: bf16 N 8200-262144) straight from global memory into a
+// (aligned, 129-32768 16-byte slots: bf16 N 1032-262144) straight from global memory into a
 // block, or beyond 4096 slots a cluster of blocks, per row, no ring; other rows throw
-// UnsupportedVariantError. kRowSplits: launch_rows's split by row length (a ring, clusters for
-// long rows), any row. The last two are for the bench and tests.
+// UnsupportedVariantError. kRowSplits: launch_rows's split by row length (a ring, the dense
+// feed, clusters for long rows), any row. The last two are for the bench and tests.
 enum class SoftmaxFeed { kAuto, kDirect, kRowSplits };
 
-// kDirect over many rows: 13-15 % faster forward and 9-15 % backward than the row splits at bf16
-// 32768 x 16384 and x 32768 (docs/perf/softmax.md). A grid of a block per row wants many rows,
-// as the dense feed does; fewer rows keep the row splits. Clusters (rows over 4096 slots) are
-// taken only where forced until measured.
-constexpr std::int64_t kDirectMinRows = 16384;
+// kDirect over many rows of 1025-4096 slots: 13-15 % faster forward and 9-15 % backward than
+// the row splits at bf16 32768 x 16384 and x 32768 (docs/perf/softmax.md). A grid of a block per
+// row wants many rows, as the dense feed does; fewer rows keep the row splits. Shorter rows
+// (the dense feed's) and clusters (rows over 4096 slots) are taken only where forced until
+// measured.
+constexpr std::int64_t kDirectDefaultMinSlots = 1025, kDirectMinRows = 16384;
 inline bool direct_feed_default(bool aligned, std::int64_t slots, std::int64_t rows) {
-  return aligned && slots >= detail::kDirectMinSlots && slots <= detail::kDirectBlockSlots && rows >= kDirectMinRows;
+  return aligned && slots >= kDirectDefaultMinSlots && slots <= detail::kDirectBlockSlots && rows >= kDirectMinRows;
 }
 
 void softmax_forward_cuda(const TensorView& x, TensorView y, cudaStream_t stream,
