@@ -71,7 +71,6 @@ TEST(RowConfig, RowsAtSlotsNeedBaseStrideAndLengthAtSixteenBytes) {
   EXPECT_FALSE(rows_at_slots(buffer, 6, 6, 4));      // fp32 rows of 6: 24 bytes
 }
 
-
 TEST(RowConfig, DirectSplitTakesABlockThenTheFewestClustersOf1024Threads) {
   EXPECT_EQ(direct_split(128).threads, 0);  // short rows: the row splits
   EXPECT_EQ(direct_split(129).threads, 64);

@@ -7,7 +7,6 @@
 #include <cstdint>
 
 #include "common/row_config.h"
-#include "trainscale/error.h"
 #include "trainscale/softmax.h"
 
 namespace trainscale::ops::softmax {
