@@ -836,12 +836,29 @@ TEST(CrossEntropyHeuristics, LossAloneStreamsLongRows) {
   using ops::loss::cross_entropy_streams_loss;
   constexpr auto kAuto = CrossEntropyKernel::kAuto;
   EXPECT_TRUE(cross_entropy_streams_loss(kAuto, 8192, 128256 / 8, false));
-  EXPECT_TRUE(cross_entropy_streams_loss(kAuto, 256, 1024, false));
+  EXPECT_TRUE(cross_entropy_streams_loss(kAuto, 256, 1025, false));
   EXPECT_FALSE(cross_entropy_streams_loss(kAuto, 8192, 128256 / 8, true));
-  EXPECT_FALSE(cross_entropy_streams_loss(kAuto, 255, 1024, false));
-  EXPECT_FALSE(cross_entropy_streams_loss(kAuto, 32768, 1023, false));
+  EXPECT_FALSE(cross_entropy_streams_loss(kAuto, 255, 1025, false));
+  EXPECT_FALSE(cross_entropy_streams_loss(kAuto, 32768, 1024, false));
   EXPECT_TRUE(cross_entropy_streams_loss(CrossEntropyKernel::kStreamed, 1, 1, false));
   EXPECT_FALSE(cross_entropy_streams_loss(CrossEntropyKernel::kHeld, 8192, 128256 / 8, false));
+}
+
+// kAuto loads the loss alone's aligned rows of 129-1024 slots over 4096 rows or more straight
+// into registers; a gradient, a misaligned row or another length keeps the ring; a forced kernel
+// is obeyed.
+TEST(CrossEntropyHeuristics, LossAloneOnShortAlignedRowsTakesTheDirectFeed) {
+  using ops::loss::cross_entropy_held_direct;
+  constexpr auto kAuto = CrossEntropyKernel::kAuto;
+  EXPECT_TRUE(cross_entropy_held_direct(kAuto, true, 4096, 129, false));
+  EXPECT_TRUE(cross_entropy_held_direct(kAuto, true, 32768, 1024, false));
+  EXPECT_FALSE(cross_entropy_held_direct(kAuto, true, 32768, 1024, true));
+  EXPECT_FALSE(cross_entropy_held_direct(kAuto, false, 32768, 1024, false));
+  EXPECT_FALSE(cross_entropy_held_direct(kAuto, true, 4095, 1024, false));
+  EXPECT_FALSE(cross_entropy_held_direct(kAuto, true, 32768, 128, false));
+  EXPECT_FALSE(cross_entropy_held_direct(kAuto, true, 32768, 1025, false));
+  EXPECT_TRUE(cross_entropy_held_direct(CrossEntropyKernel::kHeldDirect, true, 1, 4096, true));
+  EXPECT_FALSE(cross_entropy_held_direct(CrossEntropyKernel::kHeld, true, 32768, 1024, false));
 }
 
 }  // namespace

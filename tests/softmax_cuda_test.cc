@@ -235,15 +235,21 @@ TEST(SoftmaxCuda, DirectFeedRows) {
   }
 }
 
-// kAuto takes the direct feed for many aligned rows of 1025-4096 slots, the row splits otherwise.
-TEST(SoftmaxCuda, DirectFeedIsChosenForManyAlignedRowsOf1025To4096Slots) {
+// kAuto takes the direct feed for aligned rows of 129 slots and more over 4096 rows or more,
+// up to 16384 slots forward (clusters of 4) and 32768 backward (clusters of 8).
+TEST(SoftmaxCuda, DirectFeedIsChosenForAlignedRowsOver4096Rows) {
   using ops::softmax::direct_feed_default;
-  EXPECT_TRUE(direct_feed_default(true, 1025, 16384));
-  EXPECT_TRUE(direct_feed_default(true, 4096, 32768));
-  EXPECT_FALSE(direct_feed_default(false, 2048, 32768));
-  EXPECT_FALSE(direct_feed_default(true, 1024, 32768));
-  EXPECT_FALSE(direct_feed_default(true, 4097, 32768));
-  EXPECT_FALSE(direct_feed_default(true, 2048, 16383));
+  for (const bool forward : {true, false}) {
+    EXPECT_TRUE(direct_feed_default(true, 129, 4096, forward));
+    EXPECT_TRUE(direct_feed_default(true, 1024, 32768, forward));
+    EXPECT_TRUE(direct_feed_default(true, 16384, 4096, forward));
+    EXPECT_FALSE(direct_feed_default(false, 2048, 32768, forward));
+    EXPECT_FALSE(direct_feed_default(true, 128, 32768, forward));
+    EXPECT_FALSE(direct_feed_default(true, 2048, 4095, forward));
+    EXPECT_FALSE(direct_feed_default(true, 32769, 32768, forward));
+  }
+  EXPECT_FALSE(direct_feed_default(true, 16385, 32768, true));
+  EXPECT_TRUE(direct_feed_default(true, 32768, 32768, false));
 }
 
 TEST(SoftmaxCuda, RowsLongerThanSupportedThrow) {

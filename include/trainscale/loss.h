@@ -27,8 +27,9 @@ void mse_backward(const TensorView& grad_out, const TensorView& a, const TensorV
 // linear cross-entropy ignore it). A forced kernel that cannot run the call throws
 // UnsupportedVariantError.
 enum class CrossEntropyKernel {
-  kAuto,      // kStreamed for the loss alone on 256 rows or more of at least 1024 16-byte
-              // vectors (bf16 / fp16 V >= 8192, fp32 4096), kHeld otherwise
+  kAuto,      // for the loss alone: kStreamed on 256 rows or more of over 1024 16-byte
+              // vectors (bf16 / fp16 V > 8192, fp32 4096), kHeldDirect on 4096 rows or more
+              // of 129-1024 aligned vectors (no softcap); kHeld otherwise
   kHeld,      // each row held in registers (a thread-block cluster for long rows) while it is
               // reduced; the gradient, when asked, written from them in the same pass
   kStreamed,  // the loss alone (no grad_logits): each row streamed through a block once,

@@ -283,8 +283,7 @@ void cross_entropy_forward_cuda(const TensorView& logits, const TensorView& targ
       detail::check_launch(op);
       return;
     }
-    launch_held_forward<T>(a, options.softcap > 0, r.cols, max_shift,
-                           options.kernel == CrossEntropyKernel::kHeldDirect, stream, op);
+    launch_held_forward<T>(a, options.softcap > 0, r.cols, max_shift, options.kernel, stream, op);
   });
   if (!per_row) {
     reduce_row_losses_cuda(scratch.rows, targets, options.ignore_index,

@@ -7,6 +7,7 @@
 // themselves (the softcap's slope needs them). Its own translation unit: the row splits times
 // the dtypes make it the family's heaviest compile.
 #include "ops/loss/cross_entropy_kernels.cuh"
+#include "ops/loss/loss_internal.h"
 
 namespace trainscale::ops::loss::ce {
 namespace {
@@ -136,8 +137,8 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads, kStages > 
 }  // namespace
 
 template <class T>
-void launch_held_forward(ForwardArgs a, bool softcap, std::int64_t cols, int max_shift, bool direct,
-                         cudaStream_t stream, const char* op) {
+void launch_held_forward(ForwardArgs a, bool softcap, std::int64_t cols, int max_shift,
+                         CrossEntropyKernel kernel, cudaStream_t stream, const char* op) {
   // The softmax's split, from one thread per row: with a warp per row at least, a short row
   // filled one 16-byte slot of the four each thread holds, four times the instructions per
   // logit.
@@ -146,11 +147,11 @@ void launch_held_forward(ForwardArgs a, bool softcap, std::int64_t cols, int max
   const bool aligned =
       !softcap && detail::rows_at_slots(a.logits, a.logits_stride, cols, sizeof(T)) &&
       (a.grad == nullptr || detail::rows_at_slots(a.grad, a.grad_stride, cols, sizeof(T)));
-  if (direct) {
-    if (softcap) {
-      throw UnsupportedVariantError(std::string("trainscale ") + op + ": the direct feed does not take the softcap");
-    }
-    const std::int64_t slots = detail::row_slots(cols, detail::kVec16<T>, max_shift);
+  if (kernel == CrossEntropyKernel::kHeldDirect && softcap) {
+    throw UnsupportedVariantError(std::string("trainscale ") + op + ": the direct feed does not take the softcap");
+  }
+  const std::int64_t slots = detail::row_slots(cols, detail::kVec16<T>, max_shift);
+  if (cross_entropy_held_direct(kernel, aligned, a.rows, slots, a.grad != nullptr)) {
     detail::launch_direct(op, aligned, slots, a.rows, cols, stream, [](auto threads, auto cluster) {
       constexpr int kThreads = decltype(threads)::value, kCluster = decltype(cluster)::value;
       return cross_entropy_forward_kernel<T, false, kThreads, detail::kRowVecs, kCluster, true, 0>;
@@ -171,9 +172,11 @@ void launch_held_forward(ForwardArgs a, bool softcap, std::int64_t cols, int max
       [](int) { return detail::kRowRingStages; }, a);
 }
 
-template void launch_held_forward<float>(ForwardArgs, bool, std::int64_t, int, bool, cudaStream_t, const char*);
-template void launch_held_forward<__half>(ForwardArgs, bool, std::int64_t, int, bool, cudaStream_t, const char*);
-template void launch_held_forward<__nv_bfloat16>(ForwardArgs, bool, std::int64_t, int, bool, cudaStream_t,
-                                                 const char*);
+template void launch_held_forward<float>(ForwardArgs, bool, std::int64_t, int, CrossEntropyKernel,
+                                         cudaStream_t, const char*);
+template void launch_held_forward<__half>(ForwardArgs, bool, std::int64_t, int, CrossEntropyKernel,
+                                          cudaStream_t, const char*);
+template void launch_held_forward<__nv_bfloat16>(ForwardArgs, bool, std::int64_t, int, CrossEntropyKernel,
+                                                 cudaStream_t, const char*);
 
 }  // namespace trainscale::ops::loss::ce

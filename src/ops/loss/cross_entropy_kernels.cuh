@@ -8,6 +8,7 @@
 #include <limits>
 
 #include "common/row_kernel.cuh"
+#include "trainscale/loss.h"
 
 namespace trainscale::ops::loss::ce {
 
@@ -132,11 +133,12 @@ __device__ __forceinline__ float row_loss(float lse, float target_logit, float l
 // The forward with each row held in registers (a cluster of blocks for long rows; rows of up to
 // detail::max_row_cols elements, longer ones throw): lse, the per-row loss into a.loss and, when
 // a.grad is set, the gradient written from the held row in the same pass. max_shift:
-// detail::rows_max_shift of the logits. direct: the rows straight into registers
-// (CrossEntropyKernel::kHeldDirect; other rows throw UnsupportedVariantError). Instantiated for
-// float, __half and __nv_bfloat16.
+// detail::rows_max_shift of the logits. kernel: kAuto or kHeld (the ring, or the direct feed
+// where cross_entropy_held_direct takes the rows), or kHeldDirect (the rows straight into
+// registers; other rows throw UnsupportedVariantError). Instantiated for float, __half and
+// __nv_bfloat16.
 template <class T>
-void launch_held_forward(ForwardArgs a, bool softcap, std::int64_t cols, int max_shift, bool direct,
-                         cudaStream_t stream, const char* op);
+void launch_held_forward(ForwardArgs a, bool softcap, std::int64_t cols, int max_shift,
+                         CrossEntropyKernel kernel, cudaStream_t stream, const char* op);
 
 }  // namespace trainscale::ops::loss::ce

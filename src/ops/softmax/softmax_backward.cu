@@ -157,7 +157,7 @@ void softmax_backward_cuda(const TensorView& dy, const TensorView& y, TensorView
         return softmax_backward_kernel<T, kThreads, kVecs, kCluster, Occupancy::kDefault, kAligned>;
       });
     };
-    if (feed == SoftmaxFeed::kDirect || (feed == SoftmaxFeed::kAuto && direct_feed_default(aligned, slots, r.rows))) {
+    if (feed == SoftmaxFeed::kDirect || (feed == SoftmaxFeed::kAuto && direct_feed_default(aligned, slots, r.rows, false))) {
       detail::launch_direct(op, aligned, slots, r.rows, r.cols, stream, [](auto threads, auto cluster) {
         constexpr int kThreads = decltype(threads)::value, kCluster = decltype(cluster)::value;
         return softmax_backward_kernel<T, kThreads, detail::kRowVecs, kCluster, Occupancy::kDirect, true>;

@@ -19,14 +19,16 @@ namespace trainscale::ops::softmax {
 // feed, clusters for long rows), any row. The last two are for the bench and tests.
 enum class SoftmaxFeed { kAuto, kDirect, kRowSplits };
 
-// kDirect over many rows of 1025-4096 slots: 13-15 % faster forward and 9-15 % backward than
-// the row splits at bf16 32768 x 16384 and x 32768 (docs/perf/softmax.md). A grid of a block per
-// row wants many rows, as the dense feed does; fewer rows keep the row splits. Shorter rows
-// (the dense feed's) and clusters (rows over 4096 slots) are taken only where forced until
-// measured.
-constexpr std::int64_t kDirectDefaultMinSlots = 1025, kDirectMinRows = 16384;
-inline bool direct_feed_default(bool aligned, std::int64_t slots, std::int64_t rows) {
-  return aligned && slots >= kDirectDefaultMinSlots && slots <= detail::kDirectBlockSlots && rows >= kDirectMinRows;
+// kAuto takes kDirect for aligned rows of 129 slots and more over at least 4096 rows: one engine
+// run (bf16) against the row splits, forward 10-13 % faster at N 6144-7168 and 4096 x 8192 (the
+// ring's), within 0.5 % of the dense feed on its rows (N 2048-8192 over 16384 rows), 13-15 %
+// at 16384-32768, 5-6 % at 65536-131072 (clusters of 2 and 4); backward 12-14 % from N 65536 and within +-2 % at 2048-32768 (docs/perf/softmax.md). The
+// forward's clusters of 8 (N 131080-262144) ran 13 % slower than the ring: the forward keeps
+// the ring there. Fewer rows keep the row splits (not measured).
+constexpr std::int64_t kDirectMinRows = 4096, kDirectForwardMaxSlots = 4 * detail::kDirectBlockSlots;
+inline bool direct_feed_default(bool aligned, std::int64_t slots, std::int64_t rows, bool forward) {
+  return aligned && rows >= kDirectMinRows && slots >= detail::kDirectMinSlots &&
+         slots <= (forward ? kDirectForwardMaxSlots : detail::kDirectMaxSlots);
 }
 
 void softmax_forward_cuda(const TensorView& x, TensorView y, cudaStream_t stream,

@@ -30,7 +30,8 @@ struct ForwardArgs {
 // stays faster over fewer rows (4096 x 8192: 3 %) and where a split leaves slots empty (N 6144,
 // 7168: 5-12 %); from N 16384, 2 slots per thread spill at 32 registers (1-33 % slower).
 // kDirect: SoftmaxFeed::kDirect's rows (softmax_cuda.h), 4 slots per thread at 64 registers, a
-// block (or cluster) per row.
+// block (or cluster) per row; kAuto gives it kDense's aligned rows (the two within 0.5 % there),
+// so kDense keeps the rows that are not (and the forced row splits).
 enum class Feed { kRing, kDense, kDirect };
 constexpr int kDenseVecs = 2, kDenseMinSlots = 256, kDenseMaxSlots = 1024;
 constexpr std::int64_t kDenseMinRows = 16384;
@@ -129,7 +130,7 @@ void softmax_forward_cuda(const TensorView& x, TensorView y, cudaStream_t stream
     // Rows at 16 bytes filling whole slots (the common case) take kernels without bounds tests.
     const bool aligned = detail::rows_at_slots(x.data, xr.row_stride, xr.cols, sizeof(T)) &&
                          detail::rows_at_slots(y.data, a.y_stride, xr.cols, sizeof(T));
-    if (feed == SoftmaxFeed::kDirect || (feed == SoftmaxFeed::kAuto && direct_feed_default(aligned, slots, xr.rows))) {
+    if (feed == SoftmaxFeed::kDirect || (feed == SoftmaxFeed::kAuto && direct_feed_default(aligned, slots, xr.rows, true))) {
       detail::launch_direct(op, aligned, slots, xr.rows, xr.cols, stream, [](auto threads, auto cluster) {
         constexpr int kThreads = decltype(threads)::value, kCluster = decltype(cluster)::value;
         return softmax_forward_kernel<T, Feed::kDirect, kThreads, detail::kRowVecs, kCluster, true>;
