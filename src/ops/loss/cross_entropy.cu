@@ -24,31 +24,30 @@ using namespace ce;
 
 // The loss alone (cross_entropy_streams_loss): a block per row streams it in batches of
 // kLossBatch 16-byte slots per thread (that many loads in flight), folding each batch into the
-// thread's online statistics (max, sum of exp, sum of logits, the target's logit where the
-// thread's slot holds it) after its maximum is known. Nothing is held across the row, so a block
-// needs few registers and an SM keeps many rows in flight. No load waits on another: the next
-// row's target is read a row ahead, and the target's logit comes from the stream rather than a
-// load of its own (which, on the target, would hold its warp, and with it the row's reduction,
-// for two dependent memory latencies per row).
+// thread's online statistics (max, sum of exp, sum of logits) after its maximum is known; the
+// target's logit is one load by the reporting thread. Nothing is held across the row, so a
+// block needs few registers and an SM keeps many rows in flight.
 constexpr int kLossThreads = 256;
 constexpr int kLossBatch = 4;
 
 template <class T, bool kSoftcap>
 __global__ void __launch_bounds__(kLossThreads, kSoftcap ? 3 : 4) cross_entropy_loss_kernel(ForwardArgs a) {
   constexpr int V = detail::kVec16<T>;
-  __shared__ float scratch[kLossThreads / 32 * 4];
+  __shared__ float scratch[kLossThreads / 32 * 3];
   const Options& o = a.o;
   const int n = a.cols;
   const T* logits = static_cast<const T*>(a.logits);
-  std::int64_t row = blockIdx.x;
-  std::int64_t target = row < a.rows ? a.targets[row] : 0;
-  for (; row < a.rows; row += gridDim.x) {
+  for (std::int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
     const T* x_row = logits + row * a.logits_stride;
     const int shift = detail::row_shift(x_row);
-    // Columns before the row (negative) may equal t_col's flags; row_loss tests those first.
-    const int t_col = target_column(target, o.ignore_index, n);
-    if (row + gridDim.x < a.rows) target = a.targets[row + gridDim.x];
-    float stats[4] = {-kInf, 0.f, 0.f, 0.f};  // max, sum of exp(x - max), sum of x, x[target]
+    const bool reporter = threadIdx.x == 0;
+    int t_col = kIgnoredRow;
+    float target_logit = 0.f;
+    if (reporter) {
+      t_col = target_column(a.targets[row], o.ignore_index, n);
+      if (t_col >= 0) target_logit = softcapped<kSoftcap>(detail::to_float(x_row[t_col]), o);
+    }
+    float stats[3] = {-kInf, 0.f, 0.f};  // max, sum of exp(x - max), sum of x
     for (int first = 0; first < a.slots; first += kLossThreads * kLossBatch) {
       // Slot first + i * kLossThreads + thread starts at column c of the row.
       const auto column = [&](int i) { return (first + i * kLossThreads + static_cast<int>(threadIdx.x)) * V - shift; };
@@ -84,14 +83,13 @@ __global__ void __launch_bounds__(kLossThreads, kSoftcap ? 3 : 4) cross_entropy_
         for (int j = 0; j < V; ++j) {
           stats[1] += detail::exp_minus(x[i][j], pivot);
           if (whole[i] || detail::in_row(c + j, n)) stats[2] += x[i][j];
-          if (c + j == t_col) stats[3] = x[i][j];
         }
       }
     }
     detail::row_reduce<kLossThreads, detail::OnlineSoftmaxOp>(stats, scratch);
-    if (threadIdx.x != 0) continue;
+    if (!reporter) continue;
     const float lse = row_lse(stats[0], stats[1]);
-    a.loss[row * a.loss_stride] = row_loss(lse, stats[3], stats[2], t_col, n, o);
+    a.loss[row * a.loss_stride] = row_loss(lse, target_logit, stats[2], t_col, n, o);
     if (a.lse) a.lse[row * a.lse_stride] = lse;
   }
 }
