@@ -12,6 +12,13 @@
 namespace trainscale::ops::loss::ce {
 namespace {
 
+// Whether the V columns from c hold column t (t may be one of target_column's negative flags,
+// which may fall in a slot's padding before the row: the loss tests the flags first).
+template <int V>
+__device__ __forceinline__ bool holds_column(int c, int t) {
+  return static_cast<unsigned>(t - c) < static_cast<unsigned>(V);
+}
+
 // kStages: the row ring's stages, or 0 for the direct feed (rows straight into registers).
 template <class T, bool kSoftcap, int kThreads, int kVecs, int kCluster, bool kAligned,
           int kStages = detail::kRowRingStages>
@@ -60,27 +67,51 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads, kStages > 
     const float pivot = m == -kInf ? 0.f : m;
     if constexpr (kSoftcap) detail::reconvert_after(held);
     float stats[4] = {m, 0.f, 0.f, 0.f};
+    // The kernel is bound by instruction issue as much as by memory (at 8192 x 128256 one
+    // 1024-thread block per SM runs about 1300 instructions per thread and row), so work that
+    // every logit would repeat is taken out of the loops: the sum of the logits only where label
+    // smoothing needs it (a uniform branch, the loop compiled twice), the target's logit and
+    // gradient only in the one slot that holds the target (not with the softcap, whose kernels
+    // spill with either).
+    const auto fold = [&](auto sum_logits) {
 #pragma unroll
-    for (int i = 0; i < kVecs; ++i) {
-      // Slots the thread does not own hold the padding and match no column of the row.
-      const int c = Tile::column(share, i, shift, n);
-      const bool owned = Tile::owns(share, i);
-      float v[V];
-      detail::to_floats(held[i], v);
-      float ex[V];
+      for (int i = 0; i < kVecs; ++i) {
+        // Slots the thread does not own hold the padding and match no column of the row.
+        const int c = Tile::column(share, i, shift, n);
+        const bool owned = Tile::owns(share, i);
+        float v[V];
+        detail::to_floats(held[i], v);
+        float ex[V];
 #pragma unroll
-      for (int j = 0; j < V; ++j) {
-        const float x = logit(v[j], c + j);
-        ex[j] = detail::exp_minus(x, pivot);
-        stats[1] += ex[j];
-        if (c + j == t_col) stats[3] = x;
-        if (kAligned ? owned : detail::in_row(c + j, n)) stats[2] += x;  // skips the padding
+        for (int j = 0; j < V; ++j) {
+          const float x = logit(v[j], c + j);
+          ex[j] = detail::exp_minus(x, pivot);
+          stats[1] += ex[j];
+          if constexpr (decltype(sum_logits)::value) {
+            if (kAligned ? owned : detail::in_row(c + j, n)) stats[2] += x;  // skips the padding
+          }
+          if constexpr (kSoftcap) {
+            if (c + j == t_col) stats[3] = x;  // recomputing the tanh below spills
+          }
+        }
+        if constexpr (!kSoftcap) {
+          if (holds_column<V>(c, t_col)) {
+#pragma unroll
+            for (int j = 0; j < V; ++j)
+              if (c + j == t_col) stats[3] = v[j];
+          }
+        }
+        // Without the softcap the gradient needs only the exponentials: kept in place of x.
+        if constexpr (!kSoftcap) {
+          const auto e = detail::to_exp_storage<T>(ex);
+          memcpy(&held[i], &e, sizeof(e));
+        }
       }
-      // Without the softcap the gradient needs only the exponentials: kept in place of x.
-      if constexpr (!kSoftcap) {
-        const auto e = detail::to_exp_storage<T>(ex);
-        memcpy(&held[i], &e, sizeof(e));
-      }
+    };
+    if (kSoftcap || o.smoothing > 0.f) {  // the softcap kernels spill with two loops
+      fold(std::true_type{});
+    } else {
+      fold(std::false_type{});
     }
     tile.reduce(stats, reduced);
     if (!valid) return;
@@ -112,21 +143,30 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads, kStages > 
       // p = e exp(pivot - lse), one multiply where exp(x - lse) took a second exponential per
       // logit. A thread holding only -inf (e = 0) takes 0 (NaN with a NaN lse), not exp(0 - lse),
       // which overflows where lse is below -88.
+      // g = (p - smooth - [target] (1 - smoothing)) row_scale, as one FMA per logit; an
+      // ignored row (uniform across the block) writes zeros.
       const float factor =
-          (m == -kInf ? (lse == lse ? 0.f : kNaN) : detail::exp_minus(pivot, lse)) * prob_weight;
+          (m == -kInf ? (lse == lse ? 0.f : kNaN) : detail::exp_minus(pivot, lse)) * prob_weight * row_scale;
+      const float offset = smooth * row_scale, target_offset = (1.f - o.smoothing) * row_scale;
 #pragma unroll
       for (int i = 0; i < kVecs; ++i) {
         if (!Tile::owns(share, i)) continue;
         const int c = Tile::slot(share, i) * V - shift;
-        detail::Vec<Exp<T>, V> e;
-        memcpy(&e, &held[i], sizeof(e));
         float g[V];
-        detail::to_floats(e, g);
+        if (ignored) {
 #pragma unroll
-        for (int j = 0; j < V; ++j) {
-          g[j] = g[j] * factor - smooth;
-          if (c + j == t_col) g[j] -= 1.f - o.smoothing;
-          g[j] = ignored ? 0.f : g[j] * row_scale;
+          for (int j = 0; j < V; ++j) g[j] = 0.f;
+        } else {
+          detail::Vec<Exp<T>, V> e;
+          memcpy(&e, &held[i], sizeof(e));
+          detail::to_floats(e, g);
+#pragma unroll
+          for (int j = 0; j < V; ++j) g[j] = fmaf(g[j], factor, -offset);
+          if (holds_column<V>(c, t_col)) {
+#pragma unroll
+            for (int j = 0; j < V; ++j)
+              if (c + j == t_col) g[j] -= target_offset;
+          }
         }
         detail::store_slot<T, V>(g_row, c, n, Tile::whole(c, n, g_vectors), g);
       }
