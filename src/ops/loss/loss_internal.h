@@ -38,9 +38,9 @@ constexpr bool cross_entropy_streams_loss(CrossEntropyKernel kernel, std::int64_
 
 // Whether a held forward loads each row straight into registers (kHeldDirect) rather than
 // through the row ring. kAuto takes it for the loss alone on aligned rows (no softcap) of
-// detail::kDirectMinSlots to 1024 slots (bf16 N 1032-8192) over 4096 rows or more: bf16 32768 x 4096 and
-// x 8192, 4-5 % faster than the ring, equal at x 2048. With the gradient, and for the loss on
-// longer rows, the direct feed ran 0-85 % slower (docs/perf/cross-entropy.md).
+// detail::kDirectMinSlots to 1024 slots (bf16 N 1032-8192) over 4096 rows or more: at bf16
+// 32768 x 4096 and x 8192 4-5 % faster than the ring, equal at x 2048. With the gradient, and
+// for the loss on longer rows, the direct feed ran 0-85 % slower (docs/perf/cross-entropy.md).
 inline constexpr std::int64_t kHeldDirectLossMaxSlots = 1024, kHeldDirectLossMinRows = 4096;
 constexpr bool cross_entropy_held_direct(CrossEntropyKernel kernel, bool aligned, std::int64_t rows,
                                          std::int64_t slots, bool grad) {

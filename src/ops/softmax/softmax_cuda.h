@@ -19,12 +19,13 @@ namespace trainscale::ops::softmax {
 // feed, clusters for long rows), any row. The last two are for the bench and tests.
 enum class SoftmaxFeed { kAuto, kDirect, kRowSplits };
 
-// kAuto takes kDirect for aligned rows of 129 slots and more over at least 4096 rows: one engine
-// run (bf16) against the row splits, forward 10-13 % faster at N 6144-7168 and 4096 x 8192 (the
-// ring's), within 0.5 % of the dense feed on its rows (N 2048-8192 over 16384 rows), 13-15 %
-// at 16384-32768, 5-6 % at 65536-131072 (clusters of 2 and 4); backward 12-14 % from N 65536 and within +-2 % at 2048-32768 (docs/perf/softmax.md). The
-// forward's clusters of 8 (N 131080-262144) ran 13 % slower than the ring: the forward keeps
-// the ring there. Fewer rows keep the row splits (not measured).
+// kAuto takes kDirect for aligned rows of 129 slots and more over at least 4096 rows. One engine
+// run (bf16) against the row splits: forward 10-13 % faster at N 6144-7168 and at 4096 x 8192
+// (where the ring's 2-slot split leaves slots empty), within 0.5 % of the dense feed on its rows
+// (N 2048-8192 over 16384 rows), 13-15 % at N 16384-32768, 5-6 % at 65536-131072 (clusters of 2
+// and 4); backward 12-14 % from N 65536, within 2 % at 2048-32768 (docs/perf/softmax.md). The
+// forward's clusters of 8 (N 131080-262144) ran 13 % slower than the ring, which keeps those
+// rows. Fewer rows keep the row splits (not measured).
 constexpr std::int64_t kDirectMinRows = 4096, kDirectForwardMaxSlots = 4 * detail::kDirectBlockSlots;
 inline bool direct_feed_default(bool aligned, std::int64_t slots, std::int64_t rows, bool forward) {
   return aligned && rows >= kDirectMinRows && slots >= detail::kDirectMinSlots &&
