@@ -43,7 +43,8 @@ void cross_entropy_backward_cuda(const TensorView& grad_loss, const TensorView& 
 
 // The row reductions of cross_entropy.cu, for the fused linear cross-entropy: targets not
 // ignore_index counted into *count, and loss = the sum of row_losses (one per target; over
-// the rows not ignored for mean), each by one block in a fixed order.
+// the rows not ignored for mean), each in a fixed order that depends only on the rows (the
+// same bits on every run).
 void count_valid_rows_cuda(const TensorView& targets, std::int64_t ignore_index, std::int64_t* count,
                            cudaStream_t stream, const char* op);
 void reduce_row_losses_cuda(const float* row_losses, const TensorView& targets,
