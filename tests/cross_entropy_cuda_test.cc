@@ -386,6 +386,31 @@ TEST(CrossEntropyCuda, ReducedLossIsBitIdentical) {
   }
 }
 
+// Rows enough for the row reductions to span several blocks (launch_row_reduction: 8192 rows a
+// block, at most 32): kMean's count and the loss's sum against the reference, with ignored
+// rows, with and without the gradient, the backward's count, and the same bits run to run.
+TEST(CrossEntropyCuda, RowReductionsOverSeveralBlocks) {
+  TS_REQUIRE_GPU();
+  for (const std::int64_t rows : {8193, 70001, 300000})
+    for (Reduction r : {Reduction::kMean, Reduction::kSum})
+      for (const bool grad : {false, true}) {
+        Case c{DType::kBFloat16, {rows, 24, 0, false}};
+        c.o.reduction = r;
+        c.grad = grad;
+        c.ignored_fraction = 0.3;
+        check_forward(c);
+        if (rows == 70001 && grad) {
+          check_backward(c);
+          const Values x = test::random_inputs(c.dt, c.l.rows * c.l.cols, 0, -6, 6, false);
+          const HostTensor targets = HostTensor::from_values(c.target_dt, {c.l.rows}, random_targets(c));
+          const Outputs a = run_device_forward(c, x, targets), b = run_device_forward(c, x, targets);
+          const float fa = static_cast<float>(a.loss[0]), fb = static_cast<float>(b.loss[0]);
+          EXPECT_EQ(0, std::memcmp(&fa, &fb, sizeof(float))) << fa << " vs " << fb;
+          EXPECT_EQ(a.grad, b.grad);
+        }
+      }
+}
+
 // The reduced loss's scratch is per stream: calls on two streams at once give the bits of a
 // serial call, and a captured graph (after a first call sized the scratch) replays to them.
 TEST(CrossEntropyCuda, ConcurrentStreamsAndGraphAreBitIdentical) {
