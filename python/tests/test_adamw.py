@@ -1,7 +1,8 @@
 """trainscale.optim.AdamW against torch.optim.AdamW: the update over several steps (float32 and
 bfloat16 parameters, float32 moments, groups with their own lr), clipping against
 torch.nn.utils.clip_grad_norm_ (the norm, the update, gradients left unwritten, NaN), the
-state_dict round trip both ways, and argument errors; the device-factor scaling op. CUDA tests
+state_dict round trip both ways, the update moved into the backward (step_in_backward), and
+argument errors; the device-factor scaling op. CUDA tests
 skip without a GPU."""
 import pytest
 import torch
@@ -107,6 +108,52 @@ def test_state_dict_round_trip_with_torch():
     for x, y, z in zip(a, b, c):
         torch.testing.assert_close(x.detach(), z.detach(), rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(y.detach(), z.detach(), rtol=1e-6, atol=1e-6)
+
+
+def _backward_steps(opt, params, steps):
+    """`steps` backward passes of a loss whose gradients are fixed random tensors, each followed
+    by opt.step(); the grad norms."""
+    norms = []
+    for s in range(steps):
+        g = torch.Generator().manual_seed(100 + s)
+        targets = [torch.randn(p.shape, generator=g).to(p.dtype) for p in params]
+        sum((p * t).sum() for p, t in zip(params, targets)).backward()
+        opt.step()
+        norms.append(opt.grad_norm)
+        opt.zero_grad(set_to_none=True)
+    return norms
+
+
+def test_step_in_backward_matches_step():
+    kw = dict(lr=0.05, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    groups = lambda ps: [{"params": ps[:2]}, {"params": ps[2:], "lr": 0.01}]  # noqa: E731
+    ours, ref = _params(torch.float32), _params(torch.float32)
+    opt = ts.optim.AdamW(groups(ours), **kw)
+    opt.step_in_backward()
+    opt.step_in_backward()  # a second call adds no second hook
+    seen = []
+    for p in ours:  # the gradient is freed once the parameter is updated
+        p.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad is None))
+    norms = _backward_steps(opt, ours, 3)
+    assert seen and all(seen)
+    ref_opt = ts.optim.AdamW(groups(ref), **kw)
+    ref_norms = []
+    for s in range(3):
+        g = torch.Generator().manual_seed(100 + s)
+        targets = [torch.randn(p.shape, generator=g) for p in ref]
+        sum((p * t).sum() for p, t in zip(ref, targets)).backward()
+        ref_norms.append(torch.nn.utils.clip_grad_norm_(ref, float("inf")))
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=0)  # the same update, bit for bit
+    torch.testing.assert_close(torch.stack(norms), torch.stack(ref_norms), rtol=1e-6, atol=0)
+    assert all(opt.state[p]["step"].item() == 3 for p in ours)
+
+
+def test_step_in_backward_errors():
+    with pytest.raises(ValueError, match="max_grad_norm must be None"):
+        ts.optim.AdamW([torch.zeros(3, requires_grad=True)], max_grad_norm=1.0).step_in_backward()
 
 
 def test_argument_errors():

@@ -1,5 +1,6 @@
 """python -m trainscale.train on the CPU: the tiny preset learns the standard-library corpus, runs
-are reproducible, --impl trainscale follows eager, gradient accumulation and 2-process gloo
+are reproducible, --impl trainscale follows eager, --optimizer-in-backward takes the same steps,
+gradient accumulation and 2-process gloo
 runs (DDP, FSDP2) train on the same global batch as one process, and the JSONL log, --plot,
 --profile-step (with its idle-gap summary on a synthetic trace) and train_bench write what they
 promise. Skipped when transformers is not installed."""
@@ -150,6 +151,21 @@ def test_gc_every(cache, monkeypatch):
 def test_grad_accumulation_same_step(small_run, cache):
     accumulated = run(*SMALL, "--batch-size", 1, "--grad-accum", 2, "--steps", 3, *cache)
     torch.testing.assert_close(torch.tensor(losses(accumulated)), torch.tensor(losses(small_run)), rtol=1e-5, atol=0)
+
+
+def test_optimizer_in_backward_same_steps(cache, restore_rope):
+    flags = (*SMALL, "--batch-size", 2, "--steps", 3, "--impl", "trainscale", "--max-grad-norm", 0, *cache)
+    after = run(*flags)
+    during = run(*flags, "--optimizer-in-backward")
+    assert during["run"]["optimizer_in_backward"] and not after["run"]["optimizer_in_backward"]
+    assert losses(during) == losses(after)  # the same updates, one parameter at a time
+    torch.testing.assert_close(torch.tensor([s["grad_norm"] for s in during["steps"]]),
+                               torch.tensor([s["grad_norm"] for s in after["steps"]]), rtol=1e-5, atol=0)
+    eager = run(*SMALL, "--batch-size", 2, "--steps", 1, "--max-grad-norm", 0, "--optimizer-in-backward", *cache)
+    assert not eager["run"]["optimizer_in_backward"]  # other impls step after the backward
+    for bad in (("--max-grad-norm", "1"), ("--grad-accum", "2")):
+        with pytest.raises(SystemExit):
+            ts_train.parse_args(["--optimizer-in-backward", "--max-grad-norm", "0", *bad])
 
 
 def test_random_data_and_checkpointing(cache):

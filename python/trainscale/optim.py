@@ -144,6 +144,7 @@ class AdamW(torch.optim.Optimizer):
     moments_dtype: the dtype of exp_avg and exp_avg_sq, torch.float32 or None (the parameter's,
     as torch.optim.AdamW keeps them). The state (``step``, ``exp_avg``, ``exp_avg_sq``) has
     torch.optim.AdamW's names and layout, so state_dicts load either way.
+    step_in_backward() moves the update into the backward pass, one parameter at a time.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -162,6 +163,43 @@ class AdamW(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.moments_dtype = moments_dtype
         self.grad_norm: Optional[torch.Tensor] = None
+        self.in_backward = False
+        self._grad_square_sum: Optional[torch.Tensor] = None  # step_in_backward's, this step's
+
+    def step_in_backward(self) -> None:
+        """Update each parameter as soon as the backward has completed its gradient (a
+        post-accumulate-grad hook, with the group's learning rate at that moment), then free the
+        gradient: the whole model's gradients never coexist, which takes them off the step's
+        peak memory. step() then updates only the parameters that still hold a gradient and sets
+        ``grad_norm`` to the global norm of the gradients the backward passed (float64 sum of
+        squares). Needs max_grad_norm None (clipping needs every gradient before the first
+        update) and plain tensors (not FSDP2's DTensors); one backward per step (gradient
+        accumulation would update on every micro-batch) is the caller's to keep."""
+        if self.max_grad_norm is not None:
+            raise ValueError("AdamW.step_in_backward: max_grad_norm must be None (clipping needs every "
+                             "gradient before the first update)")
+        groups = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if _is_dtensor(p):
+                    raise ValueError("AdamW.step_in_backward: plain tensors only (got a DTensor)")
+                groups[p] = group
+        if self.in_backward:
+            return
+
+        @torch.no_grad()
+        def update(p):
+            group = groups[p]
+            step = _adamw_count_step(self.state[p], p, self.moments_dtype)
+            norm, _ = ops.grad_norm([p.grad], math.inf)
+            square = norm.double().square()
+            self._grad_square_sum = square if self._grad_square_sum is None else self._grad_square_sum + square
+            _adamw_update(self.state, [p], group["lr"], group["betas"], group["eps"], group["weight_decay"], step)
+            p.grad = None
+
+        for p in groups:
+            p.register_post_accumulate_grad_hook(update)
+        self.in_backward = True
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -174,6 +212,13 @@ class AdamW(torch.optim.Optimizer):
                 if p.grad.is_sparse:
                     raise RuntimeError("AdamW: sparse gradients are not supported")
                 calls[(gi, _adamw_count_step(self.state[p], p, self.moments_dtype), p.device)].append(p)
+        if self.in_backward:
+            square = self._grad_square_sum
+            for p in (p for ps in calls.values() for p in ps):
+                norm, _ = ops.grad_norm([p.grad], math.inf)
+                square = norm.double().square() if square is None else square + norm.double().square()
+            self.grad_norm = None if square is None else square.sqrt().float()
+            self._grad_square_sum = None
         scale = None
         if self.max_grad_norm is not None and calls:
             self.grad_norm, scale = _clip_factor([p for ps in calls.values() for p in ps], float(self.max_grad_norm))

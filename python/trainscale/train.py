@@ -128,6 +128,12 @@ def parse_args(argv=None):
     p.add_argument("--lr-warmup-steps", type=int, default=0, help="linear learning-rate warm-up")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="clip to this norm (0: no clipping)")
+    p.add_argument("--optimizer-in-backward", action="store_true",
+                   help="with --impl trainscale --optimizer adamw: each parameter updated in the backward as soon "
+                        "as its gradient is complete, which is then freed (trainscale.optim.AdamW.step_in_backward): "
+                        "the gradients never all coexist; other impls and optimizers step after the backward as "
+                        "usual (so train_bench can pass it to all). Needs --max-grad-norm 0, --grad-accum 1, one "
+                        "process")
     p.add_argument("--seed", type=int, default=0, help="model initialization and data order")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing of each decoder layer")
     p.add_argument("--loss-accumulation", choices=("float32", "weight"), default="float32",
@@ -190,6 +196,11 @@ def parse_args(argv=None):
         p.error(f"--warmup-steps: expected 0 or more, got {args.warmup_steps}")
     if args.gc_every < 0:
         p.error(f"--gc-every: expected 0 (Python's schedule) or a step count, got {args.gc_every}")
+    if args.optimizer_in_backward:
+        needs = {"--max-grad-norm 0": not args.max_grad_norm, "--grad-accum 1": args.grad_accum == 1}
+        missing = [flag for flag, ok in needs.items() if not ok]
+        if missing:
+            p.error("--optimizer-in-backward: needs " + ", ".join(missing))
     if args.profile_step is not None and not 1 <= args.profile_step <= args.steps:
         p.error(f"--profile-step: expected a step from 1 to --steps ({args.steps}), got {args.profile_step}")
     return args
@@ -312,8 +323,13 @@ def build_optimizer(model, params, args, device: torch.device, d: Dist) -> torch
             # Ours, with the clipping folded into the update (one pass over the gradients fewer);
             # under FSDP2 on each rank's shards, the norm all-reduced.
             from .optim import AdamW
-            return AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95),
-                         max_grad_norm=args.max_grad_norm or None)
+            optimizer = AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95),
+                              max_grad_norm=args.max_grad_norm or None)
+            if args.optimizer_in_backward:
+                if d.world > 1:
+                    raise SystemExit("--optimizer-in-backward: one process only (no DDP / FSDP2)")
+                optimizer.step_in_backward()
+            return optimizer
         return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95),
                                  fused=device.type == "cuda")
     from .optim import Muon
@@ -493,6 +509,8 @@ def _train(args, d: Dist) -> dict:
            "steps": args.steps, "warmup_steps": args.warmup_steps, "batch_size": args.batch_size,
            "grad_accum": args.grad_accum, "global_batch": global_batch, "seq_len": args.seq_len, "vocab": vocab,
            "params": n_params, "model_flops_per_token": flops_per_token, "optimizer": args.optimizer,
+           "optimizer_in_backward": bool(getattr(optimizer, "in_backward", False)),
+           "max_grad_norm": args.max_grad_norm,
            "lr": args.lr, "seed": args.seed,
            "checkpointing": args.checkpointing, "loss_accumulation": args.loss_accumulation,
            "peak_tflops": args.peak_tflops,
@@ -557,8 +575,8 @@ def _step(step, args, d, device, model, forward, optimizer, params, batches, aut
                 loss = forward(input_ids=ids, labels=ids).loss
                 (loss / args.grad_accum).backward()
             loss_sum += loss.detach()
-        if getattr(optimizer, "max_grad_norm", None) is not None:  # trainscale.optim.AdamW clips in its step
-            optimizer.step()
+        if getattr(optimizer, "max_grad_norm", None) is not None or getattr(optimizer, "in_backward", False):
+            optimizer.step()  # trainscale.optim.AdamW: clips in its step, or has stepped in the backward
             grad_norm = optimizer.grad_norm
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
