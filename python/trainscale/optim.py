@@ -217,7 +217,7 @@ class AdamW(torch.optim.Optimizer):
             for p in (p for ps in calls.values() for p in ps):
                 norm, _ = ops.grad_norm([p.grad], math.inf)
                 square = norm.double().square() if square is None else square + norm.double().square()
-            self.grad_norm = None if square is None else square.sqrt().float()
+            self.grad_norm = torch.zeros((), dtype=torch.float32) if square is None else square.sqrt().float()
             self._grad_square_sum = None
         scale = None
         if self.max_grad_norm is not None and calls:
