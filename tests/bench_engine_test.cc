@@ -331,6 +331,11 @@ TEST(BenchEngine, RowsFasterThanACeilingRaiseIt) {
   EXPECT_NE(result.roofline->raised_by[0].find("3060"), std::string::npos);
   EXPECT_NEAR(*result.rows[0].pct_roofline, 100.0 * 2900 / 3090, 1e-9);
   EXPECT_NEAR(*result.rows[1].pct_roofline, 100.0, 1e-9);
+  EXPECT_LE(*result.rows[1].pct_roofline, 100.0);  // the row that set it: no rounding above
+  // 6 GiB of which 4 read at 3064.51821683972 GB/s: 100 * g / g would give 100.00000000000001.
+  Roofline exact = r;
+  exact.read2_write1_gbps = 3064.51821683972;
+  EXPECT_EQ(*percent_of_roofline(exact, Bound::kMemory, 3064.51821683972, 0, 4294967296.0 / 6442450944.0), 100.0);
   EXPECT_NEAR(*result.rows[5].pct_roofline, 100.0 * 3070 / (3000 + 90 * 0.6), 1e-9);
   raise_ceilings_to_rows(result);  // idempotent: nothing beats the raised ceiling
   EXPECT_EQ(result.roofline->raised_by.size(), 1u);

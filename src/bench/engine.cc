@@ -50,8 +50,9 @@ int cold_input_sets(std::int64_t set_bytes, std::int64_t l2_bytes, int batch) {
 
 double memory_ceiling_gbps(const Roofline& roofline, double read_share) {
   const double s = std::clamp(read_share, 0.0, 1.0);
+  // At a measured mix exactly that ceiling (the interpolation could miss it by a rounding).
   const auto between = [s](double s0, double g0, double s1, double g1) {
-    return g0 + (g1 - g0) * (s - s0) / (s1 - s0);
+    return s == s1 ? g1 : g0 + (g1 - g0) * (s - s0) / (s1 - s0);
   };
   // A ceiling not measured (an older cache) leaves the copy's.
   if (s <= 0.5 || roofline.read2_write1_gbps <= 0) return roofline.copy_gbps;
@@ -65,7 +66,8 @@ std::optional<double> percent_of_roofline(const std::optional<Roofline>& rooflin
   const double ceiling =
       bound == Bound::kMemory ? memory_ceiling_gbps(*roofline, read_share) : roofline->gemm_bf16_tflops;
   if (ceiling <= 0) return std::nullopt;
-  return 100.0 * (bound == Bound::kMemory ? gbps : tflops) / ceiling;
+  // Divided first: the row that set a ceiling is then exactly 100 %, not 100 plus a rounding.
+  return (bound == Bound::kMemory ? gbps : tflops) / ceiling * 100.0;
 }
 
 void raise_ceilings_to_rows(RunResult& result) {
