@@ -169,7 +169,7 @@ __global__ void __launch_bounds__(kBackwardThreads) cross_entropy_backward_kerne
 // about 7 us for the count and 10 for the loss) waited on one SM's loads. Where the device
 // cannot hold the cooperative grid, one block takes every row (other bits, the same on every
 // run there).
-constexpr int kReduceThreads = 1024, kReduceRowsPerThread = 8, kReduceMaxParts = 32;
+constexpr int kReduceThreads = 1024, kReduceRowsPerThread = 8, kReduceMaxParts = kRowReductionMaxParts;
 
 int reduce_parts(std::int64_t rows) {
   const std::int64_t per_part = std::int64_t{kReduceThreads} * kReduceRowsPerThread;
@@ -234,7 +234,7 @@ struct Scratch {
   float* rows;
 };
 
-constexpr std::size_t kScratchHead = 2 * sizeof(std::int64_t) + 2 * kReduceMaxParts * sizeof(double);
+constexpr std::size_t kScratchHead = 2 * sizeof(std::int64_t) + kRowReductionPartsBytes;
 
 Scratch scratch_for(std::int64_t rows, cudaStream_t stream, const char* op) {
   const std::size_t need = kScratchHead + static_cast<std::size_t>(rows) * sizeof(float);
@@ -267,25 +267,24 @@ Options options_of(const CrossEntropyOptions& o) {
 }
 
 std::int64_t* count_valid(const Targets& targets, std::int64_t rows, std::int64_t ignore_index,
-                          std::int64_t* count, cudaStream_t stream, const char* op) {
-  launch_row_reduction(count_valid_kernel, rows, stream, op, targets, rows, ignore_index,
-                       scratch_for(0, stream, op).parts, count);
+                          std::int64_t* count, double* parts, cudaStream_t stream, const char* op) {
+  launch_row_reduction(count_valid_kernel, rows, stream, op, targets, rows, ignore_index, parts, count);
   return count;
 }
 
 }  // namespace
 
 void count_valid_rows_cuda(const TensorView& targets, std::int64_t ignore_index, std::int64_t* count,
-                           cudaStream_t stream, const char* op) {
-  count_valid(targets_of(targets), targets.size(0), ignore_index, count, stream, op);
+                           double* parts, cudaStream_t stream, const char* op) {
+  count_valid(targets_of(targets), targets.size(0), ignore_index, count, parts, stream, op);
 }
 
 void reduce_row_losses_cuda(const float* row_losses, const TensorView& targets,
-                            std::int64_t ignore_index, bool mean, float* loss, cudaStream_t stream,
-                            const char* op) {
+                            std::int64_t ignore_index, bool mean, float* loss, double* parts,
+                            cudaStream_t stream, const char* op) {
   const std::int64_t rows = targets.size(0);
   launch_row_reduction(reduce_losses_kernel, rows, stream, op, row_losses, targets_of(targets), rows, ignore_index,
-                       mean, scratch_for(0, stream, op).parts, loss);
+                       mean, parts, loss);
 }
 
 void cross_entropy_forward_cuda(const TensorView& logits, const TensorView& targets,
@@ -318,7 +317,7 @@ void cross_entropy_forward_cuda(const TensorView& logits, const TensorView& targ
     a.loss = scratch.rows;
     a.loss_stride = 1;
     if (options.reduction == Reduction::kMean && a.grad != nullptr) {
-      a.valid_rows = count_valid(a.targets, r.rows, options.ignore_index, scratch.count, stream, op);
+      a.valid_rows = count_valid(a.targets, r.rows, options.ignore_index, scratch.count, scratch.parts, stream, op);
     }
   }
   detail::dispatch_activation_dtype(logits.dtype, op, [&](auto tag) {
@@ -340,7 +339,7 @@ void cross_entropy_forward_cuda(const TensorView& logits, const TensorView& targ
   });
   if (!per_row) {
     reduce_row_losses_cuda(scratch.rows, targets, options.ignore_index,
-                           options.reduction == Reduction::kMean, loss.ptr<float>(), stream, op);
+                           options.reduction == Reduction::kMean, loss.ptr<float>(), scratch.parts, stream, op);
   }
 }
 
@@ -365,8 +364,8 @@ void cross_entropy_backward_cuda(const TensorView& grad_loss, const TensorView& 
   a.o = options_of(options);
   a.rows = r.rows;
   if (options.reduction == Reduction::kMean) {
-    a.valid_rows = count_valid(a.targets, r.rows, options.ignore_index,
-                               scratch_for(0, stream, op).count, stream, op);
+    const Scratch scratch = scratch_for(0, stream, op);
+    a.valid_rows = count_valid(a.targets, r.rows, options.ignore_index, scratch.count, scratch.parts, stream, op);
   }
   detail::dispatch_activation_dtype(logits.dtype, op, [&](auto tag) {
     using T = typename decltype(tag)::type;

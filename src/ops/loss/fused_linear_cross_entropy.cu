@@ -142,6 +142,7 @@ void fused_linear_cross_entropy_forward_cuda(const FusedLinearCrossEntropyArgs& 
   const std::int64_t tokens = a.hidden.size(0), classes = a.weight.size(0), dim = a.weight.size(1);
   char* base = static_cast<char*>(a.workspace.data);
   auto* scalars = reinterpret_cast<Scalars*>(base + plan.scalars);
+  auto* reduce_parts = reinterpret_cast<double*>(base + plan.reduce_parts);
   void* gemm_ws = base + plan.gemm_workspace;
   const bool reduced = options.reduction != Reduction::kNone;
   const bool per_token_upstream = !reduced && a.grad_loss.defined();
@@ -149,7 +150,7 @@ void fused_linear_cross_entropy_forward_cuda(const FusedLinearCrossEntropyArgs& 
   const DType dtype = a.hidden.dtype;
 
   if (options.reduction == Reduction::kMean) {
-    count_valid_rows_cuda(a.targets, options.ignore_index, &scalars->valid_rows, stream, kOp);
+    count_valid_rows_cuda(a.targets, options.ignore_index, &scalars->valid_rows, reduce_parts, stream, kOp);
   }
   set_scalars_kernel<<<1, 1, 0, stream>>>(scalars, reduced ? a.grad_loss.ptr<const float>() : nullptr,
                                           options.reduction == Reduction::kMean);
@@ -246,7 +247,7 @@ void fused_linear_cross_entropy_forward_cuda(const FusedLinearCrossEntropyArgs& 
   }
   if (reduced) {
     reduce_row_losses_cuda(row_losses, a.targets, options.ignore_index,
-                           options.reduction == Reduction::kMean, a.loss.ptr<float>(), stream, kOp);
+                           options.reduction == Reduction::kMean, a.loss.ptr<float>(), reduce_parts, stream, kOp);
   }
 }
 

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "ops/loss/loss_internal.h"
+
 namespace trainscale::ops::loss {
 namespace {
 
@@ -65,7 +67,10 @@ FusedLinearPlan plan_fused_linear(const FusedLinearCrossEntropyArgs& a,
   p.gemm_workspace = take(kGemmWorkspaceBytes);
   p.logits = take(u(p.chunk_tokens) * u(p.logits_ld) * elem);
   p.scalars = take(64);
-  if (reduced) p.row_losses = take(u(tokens) * sizeof(float));
+  if (reduced) {
+    p.row_losses = take(u(tokens) * sizeof(float));
+    p.reduce_parts = take(kRowReductionPartsBytes);
+  }
   if (per_token_upstream && with_grad && !a.lse.defined()) p.row_lse = take(u(tokens) * sizeof(float));
   if (p.float_weight_acc) p.weight_acc = take(u(classes) * u(dim) * sizeof(float));
   if (p.float_bias_acc) {

@@ -22,6 +22,7 @@ struct FusedLinearPlan {
   std::size_t row_losses = 0;      // [T] float32, for a reduced loss
   std::size_t row_lse = 0;         // [T] float32, when the lse is needed but not asked for
   std::size_t scalars = 0;         // the valid-row count and the GEMMs' alpha / beta
+  std::size_t reduce_parts = 0;    // the row reductions' partials, for a reduced loss
   std::size_t weight_acc = 0;      // [V, H] float32
   std::size_t bias_acc = 0;        // [V] float32
   std::size_t ones = 0;            // [chunk_tokens] of hidden's dtype: grad_bias as a GEMM

@@ -44,12 +44,12 @@ void cross_entropy_backward_cuda(const TensorView& grad_loss, const TensorView& 
 // The row reductions of cross_entropy.cu, for the fused linear cross-entropy: targets not
 // ignore_index counted into *count, and loss = the sum of row_losses (one per target; over
 // the rows not ignored for mean), each in a fixed order that depends only on the rows (the
-// same bits on every run).
+// same bits on every run). parts: kRowReductionPartsBytes of device memory for the partials.
 void count_valid_rows_cuda(const TensorView& targets, std::int64_t ignore_index, std::int64_t* count,
-                           cudaStream_t stream, const char* op);
+                           double* parts, cudaStream_t stream, const char* op);
 void reduce_row_losses_cuda(const float* row_losses, const TensorView& targets,
-                            std::int64_t ignore_index, bool mean, float* loss, cudaStream_t stream,
-                            const char* op);
+                            std::int64_t ignore_index, bool mean, float* loss, double* parts,
+                            cudaStream_t stream, const char* op);
 
 // Chunks of tokens through cuBLASLt and the cross-entropy kernel (fused_linear_plan.h); every
 // result bit-identical run to run. loss, lse, grad_loss: float32.

@@ -2,6 +2,8 @@
 // CUDA kernels (loss.cu). Arguments arrive validated.
 #pragma once
 
+#include <cstddef>
+
 #include "common/row_config.h"
 #include "core/check.h"
 #include "trainscale/loss.h"
@@ -48,6 +50,12 @@ constexpr bool cross_entropy_held_direct(CrossEntropyKernel kernel, bool aligned
   return aligned && !grad && rows >= kHeldDirectLossMinRows && slots >= detail::kDirectMinSlots &&
          slots <= kHeldDirectLossMaxSlots;
 }
+
+// The row reductions (kMean's valid-row count, a reduced loss's sum; cross_entropy.cu) run over
+// at most kRowReductionMaxParts blocks, whose partials take kRowReductionPartsBytes of device
+// memory that the caller provides.
+inline constexpr int kRowReductionMaxParts = 32;
+inline constexpr std::size_t kRowReductionPartsBytes = 2 * kRowReductionMaxParts * sizeof(double);
 
 // Rows of logits the fused linear cross-entropy reference holds (in double) at once. The
 // results do not depend on it; tests pass other values to show that.
