@@ -108,7 +108,9 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads, kStages > 
         }
       }
     };
-    if (kSoftcap || o.smoothing > 0.f) {  // the softcap kernels spill with two loops
+    if constexpr (kSoftcap) {
+      fold(std::true_type{});  // one loop: the softcap kernels spill with two
+    } else if (o.smoothing > 0.f) {
       fold(std::true_type{});
     } else {
       fold(std::false_type{});
