@@ -25,6 +25,9 @@ for t in ${SANITIZE:-$(cd build/tests && ls *_cuda_test 2>/dev/null)}; do
     timeout "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool "$tool" --error-exitcode 9 "build/tests/$t" \
       >"$logs/sanitize-$t-$tool.log" 2>&1
     echo "sanitize $t $tool rc=$? $(grep -E 'ERROR SUMMARY|PASSED|FAILED' "$logs/sanitize-$t-$tool.log" | tr '\n' ' ' | cut -c1-200)"
+    # the kernels racecheck's hazards are in (cuBLASLt's split-K kernels report some: docs/adding-an-op.md)
+    grep -oE '(Read|Write) Thread \([0-9,]+\) at [A-Za-z_0-9]+' "$logs/sanitize-$t-$tool.log" | sed 's/.* at //' |
+      sort | uniq -c | sed 's/^/  hazards in /'
   done
 done
 (cd "$OUT" && tar -czf check-logs.tgz logs $(ls configure.log build.log 2>/dev/null)) && rm -rf "$logs"
