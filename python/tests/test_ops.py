@@ -261,6 +261,43 @@ def test_fused_swiglu_mlp_keeps_no_activation_product():
     assert _saved_activation_bytes(fused, x) == 20 * 2 * 48 * 4
 
 
+class _NormThen(torch.nn.Module):
+    """RMSNorm, then the fused MLP and a shared-input projection of its output."""
+
+    def __init__(self, rebuildable):
+        super().__init__()
+        self.norm = ts.RMSNorm(32, rebuildable_output=rebuildable)
+        self.mlp = ts.SwiGLUMLP(32, 48, fused=True)
+        self.proj = torch.nn.Linear(32, 16, bias=False)
+
+    def forward(self, x, scale_in_place=False):
+        y = self.norm(x)
+        if scale_in_place:
+            y.mul_(2.0)  # after the tag: the consumers must keep this y, not rebuild the norm's
+        return self.mlp(y).sum(-1) + ts.linear.shared_input_linear(y, [self.proj.weight])[0].sum(-1)
+
+
+@pytest.mark.parametrize("scale_in_place", [False, True])
+def test_rebuildable_norm_output_same_gradients_less_kept(scale_in_place):
+    torch.manual_seed(0)
+    plain, rebuilt = _NormThen(False), _NormThen(True)
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.uniform_(-1, 1)
+    rebuilt.load_state_dict(plain.state_dict())
+    x = torch.randn(20, 32, requires_grad=True)
+    grads = []
+    for model in (plain, rebuilt):
+        out = model(x, scale_in_place)
+        grads.append(torch.autograd.grad(out.sum(), [x, *model.parameters()]))
+    for g, ref in zip(grads[1], grads[0]):
+        assert torch.equal(g, ref)  # the rebuilt output has the forward's bits
+    kept = [bench._saved_bytes(lambda x, *params, m=m: m(x, scale_in_place), (x, *m.parameters()))
+            for m in (plain, rebuilt)]
+    # Without a change in place the norm's output [20, 32] float32 is no longer kept.
+    assert kept[0] - kept[1] == (0 if scale_in_place else 20 * 32 * 4)
+
+
 def test_swiglu_backward_recompute_is_backward_plus_forward():
     a, b, dy = torch.randn(5, 37), torch.randn(5, 37), torch.randn(5, 37)
     da, db = ts_ops.swiglu_backward(dy, a, b)

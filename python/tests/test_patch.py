@@ -228,3 +228,23 @@ def test_patched_llama_under_torch_compile(monkeypatch):
     assert counters["stats"]["unique_graphs"] >= 1  # traced, not run eagerly
     grads = {name.removeprefix("_orig_mod."): g for name, g in grads.items()}
     assert_same(loss, grads, ref_loss, ref_grads, loss_rtol=1e-5, grad_rtol=1e-4)
+
+
+def test_rebuilt_norm_outputs_same_gradients_less_kept(monkeypatch):
+    # patch()'s norms hand the q/k/v group and the fused MLP their input to rebuild their output
+    # from: the same bits as keeping it, two [B, T, H] tensors less per layer.
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", modeling_llama.apply_rotary_pos_emb)
+    monkeypatch.setattr(ts.config, "use_fused_linear_cross_entropy", True)
+    torch.manual_seed(0)
+    base = tiny_llama().float().train()
+    ids = torch.randint(0, 97, (2, 12))
+    results = []
+    for rebuild in (False, True):
+        model = copy.deepcopy(base)
+        ts.patch(model, rebuild_norm_outputs=rebuild, verbose=False)
+        kept = ts.bench._saved_bytes(lambda ids, m=model: m(input_ids=ids, labels=ids).loss, (ids,))
+        results.append((kept, *loss_and_grads(model, ids)))
+    (kept_plain, loss_plain, grads_plain), (kept_rebuilt, loss_rebuilt, grads_rebuilt) = results
+    assert torch.equal(loss_rebuilt, loss_plain)
+    assert all(torch.equal(grads_rebuilt[n], grads_plain[n]) for n in grads_plain)
+    assert kept_plain - kept_rebuilt == 2 * 2 * (2 * 12 * 64 * 4)  # layers x norms x [B, T, H] float32

@@ -9,6 +9,7 @@ from torch.library import register_autograd, register_fake
 from . import reference as _ref
 from ._common import like as _like
 from ._common import ops
+from .norm import save_input, saved_input
 from .selection import config as _config
 from .selection import dispatch as _dispatch
 
@@ -135,12 +136,12 @@ class _SwiGLUMLP(torch.autograd.Function):
         g = torch.nn.functional.linear(x, w_gate, b_gate)
         u = torch.nn.functional.linear(x, w_up, b_up)
         y = torch.nn.functional.linear(ops.swiglu_forward(g, u), w_down, b_down)
-        ctx.save_for_backward(x, g, u, w_gate, w_up, w_down)
+        save_input(ctx, x, g, u, w_gate, w_up, w_down)  # x rebuilt when it is a norm's output
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, g, u, w_gate, w_up, w_down = ctx.saved_tensors
+        x, (g, u, w_gate, w_up, w_down) = saved_input(ctx)
         need = ctx.needs_input_grad
         dy = dy.reshape(-1, dy.shape[-1])
         dg, du = g.reshape(dy.shape[0], -1), u.reshape(dy.shape[0], -1)

@@ -9,19 +9,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .norm import save_input, saved_input
+
 
 class _SharedInputLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, *params):
         n = len(params) // 2
         weights, biases = params[:n], params[n:]
-        ctx.save_for_backward(x, *weights)
+        save_input(ctx, x, *weights)  # x rebuilt in the backward when it is a norm's output
         ctx.set_materialize_grads(False)  # an unused output gets no zero gradient
         return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
 
     @staticmethod
     def backward(ctx, *grads):
-        x, *weights = ctx.saved_tensors
+        x, weights = saved_input(ctx)
         n = len(weights)
         need = ctx.needs_input_grad
         x2 = x.reshape(-1, x.shape[-1])

@@ -5,16 +5,21 @@ import torch
 from torch import nn
 
 from . import functional as F
+from .norm import mark_rebuildable
 
 
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim: x * rstd * (weight + offset). offset=1.0 with zero-initialized
-    weights is Gemma's form."""
+    weights is Gemma's form. With rebuildable_output the output carries how to rebuild it from x
+    (trainscale.norm.mark_rebuildable): the projections of trainscale.linear and swiglu_mlp
+    that take it then keep x (which the norm keeps anyway) instead of it, one [..., H] tensor
+    less per norm until the backward, for one rms_norm pass there."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, weight_offset: float = 0.0,
-                 elementwise_affine: bool = True, device=None, dtype=None):
+                 elementwise_affine: bool = True, device=None, dtype=None, rebuildable_output: bool = False):
         super().__init__()
         self.hidden_size, self.eps, self.weight_offset = hidden_size, eps, weight_offset
+        self.rebuildable_output = rebuildable_output
         if elementwise_affine:
             init = torch.zeros if weight_offset != 0.0 else torch.ones
             self.weight = nn.Parameter(init(hidden_size, device=device, dtype=dtype))
@@ -22,10 +27,14 @@ class RMSNorm(nn.Module):
             self.register_parameter("weight", None)
 
     def forward(self, x):
-        return F.rms_norm(x, self.weight, self.eps, self.weight_offset)
+        y = F.rms_norm(x, self.weight, self.eps, self.weight_offset)
+        if self.rebuildable_output:
+            mark_rebuildable(y, x, self.weight, self.eps, self.weight_offset)
+        return y
 
     def extra_repr(self):
-        return f"{self.hidden_size}, eps={self.eps}, weight_offset={self.weight_offset}"
+        return (f"{self.hidden_size}, eps={self.eps}, weight_offset={self.weight_offset}" +
+                (", rebuildable_output=True" if self.rebuildable_output else ""))
 
 
 class Embedding(nn.Embedding):

@@ -97,6 +97,50 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, eps: float 
     return _dispatch("rmsnorm", "rms_norm", _rms_norm, _ref.rms_norm, x, weight, eps, weight_offset)
 
 
+# ---- rebuilding a norm's output in a backward -----------------------------------------------
+# A pre-norm block saves its norm's input x for the norm's backward, and the projection after it
+# saves the norm's output y for its weight gradient: two [T, H] tensors where one determines the
+# other. An output marked rebuildable carries its recipe (x, weight, eps, offset); the autograd
+# functions that know it (shared_input_linear, swiglu_mlp) save x and the weight instead of y and
+# rebuild y in their backward with the same rms_norm (the same bits), one pass over [T, H].
+
+def mark_rebuildable(y: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
+                     weight_offset: float) -> torch.Tensor:
+    """Tags y = rms_norm(x, weight, eps, weight_offset) as rebuildable from x (eager autograd only:
+    untouched under torch.compile or without grad). A y changed in place afterwards is saved as
+    it is."""
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        grad = x.requires_grad or (weight is not None and weight.requires_grad)
+        y._trainscale_rms_norm_of = (x, weight, eps, weight_offset, grad, y._version)
+    return y
+
+
+def save_input(ctx, x: torch.Tensor, *others) -> None:
+    """ctx.save_for_backward(x, *others), with a rebuildable norm output x (mark_rebuildable)
+    saved as its recipe; saved_input gives x back either way."""
+    recipe = getattr(x, "_trainscale_rms_norm_of", None)
+    if recipe is None or recipe[5] != x._version:
+        ctx.rms_norm_of = None
+        ctx.save_for_backward(x, *others)
+        return
+    source, weight, eps, weight_offset, grad, _ = recipe
+    ctx.rms_norm_of = (eps, weight_offset, grad)
+    ctx.save_for_backward(source, weight, *others)
+
+
+def saved_input(ctx):
+    """(x, [others]) as save_input received them, x rebuilt from its norm's input if so saved."""
+    saved = ctx.saved_tensors
+    if ctx.rms_norm_of is None:
+        return saved[0], saved[1:]
+    eps, weight_offset, grad = ctx.rms_norm_of
+    # In the forward's grad mode, so that rms_norm's automatic selection (keyed on it) picks the
+    # same implementation, hence the same bits; the graph built here is dropped at once.
+    with torch.enable_grad():
+        x = rms_norm(saved[0].detach().requires_grad_(grad), saved[1], eps, weight_offset)
+    return x.detach(), saved[2:]
+
+
 def _layer_norm(x, weight, bias, eps):
     return ops.layernorm_forward(x, weight, bias, eps)[0]
 

@@ -140,10 +140,10 @@ def _swap(model: nn.Module, make) -> List[str]:
     return swapped
 
 
-def _rms_norm(m):
+def _rms_norm(m, rebuildable_output):
     if type(m).__name__ not in _RMS_NORMS:
         return None
-    new = RMSNorm(m.weight.shape[0], eps=m.variance_epsilon, device="meta")
+    new = RMSNorm(m.weight.shape[0], eps=m.variance_epsilon, device="meta", rebuildable_output=rebuildable_output)
     new.weight = m.weight
     return new
 
@@ -230,7 +230,7 @@ def _fuse_loss(m, grad_weight_accumulation) -> bool:
 def patch(model: nn.Module, rms_norm: bool = True, swiglu: bool = True, rope: bool = True,
           cross_entropy: bool = True, linear_cross_entropy: bool = True, attention: bool = True,
           embedding: bool = True, qkv_projections: bool = True, fused_mlp: bool = True,
-          loss_grad_weight_accumulation: torch.dtype = torch.float32, verbose: bool = True) -> PatchReport:
+          rebuild_norm_outputs: bool = True, loss_grad_weight_accumulation: torch.dtype = torch.float32, verbose: bool = True) -> PatchReport:
     """Swaps in trainscale, in place: Llama-style RMSNorms -> trainscale.RMSNorm, SiLU-gated MLPs
     (gate_proj / up_proj / down_proj) -> trainscale.SwiGLUMLP (same Linear layers, fused
     activation; with fused_mlp its backward recomputes the activation instead of keeping it, a
@@ -255,13 +255,18 @@ def patch(model: nn.Module, rms_norm: bool = True, swiglu: bool = True, rope: bo
     scatter-add. With qkv_projections, the q_proj, k_proj and v_proj nn.Linear layers of each
     module holding all three (Llama-family attention) -> a group of
     trainscale.linear.SharedInputProjection (same Parameters): the backward sums the hidden
-    states' gradient inside the three products instead of two separate adds.
+    states' gradient inside the three products instead of two separate adds. With
+    rebuild_norm_outputs (and rms_norm) each norm's output is rebuildable
+    (trainscale.RMSNorm's rebuildable_output): the q/k/v group and the fused MLP after it keep the
+    norm's input, which the norm keeps anyway, instead of its output, and rebuild the output in
+    their backward (the same bits): two [T, H] tensors less per decoder layer until the backward
+    (64 MiB each at T 8192, H 4096) for one rms_norm pass each there.
     Returns (and with verbose prints) a report of what was swapped."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"trainscale.patch: argument 'model': expected a torch.nn.Module, got {type(model).__name__}")
     report = PatchReport()
     if rms_norm:
-        report["rms_norm"] = _swap(model, _rms_norm)
+        report["rms_norm"] = _swap(model, lambda m: _rms_norm(m, rebuild_norm_outputs))
     if swiglu:
         report["swiglu_mlp"] = _swap(model, lambda m: _mlp(m, fused_mlp))
     if rope:
