@@ -230,7 +230,8 @@ def _fuse_loss(m, grad_weight_accumulation) -> bool:
 def patch(model: nn.Module, rms_norm: bool = True, swiglu: bool = True, rope: bool = True,
           cross_entropy: bool = True, linear_cross_entropy: bool = True, attention: bool = True,
           embedding: bool = True, qkv_projections: bool = True, fused_mlp: bool = True,
-          rebuild_norm_outputs: bool = True, loss_grad_weight_accumulation: torch.dtype = torch.float32, verbose: bool = True) -> PatchReport:
+          rebuild_norm_outputs: bool = True, loss_grad_weight_accumulation: torch.dtype = torch.float32,
+          verbose: bool = True) -> PatchReport:
     """Swaps in trainscale, in place: Llama-style RMSNorms -> trainscale.RMSNorm, SiLU-gated MLPs
     (gate_proj / up_proj / down_proj) -> trainscale.SwiGLUMLP (same Linear layers, fused
     activation; with fused_mlp its backward recomputes the activation instead of keeping it, a
