@@ -56,10 +56,14 @@ inline bool is_aligned(const void* p, std::size_t bytes) {
   return reinterpret_cast<std::uintptr_t>(p) % bytes == 0;
 }
 
-// Whether every row of `rows` rows starts 16-byte aligned (the 16-byte unit path): the base is,
-// and so is the row stride when there is more than one row.
+// Whether every row of `rows` rows starts `bytes`-aligned (a vector path of that width): the
+// base is, and so is the row stride when there is more than one row.
+inline bool rows_aligned(const void* data, std::int64_t rows, std::int64_t row_stride_bytes, std::size_t bytes) {
+  return is_aligned(data, bytes) && (rows <= 1 || row_stride_bytes % static_cast<std::int64_t>(bytes) == 0);
+}
+
 inline bool rows_16_byte_aligned(const void* data, std::int64_t rows, std::int64_t row_stride_bytes) {
-  return is_aligned(data, 16) && (rows <= 1 || row_stride_bytes % 16 == 0);
+  return rows_aligned(data, rows, row_stride_bytes, 16);
 }
 
 }  // namespace trainscale::detail

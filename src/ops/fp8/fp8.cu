@@ -1,9 +1,9 @@
-// FP8 quantize / dequantize kernels. The arithmetic is fixed by include/trainscale/fp8.h and
-// matched bit for bit: amax over |x| as float, r = amax / fmax as an IEEE float32 division
-// (__fdiv_rn; the library is built without fast math, so no flush to zero), q = x / s as the same
-// division's result, computed per element without dividing (fp8_quotient.h: RN(1/s) once per
-// group, then a multiply and two FMAs; groups whose scale is out of that range divide), and the
-// saturating round-to-nearest-even fp8 cast (cvt.rn.satfinite.{e4m3,e5m2}x2.f32).
+// FP8 quantize kernels (dequantize: fp8_dequantize.cu). The arithmetic is fixed by
+// include/trainscale/fp8.h and matched bit for bit: amax over |x| as float, r = amax / fmax as an
+// IEEE float32 division (__fdiv_rn; the library is built without fast math, so no flush to
+// zero), q = x / s as the same division's result, computed per element without dividing (fp8_quotient.h:
+// RN(1/s) once per group, then a multiply and two FMAs; groups whose scale is out of that range
+// divide), and the saturating round-to-nearest-even fp8 cast (cvt.rn.satfinite.{e4m3,e5m2}x2.f32).
 //
 // amax is taken as the unsigned maximum of the bit patterns of |x|: for non-negative floats the
 // integer order is the numeric order, and every NaN (sign cleared) compares above +Inf, so a NaN
@@ -21,7 +21,6 @@
 //                16 elements per lane and tile (16-byte code stores).
 //   tensor_amax_kernel  the per-tensor amax pass: a streaming read of x.
 //   row_kernel   per-row scales without the transposed copy: the row in registers, one read.
-//   dequant_kernel  y = float(q) * s.
 // Global amax (per tensor; per row / column with the transposed copy; rows too long for the
 // registers): the scales tensors themselves are the scratch. memset to 0, an amax pass that
 // atomicMax-es the amax bits into them, a finalize kernel that turns each amax into its scale in
@@ -825,10 +824,6 @@ void launch_tiles(const TileArgs& a, bool transpose, cudaStream_t stream, const 
   }
 }
 
-bool aligned_rows(const void* p, std::int64_t stride_bytes, std::int64_t bytes) {
-  return detail::is_aligned(p, static_cast<std::size_t>(bytes)) && stride_bytes % bytes == 0;
-}
-
 template <class T, bool kE4M3>
 void quantize(const TensorView& x, TensorView q, TensorView scales, TensorView q_t,
               TensorView scales_t, const Fp8QuantizeOptions& options, cudaStream_t stream) {
@@ -871,13 +866,13 @@ void quantize(const TensorView& x, TensorView q, TensorView scales, TensorView q
   a.pitch_t = ceil_div(N, 4) * 4;
   a.pow2 = pow2;
   const auto elem = static_cast<std::int64_t>(sizeof(T));
-  a.x_vec = aligned_rows(a.x, a.x_stride * elem, 16);
-  a.q_vec = aligned_rows(a.q, a.q_stride, 8);
-  a.q_vec16 = aligned_rows(a.q, a.q_stride, 16);
+  a.x_vec = detail::rows_aligned(a.x, M, a.x_stride * elem, 16);
+  a.q_vec = detail::rows_aligned(a.q, M, a.q_stride, 8);
+  a.q_vec16 = detail::rows_aligned(a.q, M, a.q_stride, 16);
   if (transpose) {
     a.q_t = static_cast<std::uint8_t*>(q_t.data);
     a.q_t_stride = detail::row_layout(q_t).row_stride;
-    a.q_t_vec = aligned_rows(a.q_t, a.q_t_stride, 16);
+    a.q_t_vec = detail::rows_aligned(a.q_t, N, a.q_t_stride, 16);
   }
 
   switch (options.granularity) {
@@ -915,81 +910,6 @@ void quantize(const TensorView& x, TensorView q, TensorView scales, TensorView q
   }
 }
 
-// ---------------------------------------------------------------------------------------------
-// Dequantize.
-
-struct DequantArgs {
-  const std::uint8_t* q;
-  std::int64_t q_stride;
-  const float* scales;
-  void* y;
-  std::int64_t y_stride;
-  std::int64_t rows, cols;
-  // Element (i, j)'s scale: scales[m_major ? gj * pitch + gi : gi * across + gj] with
-  // gi = i >> row_shift, gj = j >> col_shift (63 gives 0 for any index).
-  int row_shift, col_shift;
-  std::int64_t across, pitch;
-  bool m_major;
-  int lanes_log2;  // threads per row: 2^lanes_log2 (<= 256)
-  bool q_vec, y_vec;
-};
-
-template <bool kE4M3>
-__device__ __forceinline__ float2 decode2(unsigned short codes) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(codes, kE4M3 ? __NV_E4M3 : __NV_E5M2);
-  return __half22float2(__half2(h));  // exact: every fp8 value is a half
-}
-
-template <class T, bool kE4M3>
-__global__ void __launch_bounds__(256) dequant_kernel(DequantArgs a) {
-  const int lanes = 1 << a.lanes_log2;
-  const int lane = threadIdx.x & (lanes - 1);
-  const int rows_per_block = 256 >> a.lanes_log2;
-  const std::int64_t chunks = (a.cols + 7) / 8;
-  T* y = static_cast<T*>(a.y);
-  for (std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * rows_per_block +
-                          (threadIdx.x >> a.lanes_log2);
-       row < a.rows; row += static_cast<std::int64_t>(gridDim.x) * rows_per_block) {
-    const std::uint8_t* q_row = a.q + row * a.q_stride;
-    T* y_row = y + row * a.y_stride;
-    const std::int64_t gi = row >> a.row_shift;
-    for (std::int64_t k = lane; k < chunks; k += lanes) {
-      const std::int64_t col = k * 8;
-      const std::int64_t gj = col >> a.col_shift;  // a chunk never straddles a 128-column tile
-      const float s = a.scales[a.m_major ? gj * a.pitch + gi : gi * a.across + gj];
-      const bool full = col + 8 <= a.cols;
-      uint2 codes = make_uint2(0, 0);
-      if (a.q_vec && full) {
-        codes = *reinterpret_cast<const uint2*>(q_row + col);
-      } else {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          if (col + e < a.cols) {
-            const unsigned b = q_row[col + e];
-            if (e < 4) codes.x |= b << (8 * e); else codes.y |= b << (8 * (e - 4));
-          }
-        }
-      }
-      float v[8];
-#pragma unroll
-      for (int p = 0; p < 4; ++p) {
-        const unsigned w = p < 2 ? codes.x : codes.y;
-        const float2 f = decode2<kE4M3>(static_cast<unsigned short>(w >> (16 * (p & 1))));
-        v[2 * p] = __fmul_rn(f.x, s);  // one float32 multiply, then one rounding to T
-        v[2 * p + 1] = __fmul_rn(f.y, s);
-      }
-      if (a.y_vec && full) {
-        detail::store_floats<T, 8>(y_row + col, v);
-      } else {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          if (col + e < a.cols) y_row[col + e] = detail::from_float<T>(v[e]);
-        }
-      }
-    }
-  }
-}
-
 }  // namespace
 
 void fp8_quantize_cuda(const TensorView& x, TensorView q, TensorView scales, TensorView q_t,
@@ -1003,49 +923,6 @@ void fp8_quantize_cuda(const TensorView& x, TensorView q, TensorView scales, Ten
       quantize<T, false>(x, q, scales, q_t, scales_t, options, stream);
     }
   });
-}
-
-void fp8_dequantize_cuda(const TensorView& q, const TensorView& scales, TensorView y,
-                         const Fp8QuantizeOptions& options, cudaStream_t stream) {
-  const char* op = "fp8_dequantize";
-  const auto qr = detail::row_layout(q);
-  if (qr.rows == 0 || qr.cols == 0) return;
-  DequantArgs a{};
-  a.q = static_cast<const std::uint8_t*>(q.data);
-  a.q_stride = qr.row_stride;
-  a.scales = scales.ptr<const float>();
-  a.y = y.data;
-  a.y_stride = detail::row_layout(y).row_stride;
-  a.rows = qr.rows;
-  a.cols = qr.cols;
-  const ScaleGrid grid = scale_grid(options, qr.rows, qr.cols);
-  switch (options.granularity) {
-    case Fp8Granularity::kTensor: a.row_shift = 63; a.col_shift = 63; break;
-    case Fp8Granularity::kRow: a.row_shift = 0; a.col_shift = 63; break;
-    case Fp8Granularity::kTile1x128: a.row_shift = 0; a.col_shift = 7; break;
-    case Fp8Granularity::kBlock128x128: a.row_shift = 7; a.col_shift = 7; break;
-  }
-  a.across = grid.groups_across;
-  a.m_major = grid.m_major;
-  a.pitch = grid.m_major_pitch;
-  const std::int64_t chunks = (qr.cols + 7) / 8;
-  int lanes_log2 = 0;
-  while (lanes_log2 < 8 && (std::int64_t{1} << lanes_log2) < chunks) ++lanes_log2;
-  a.lanes_log2 = lanes_log2;
-  a.q_vec = aligned_rows(a.q, a.q_stride, 8);
-  const auto elem = static_cast<std::int64_t>(dtype_size(y.dtype));
-  a.y_vec = aligned_rows(a.y, a.y_stride * elem, 16);
-  const std::int64_t rows_per_block = 256 >> lanes_log2;
-  const std::int64_t blocks = std::min(kMaxGrid, (a.rows + rows_per_block - 1) / rows_per_block);
-  detail::dispatch_activation_dtype(y.dtype, op, [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    if (q.dtype == DType::kFloat8E4M3) {
-      dequant_kernel<T, true><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(a);
-    } else {
-      dequant_kernel<T, false><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(a);
-    }
-  });
-  detail::check_launch(op);
 }
 
 }  // namespace trainscale::ops::fp8
