@@ -298,6 +298,21 @@ def test_rebuildable_norm_output_same_gradients_less_kept(scale_in_place):
     assert kept[0] - kept[1] == (0 if scale_in_place else 20 * 32 * 4)
 
 
+@cuda
+@pytest.mark.parametrize("use_rmsnorm", [True, "auto"])
+def test_cuda_rebuildable_norm_output_same_gradients(monkeypatch, use_rmsnorm):
+    # On the GPU in bf16, with the norm chosen per shape too: the rebuilt output must come from
+    # the implementation the forward used (the same bits).
+    monkeypatch.setattr(ts.config, "use_rmsnorm", use_rmsnorm)
+    torch.manual_seed(0)
+    plain, rebuilt = _NormThen(False).cuda().bfloat16(), _NormThen(True).cuda().bfloat16()
+    rebuilt.load_state_dict(plain.state_dict())
+    x = torch.randn(300, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grads = [torch.autograd.grad(m(x).float().sum(), [x, *m.parameters()]) for m in (plain, rebuilt)]
+    for g, ref in zip(grads[1], grads[0]):
+        assert torch.equal(g, ref)
+
+
 def test_swiglu_backward_recompute_is_backward_plus_forward():
     a, b, dy = torch.randn(5, 37), torch.randn(5, 37), torch.randn(5, 37)
     da, db = ts_ops.swiglu_backward(dy, a, b)
