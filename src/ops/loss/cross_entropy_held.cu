@@ -100,9 +100,7 @@ __global__ void __launch_bounds__(detail::row_block_threads(kThreads, kStages > 
             for (int j = 0; j < V; ++j)
               if (c + j == t_col) stats[3] = v[j];
           }
-        }
-        // Without the softcap the gradient needs only the exponentials: kept in place of x.
-        if constexpr (!kSoftcap) {
+          // The gradient needs only the exponentials: kept in place of x.
           const auto e = detail::to_exp_storage<T>(ex);
           memcpy(&held[i], &e, sizeof(e));
         }
