@@ -17,6 +17,13 @@
 
 namespace trainscale::ops::norm {
 
+using detail::from_float;
+using detail::load_floats;
+using detail::load_param;
+using detail::row_sum;
+using detail::store_floats;
+using detail::to_float;
+
 // Rows of `elem_bytes` elements starting at p with `stride` elements between rows can be
 // read with 16-byte vectors.
 inline bool rows_vectorizable(const void* p, std::int64_t stride, std::size_t elem_bytes) {

@@ -1,5 +1,5 @@
-// CUDA launchers of the norm family (norm_forward_rms.cu, norm_forward_fused_add.cu,
-// norm_forward_layer.cu, norm_backward.cu); arguments arrive validated by norm.cc.
+// CUDA launchers of the norm family (norm_forward_{rms,fused_add,layer}.cu,
+// norm_backward_{rms,fused_add,layer}.cu); arguments arrive validated by norm.cc.
 // options.variant picks the row kernel (norm_plan.h).
 #pragma once
 

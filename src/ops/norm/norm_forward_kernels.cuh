@@ -12,12 +12,6 @@
 namespace trainscale::ops::norm {
 namespace {
 
-using detail::load_floats;
-using detail::load_param;
-using detail::row_sum;
-using detail::store_floats;
-using detail::to_float;
-using detail::from_float;
 using detail::Vec;
 
 // Threads of a block of the register kernels: kThreads per row, several rows when short

@@ -1,7 +1,7 @@
 // Shape heuristics of the norm kernels: which row kernel (NormVariant) a call takes and how its
 // rows are split over threads, as pure host functions of the problem (op kind, M, N, dtype
 // sizes, alignment) and the device's limits. The launchers (norm_forward_launch.cuh,
-// norm_backward.cu) turn a plan into template arguments; tests/norm_plan_test.cc checks the
+// norm_backward_launch.cuh) turn a plan into template arguments; tests/norm_plan_test.cc checks the
 // choices on the CPU. The measurements behind each threshold are in docs/perf/norm.md.
 #pragma once
 
