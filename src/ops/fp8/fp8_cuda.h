@@ -1,4 +1,4 @@
-// CUDA launchers of the fp8 family (fp8.cu, fp8_dequantize.cu); arguments arrive validated by fp8.cc.
+// CUDA launchers of the fp8 family (fp8_quantize.cu, fp8_dequantize.cu); arguments arrive validated by fp8.cc.
 #pragma once
 
 #include "trainscale/fp8.h"

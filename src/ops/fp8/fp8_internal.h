@@ -1,5 +1,5 @@
 // Between the fp8 family's entry points (fp8.cc), its CPU reference (fp8_cpu.cc) and its CUDA
-// kernels (fp8.cu, fp8_dequantize.cu). Arguments arrive validated.
+// kernels (fp8_quantize*.cu, fp8_dequantize.cu). Arguments arrive validated.
 #pragma once
 
 #include <cstdint>

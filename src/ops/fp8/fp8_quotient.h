@@ -1,5 +1,5 @@
 // q = x / s, the fp8 contract's float32 quotient, without a division per element: shared by the
-// CUDA kernels (fp8.cu) and the tests that prove it equal to the division (fp8_test.cc).
+// CUDA kernels (fp8_quantize_device.cuh) and the tests that prove it equal to the division (fp8_test.cc).
 //
 // Markstein's correction. With r = RN(1/s) once per group:
 //   y = RN(x * r);  d = RN(y * s - x);  q = RN(y - d * r)   (a multiply and two FMAs)
