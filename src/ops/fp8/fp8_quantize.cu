@@ -98,6 +98,12 @@ void launch_tensor_amax(const TileArgs& a, cudaStream_t stream, const char* op) 
   }
 }
 
+void launch_tensor_amax(const TileArgs& a, DType dtype, cudaStream_t stream, const char* op) {
+  detail::dispatch_activation_dtype(dtype, op, [&](auto tag) {
+    launch_tensor_amax<typename decltype(tag)::type>(a, stream, op);
+  });
+}
+
 // ---------------------------------------------------------------------------------------------
 // Global amax -> scale, in place.
 
@@ -123,12 +129,6 @@ void zero(float* s, std::int64_t n, cudaStream_t stream, const char* op) {
   if (n == 0) return;
   detail::check_cuda(cudaMemsetAsync(s, 0, static_cast<std::size_t>(n) * sizeof(float), stream),
                      op, "cudaMemsetAsync");
-}
-
-void launch_tensor_amax(const TileArgs& a, DType dtype, cudaStream_t stream, const char* op) {
-  detail::dispatch_activation_dtype(dtype, op, [&](auto tag) {
-    launch_tensor_amax<typename decltype(tag)::type>(a, stream, op);
-  });
 }
 
 }  // namespace

@@ -5,7 +5,6 @@
 // through a swizzled 16 KB shared-memory tile of fp8 codes, written as 16-byte rows of q_t.
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
 
 #include "common/cuda_check.h"
 #include "ops/fp8/fp8_quantize_device.cuh"
