@@ -14,6 +14,7 @@ import torch.nn.functional as tF
 import trainscale as ts
 from conftest import cuda
 from trainscale import _C, bench
+from trainscale.bench import baselines, flce, mlp, report, varlen
 
 # A 200 ms cap: a row whose CPU call takes 10+ ms on a loaded machine still reaches --min-samples.
 FAST = ["--timeout-ms", "200", "--min-time-ms", "2", "--min-samples", "3", "--warmup-ms", "1", "--quiet"]
@@ -56,7 +57,7 @@ def test_smoke_json(tmp_path):
 
 
 def test_gate_catches_wrong_baseline(tmp_path, monkeypatch):
-    monkeypatch.setitem(bench._TORCH, "gelu_forward", lambda t, _: t["x"] * 2)
+    monkeypatch.setitem(baselines._TORCH, "gelu_forward", lambda t, _: t["x"] * 2)
     out = tmp_path / "bad.json"
     rc = bench.main(["--ops", "gelu_forward", "--dtype", "fp32", "--impl", "torch", "--json", str(out)] + CPU)
     (row,) = json.load(open(out))["rows"]
@@ -77,7 +78,7 @@ def test_torch_compile_baseline_compiles_every_shape(monkeypatch):
     from torch._dynamo.testing import CompileCounter
     counter, real = CompileCounter(), torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend=counter, **kw))
-    make = bench._torch_baseline(compiled=True)
+    make = baselines._torch_baseline(compiled=True)
     for n in range(1, 13):  # more shapes than dynamo's recompile limit
         run = make("gelu_forward", (n, 8), "float32")({"x": torch.randn(n, 8)})
         run()
@@ -137,7 +138,7 @@ def test_flce_cpu(tmp_path):
                                                        for i in ("cpu-ref", "torch")]
     for r in rows:
         assert r["status"] == "ok", r["message"]
-        assert r["op"] == bench.FLCE_OP and r["dtype"] == "bfloat16" and r["baseline"] == (r["impl"] == "torch")
+        assert r["op"] == flce.FLCE_OP and r["dtype"] == "bfloat16" and r["baseline"] == (r["impl"] == "torch")
         assert r["gate"]["rel_l2"] <= r["gate"]["tolerance"] == 1e-2 and r["gate"]["rows"] == "all"
         t, h, v = map(int, r["shape"].split("x"))
         assert r["flops"] == 6 * t * h * v and r["bound"] == "compute" and r["tflops"] > 0
@@ -146,7 +147,7 @@ def test_flce_cpu(tmp_path):
     run = subprocess.run([sys.executable, "-m", "trainscale.bench", "--suite", "flce", "--list", "--device", "cpu"],
                          capture_output=True, text=True)
     assert run.returncode == 0 and run.stdout.splitlines() == [
-        f"{bench.FLCE_OP} 64x32x500 bfloat16", f"{bench.FLCE_OP} 37x24x1001 bfloat16"]
+        f"{flce.FLCE_OP} 64x32x500 bfloat16", f"{flce.FLCE_OP} 37x24x1001 bfloat16"]
 
 
 def test_mlp_cpu(tmp_path):
@@ -158,40 +159,41 @@ def test_mlp_cpu(tmp_path):
     doc = json.load(open(out))
     assert rc == 0 and doc["meta"]["suite"] == "mlp"
     rows = {(r["op"], r["impl"]): r for r in doc["rows"]}
-    assert set(rows) == {(op, i) for op in bench.MLP_OPS for i in ("cpu-ref", "unfused", "torch")}
+    assert set(rows) == {(op, i) for op in mlp.MLP_OPS for i in ("cpu-ref", "unfused", "torch")}
     for r in rows.values():
         assert r["status"] == "ok", r["message"]
-        assert r["shape"] == "64x32x96" and r["gate"]["rel_l2"] <= bench.MLP_TOLERANCE and r["ms"]["count"] >= 1
+        assert r["shape"] == "64x32x96" and r["gate"]["rel_l2"] <= mlp.MLP_TOLERANCE and r["ms"]["count"] >= 1
     t, f, elem = 64, 96, 2
     assert rows[("swiglu_mlp_forward", "cpu-ref")]["extra_memory_bytes"] == 2 * t * f * elem
     assert rows[("swiglu_mlp_forward", "unfused")]["extra_memory_bytes"] == 3 * t * f * elem
     run = subprocess.run([sys.executable, "-m", "trainscale.bench", "--suite", "mlp", "--list", "--device", "cpu"],
                          capture_output=True, text=True)
-    assert run.returncode == 0 and run.stdout.splitlines() == [f"{op} 64x32x96 bfloat16" for op in bench.MLP_OPS]
+    assert run.returncode == 0 and run.stdout.splitlines() == [f"{op} 64x32x96 bfloat16" for op in mlp.MLP_OPS]
 
 
 def test_varlen_cpu(tmp_path):
     """The varlen suite on its CPU shape: ours against our batched kernel on the padded batch and
     SDPA with the block-diagonal causal mask, on the same packed inputs, gated on out and dq
     against every sequence alone, timed."""
-    assert bench._varlen_lengths(40, 8) == [4, 12, 2, 14, 4, 4]
+    assert varlen._varlen_lengths(40, 8) == [4, 12, 2, 14, 4, 4]
     out = tmp_path / "varlen.json"
     rc = bench.main(["--suite", "varlen", "--impl", "cpu-ref,trainscale-padded,torch-sdpa-mask", "--json", str(out)]
                     + CPU)
     doc = json.load(open(out))
     assert rc == 0 and doc["meta"]["suite"] == "varlen"
     rows = {(r["op"], r["impl"]): r for r in doc["rows"]}
-    assert set(rows) == {(op, i) for op in bench.VARLEN_OPS for i in ("cpu-ref", "trainscale-padded", "torch-sdpa-mask")}
+    assert set(rows) == {(op, i) for op in varlen.VARLEN_OPS
+                         for i in ("cpu-ref", "trainscale-padded", "torch-sdpa-mask")}
     for r in rows.values():
         assert r["status"] == "ok", r["message"]
-        assert r["shape"] == "40x4x2x16x8" and r["gate"]["rel_l2"] <= bench.VARLEN_TOLERANCE and r["ms"]["count"] >= 1
+        assert r["shape"] == "40x4x2x16x8" and r["gate"]["rel_l2"] <= varlen.VARLEN_TOLERANCE and r["ms"]["count"] >= 1
     run = subprocess.run([sys.executable, "-m", "trainscale.bench", "--suite", "varlen", "--list", "--device", "cpu"],
                          capture_output=True, text=True)
-    assert run.returncode == 0 and run.stdout.splitlines() == [f"{op} 40x4x2x16x8 bfloat16" for op in bench.VARLEN_OPS]
+    assert run.returncode == 0 and run.stdout.splitlines() == [f"{op} 40x4x2x16x8 bfloat16" for op in varlen.VARLEN_OPS]
 
 
 def test_flce_gate_oom_and_usage(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench, "_flce_eager", lambda h, w, t: 2 * tF.cross_entropy(tF.linear(h, w), t))
+    monkeypatch.setattr(flce, "_flce_eager", lambda h, w, t: 2 * tF.cross_entropy(tF.linear(h, w), t))
     rc, doc = flce_rows(tmp_path, "--impl", "torch", "--configs", "37x24x1001")
     (row,) = doc["rows"]
     # A baseline failing its gate is reported, not timed, and does not fail the run.
@@ -199,7 +201,7 @@ def test_flce_gate_oom_and_usage(tmp_path, monkeypatch):
 
     def out_of_memory():
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
-    monkeypatch.setattr(bench, "_flce_implementations",
+    monkeypatch.setattr(flce, "flce_implementations",
                         lambda use_gpu: [("cpu-ref", True, lambda: ts.linear_cross_entropy),
                                          ("torch", False, out_of_memory)])
     rc, doc = flce_rows(tmp_path, "--configs", "37x24x1001")
@@ -215,18 +217,18 @@ def test_flce_gate_oom_and_usage(tmp_path, monkeypatch):
 
 
 def test_flce_memory_table():
-    rows = [{"op": bench.FLCE_OP, "device": "cuda", "case": c, "impl": i, "message": m, **extra}
+    rows = [{"op": flce.FLCE_OP, "device": "cuda", "case": c, "impl": i, "message": m, **extra}
             for c, i, m, extra in (("a", "trainscale", "", {"extra_memory_bytes": 3 << 29}),
                                    ("a", "torch", "", {"extra_memory_bytes": 5 << 30}),
                                    ("b", "trainscale", "", {"extra_memory_bytes": 1 << 30}),
                                    ("b", "torch", "skipped (OOM): CUDA out of memory", {}))]
-    text = bench.memory_table({"rows": rows}, markdown=False)
+    text = report.memory_table({"rows": rows}, markdown=False)
     assert text.splitlines()[0] == "Peak memory beyond inputs and outputs (GiB):"
     assert [line.split() for line in text.splitlines()[3:]] == [["a", "|", "1.50", "|", "5.00"],
                                                                ["b", "|", "1.00", "|", "OOM"]]
-    md = bench.memory_table({"rows": rows}, markdown=True)
+    md = report.memory_table({"rows": rows}, markdown=True)
     assert "| Case | trainscale | torch |" in md and "| b | 1.00 | OOM |" in md
-    assert bench.memory_table({"rows": [dict(rows[0], device="cpu")]}, markdown=False) == ""
+    assert report.memory_table({"rows": [dict(rows[0], device="cpu")]}, markdown=False) == ""
 
 
 @cuda

@@ -6,7 +6,7 @@ import torch.nn.functional as tF
 from torch.autograd import gradcheck
 
 import trainscale as ts
-from trainscale import bench
+from trainscale.bench.measure import saved_bytes
 from conftest import cuda
 
 ts_ops = torch.ops.trainscale
@@ -250,7 +250,7 @@ def test_fused_swiglu_mlp_under_torch_compile():
 
 def _saved_activation_bytes(module, x):
     """Bytes autograd keeps for module(x) beyond x and the parameters (the bench's count)."""
-    return bench._saved_bytes(lambda x, *params: module(x), (x, *module.parameters()))
+    return saved_bytes(lambda x, *params: module(x), (x, *module.parameters()))
 
 
 def test_fused_swiglu_mlp_keeps_no_activation_product():
@@ -292,7 +292,7 @@ def test_rebuildable_norm_output_same_gradients_less_kept(scale_in_place):
         grads.append(torch.autograd.grad(out.sum(), [x, *model.parameters()]))
     for g, ref in zip(grads[1], grads[0]):
         assert torch.equal(g, ref)  # the rebuilt output has the forward's bits
-    kept = [bench._saved_bytes(lambda x, *params, m=m: m(x, scale_in_place), (x, *m.parameters()))
+    kept = [saved_bytes(lambda x, *params, m=m: m(x, scale_in_place), (x, *m.parameters()))
             for m in (plain, rebuilt)]
     # Without a change in place the norm's output [20, 32] float32 is no longer kept.
     assert kept[0] - kept[1] == (0 if scale_in_place else 20 * 32 * 4)

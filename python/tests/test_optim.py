@@ -230,6 +230,7 @@ def test_cuda_batch_and_muon():
 
 def test_bench_muon_suite(tmp_path, capsys):
     from trainscale import bench
+    from trainscale.bench import muon
     assert bench.main(["--suite", "muon", "--device", "cpu", "--list"]) == 0
     listed = capsys.readouterr().out.split("\n")
     assert "newton_schulz 96x48 bfloat16" in listed and any(line.startswith("muon_step 4-layers") for line in listed)
@@ -240,14 +241,14 @@ def test_bench_muon_suite(tmp_path, capsys):
     import json
     rows = json.loads(out.read_text())["rows"]
     assert {r["impl"] for r in rows} == {"cpu-ref", "torch", "torch-compile"}
-    assert all(r["status"] == "ok" and r["gate"]["rel_l2"] <= bench.MUON_TOLERANCE for r in rows)
-    assert rows[0]["flops"] == bench.ns_flops(96, 48) == 5 * (3 * 48 * 48 * 96 + 48 ** 3)
+    assert all(r["status"] == "ok" and r["gate"]["rel_l2"] <= muon.MUON_TOLERANCE for r in rows)
+    assert rows[0]["flops"] == muon.ns_flops(96, 48) == 5 * (3 * 48 * 48 * 96 + 48 ** 3)
 
 
 def test_bench_muon_suite_two_processes(tmp_path):
     # Under torchrun the suite times the distributed step against the one-process step (its
     # baseline there), all ranks in lockstep; rank 0 writes the report.
-    from trainscale import bench
+    from trainscale.bench import muon
     out = tmp_path / "muon2.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "-m", "trainscale.bench", "--suite", "muon", "--device", "cpu", "--impl", "cpu-ref,cpu-ref-distributed",
@@ -257,6 +258,6 @@ def test_bench_muon_suite_two_processes(tmp_path):
     import json
     rows = json.loads(out.read_text())["rows"]
     assert [(r["impl"], r["baseline"]) for r in rows] == [("cpu-ref-distributed", False), ("cpu-ref", True)]
-    assert all(r["op"] == "muon_step" and r["status"] == "ok" and r["gate"]["rel_l2"] <= bench.MUON_TOLERANCE
+    assert all(r["op"] == "muon_step" and r["status"] == "ok" and r["gate"]["rel_l2"] <= muon.MUON_TOLERANCE
                for r in rows)
-    assert all(r["ms"]["count"] == bench.MUON_LOCKSTEP_SAMPLES and "lockstep over 2 ranks" in r["timer"] for r in rows)
+    assert all(r["ms"]["count"] == muon.MUON_LOCKSTEP_SAMPLES and "lockstep over 2 ranks" in r["timer"] for r in rows)

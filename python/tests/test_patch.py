@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import trainscale as ts
+from trainscale.bench.measure import saved_bytes
 
 transformers = pytest.importorskip("transformers")
 modeling_llama = pytest.importorskip("transformers.models.llama.modeling_llama")
@@ -242,7 +243,7 @@ def test_rebuilt_norm_outputs_same_gradients_less_kept(monkeypatch):
     for rebuild in (False, True):
         model = copy.deepcopy(base)
         ts.patch(model, rebuild_norm_outputs=rebuild, verbose=False)
-        kept = ts.bench._saved_bytes(lambda ids, m=model: m(input_ids=ids, labels=ids).loss, (ids,))
+        kept = saved_bytes(lambda ids, m=model: m(input_ids=ids, labels=ids).loss, (ids,))
         results.append((kept, *loss_and_grads(model, ids)))
     (kept_plain, loss_plain, grads_plain), (kept_rebuilt, loss_rebuilt, grads_rebuilt) = results
     assert torch.equal(loss_rebuilt, loss_plain)
