@@ -4,12 +4,13 @@
 // (util/repeated_rows.h: row r holds pattern r % 61, filled on the device). Reductions over
 // every row (the norm's weight gradient, the mean cross-entropy, the MSE sum, the embedding's
 // table gradient) are checked whole, from each pattern's row count. Each test needs 9-13 GB of
-// device memory and skips where less is free.
+// device memory (attention 46 GB) and skips where less is free.
 #include <cmath>
 #include <cstring>
 #include <vector>
 
 #include "trainscale/activation.h"
+#include "trainscale/attention.h"
 #include "trainscale/embedding.h"
 #include "trainscale/fp8.h"
 #include "trainscale/loss.h"
@@ -317,6 +318,82 @@ TEST(LargeTensorCuda, RopeForward) {
     Values rounded = want.values();
     for (double& v : rounded) v = detail::round_to(kBf16, v);
     EXPECT_TRUE(test::matches_reference(out.row(r), rounded, kBf16Tol));
+  }
+}
+
+// Causal MHA over [65, 8192, 32, 128]: batch 64 starts at element 2^31 of q, k, v, out and their
+// gradients, and dQ's fp32 accumulator spans 8.7 GB. Probed: outputs and dq of queries there
+// (and in batch 0), dk / dv of the last two keys of a head (which only the last two queries see,
+// so their reference is two queries against the whole sequence).
+TEST(LargeTensorCuda, AttentionCausalForwardAndBackward) {
+  TS_REQUIRE_GPU();
+  const std::int64_t batch = 65, seq = 8192, heads = 32, dim = 128;
+  const std::int64_t rows = batch * seq * heads;  // one head vector per row
+  const std::vector<std::int64_t> shape = {batch, seq, heads, dim};
+  const std::int64_t tensor_bytes = rows * dim * 2;
+  TS_REQUIRE_DEVICE_MEMORY(8 * tensor_bytes + 2 * tensor_bytes + rows * 4);
+  const Values qp = patterns(kBf16, dim, -1, 1), kp = patterns(kBf16, dim, -1, 1),
+               vp = patterns(kBf16, dim, -1, 1), dop = patterns(kBf16, dim, -1, 1);
+  RepeatedRows q(kBf16, rows, dim, qp), k(kBf16, rows, dim, kp), v(kBf16, rows, dim, vp),
+      dout(kBf16, rows, dim, dop), out(kBf16, rows, dim), dq(kBf16, rows, dim), dk(kBf16, rows, dim),
+      dv(kBf16, rows, dim);
+  DeviceTensor d_lse(HostTensor(DType::kFloat32, {batch, heads, seq}), false);
+  const AttentionOptions causal{.causal = true};
+  attention_forward(q.view(shape), k.view(shape), v.view(shape), out.view(shape), d_lse.view(), causal);
+  const std::int64_t ws = static_cast<std::int64_t>(attention_backward_workspace_bytes(q.view(shape)));
+  RepeatedRows workspace(DType::kFloat32, (ws / 4 + 1023) / 1024, 1024);
+  attention_backward({.dout = dout.view(shape), .q = q.view(shape), .k = k.view(shape), .v = v.view(shape),
+                      .out = out.view(shape), .lse = d_lse.view(), .dq = dq.view(shape), .dk = dk.view(shape),
+                      .dv = dv.view(shape), .workspace = workspace.view()},
+                     causal);
+  const Values lse = host_values(d_lse);
+
+  // Rows [first, last] of one head's sequence as a host [1, n, 1, dim] float64 tensor.
+  const auto row_index = [&](std::int64_t b, std::int64_t s, std::int64_t h) { return (b * seq + s) * heads + h; };
+  const auto sequence = [&](const Values& p, std::int64_t b, std::int64_t h, std::int64_t first, std::int64_t last) {
+    Values vectors((last - first + 1) * dim);
+    for (std::int64_t s = first; s <= last; ++s) {
+      std::memcpy(&vectors[(s - first) * dim], &p[row_index(b, s, h) % kPatternRows * dim], dim * sizeof(double));
+    }
+    return f64(vectors, {1, last - first + 1, 1, dim});
+  };
+  // The reference of queries [first, seq) of head (b, h) against all keys up to them (causal,
+  // bottom-right aligned: query i sees keys <= i): out, lse, dq, dk, dv.
+  struct Reference {
+    HostTensor out, lse, dq, dk, dv;
+  };
+  const auto reference = [&](std::int64_t b, std::int64_t h, std::int64_t first, std::int64_t last) {
+    const std::int64_t n = last - first + 1;
+    const HostTensor q64 = sequence(qp, b, h, first, last), k64 = sequence(kp, b, h, 0, last),
+                     v64 = sequence(vp, b, h, 0, last), do64 = sequence(dop, b, h, first, last);
+    Reference r{HostTensor(DType::kFloat64, {1, n, 1, dim}), HostTensor(DType::kFloat64, {1, 1, n}),
+                HostTensor(DType::kFloat64, {1, n, 1, dim}), HostTensor(DType::kFloat64, {1, last + 1, 1, dim}),
+                HostTensor(DType::kFloat64, {1, last + 1, 1, dim})};
+    attention_forward(q64.view(), k64.view(), v64.view(), r.out.view(), r.lse.view(), causal);
+    attention_backward({.dout = do64.view(), .q = q64.view(), .k = k64.view(), .v = v64.view(), .out = r.out.view(),
+                        .lse = r.lse.view(), .dq = r.dq.view(), .dk = r.dk.view(), .dv = r.dv.view()},
+                       causal);
+    return r;
+  };
+  const auto rounded_row = [&](const HostTensor& t, std::int64_t i) { return row_of(t, i, dim, kBf16); };
+  for (const std::int64_t b : {std::int64_t{0}, batch - 1}) {
+    for (const std::int64_t h : {std::int64_t{0}, heads - 1}) {
+      for (const std::int64_t s : {std::int64_t{0}, std::int64_t{1}, seq / 2, seq - 1}) {
+        SCOPED_TRACE("query (" + std::to_string(b) + ", " + std::to_string(s) + ", " + std::to_string(h) + ")");
+        const Reference r = reference(b, h, s, s);
+        const std::int64_t at = row_index(b, s, h);
+        EXPECT_TRUE(test::matches_reference(out.row(at), rounded_row(r.out, 0), kBf16Tol));
+        EXPECT_TRUE(test::matches_reference(dq.row(at), rounded_row(r.dq, 0), kBf16Tol));
+        EXPECT_TRUE(close(lse[(b * heads + h) * seq + s], r.lse.at(0), 1e-4));
+      }
+      // The last two keys: only the last two queries see them.
+      const Reference r = reference(b, h, seq - 2, seq - 1);
+      for (const std::int64_t j : {seq - 2, seq - 1}) {
+        SCOPED_TRACE("key (" + std::to_string(b) + ", " + std::to_string(j) + ", " + std::to_string(h) + ")");
+        EXPECT_TRUE(test::matches_reference(dk.row(row_index(b, j, h)), rounded_row(r.dk, j), kBf16Tol));
+        EXPECT_TRUE(test::matches_reference(dv.row(row_index(b, j, h)), rounded_row(r.dv, j), kBf16Tol));
+      }
+    }
   }
 }
 
