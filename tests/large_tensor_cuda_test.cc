@@ -7,6 +7,7 @@
 // device memory (attention 46 GB) and skips where less is free.
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "trainscale/activation.h"
@@ -57,6 +58,15 @@ Values host_values(const DeviceTensor& d) { return d.to_host().values(); }
   return ::testing::AssertionFailure() << got << " against " << want << " (relative " << rel << ")";
 }
 
+// Every probed row r of `got` (bf16) against row r % kPatternRows of the float64 reference.
+void expect_probed_rows(const RepeatedRows& got, const HostTensor& pattern_reference, const std::string& what) {
+  for (const std::int64_t r : test::probe_rows(got.rows(), got.cols(), 2)) {
+    SCOPED_TRACE(what + " row " + std::to_string(r));
+    EXPECT_TRUE(test::matches_reference(got.row(r), row_of(pattern_reference, r % kPatternRows, got.cols(), kBf16),
+                                        kBf16Tol));
+  }
+}
+
 TEST(LargeTensorCuda, RmsNormForwardAndBackward) {
   TS_REQUIRE_GPU();
   const std::int64_t cols = 4096, rows = test::rows_past_int32(cols);
@@ -73,10 +83,9 @@ TEST(LargeTensorCuda, RmsNormForwardAndBackward) {
     RepeatedRows y(kBf16, rows, cols);
     rmsnorm_forward(x.view(), d_w.view(), y.view(), d_rstd.view());
     const Values rstd = host_values(d_rstd);
+    expect_probed_rows(y, y64, "y");
     for (const std::int64_t r : test::probe_rows(rows, cols, 2)) {
-      SCOPED_TRACE("row " + std::to_string(r));
-      EXPECT_TRUE(test::matches_reference(y.row(r), row_of(y64, r % kPatternRows, cols, kBf16), kBf16Tol));
-      EXPECT_TRUE(close(rstd[r], rstd64.at(r % kPatternRows), 1e-5));
+      EXPECT_TRUE(close(rstd[r], rstd64.at(r % kPatternRows), 1e-5)) << "rstd row " << r;
     }
   }
 
@@ -95,10 +104,7 @@ TEST(LargeTensorCuda, RmsNormForwardAndBackward) {
   const HostTensor dy64 = f64(dyp, {kPatternRows, cols}), dyw64 = f64(dy_weighted, {kPatternRows, cols});
   rmsnorm_backward(dy64.view(), x64.view(), w64.view(), rstd64.view(), dx64.view(), unused_dw.view(), {});
   rmsnorm_backward(dyw64.view(), x64.view(), w64.view(), rstd64.view(), unused_dx.view(), dw64.view(), {});
-  for (const std::int64_t r : test::probe_rows(rows, cols, 2)) {
-    SCOPED_TRACE("row " + std::to_string(r));
-    EXPECT_TRUE(test::matches_reference(dy.row(r), row_of(dx64, r % kPatternRows, cols, kBf16), kBf16Tol));
-  }
+  expect_probed_rows(dy, dx64, "dx");
   EXPECT_TRUE(test::matches_reference(host_values(d_dw), row_of(dw64, 0, cols, kBf16), kBf16Tol));
 }
 
@@ -115,20 +121,14 @@ TEST(LargeTensorCuda, SoftmaxForwardAndBackward) {
   {
     RepeatedRows x(kBf16, rows, cols, xp), y(kBf16, rows, cols);
     softmax_forward(x.view(), y.view());
-    for (const std::int64_t r : test::probe_rows(rows, cols, 2)) {
-      SCOPED_TRACE("forward row " + std::to_string(r));
-      EXPECT_TRUE(test::matches_reference(y.row(r), row_of(y64, r % kPatternRows, cols, kBf16), kBf16Tol));
-    }
+    expect_probed_rows(y, y64, "y");
   }
   // The backward reads y as the reference rounded it, independent of the forward's bits.
   RepeatedRows y(kBf16, rows, cols, yp), dy(kBf16, rows, cols, dyp), dx(kBf16, rows, cols);
   softmax_backward(dy.view(), y.view(), dx.view());
   HostTensor dx64(DType::kFloat64, {kPatternRows, cols});
   softmax_backward(f64(dyp, {kPatternRows, cols}).view(), f64(yp, {kPatternRows, cols}).view(), dx64.view());
-  for (const std::int64_t r : test::probe_rows(rows, cols, 2)) {
-    SCOPED_TRACE("backward row " + std::to_string(r));
-    EXPECT_TRUE(test::matches_reference(dx.row(r), row_of(dx64, r % kPatternRows, cols, kBf16), kBf16Tol));
-  }
+  expect_probed_rows(dx, dx64, "dx");
 }
 
 TEST(LargeTensorCuda, CrossEntropyWithGradientAndMean) {
@@ -188,10 +188,7 @@ TEST(LargeTensorCuda, SwigluForward) {
   swiglu_forward(a.view(), b.view(), y.view());
   HostTensor y64(DType::kFloat64, {kPatternRows, cols});
   swiglu_forward(f64(ap, {kPatternRows, cols}).view(), f64(bp, {kPatternRows, cols}).view(), y64.view());
-  for (const std::int64_t r : test::probe_rows(rows, cols, 2)) {
-    SCOPED_TRACE("row " + std::to_string(r));
-    EXPECT_TRUE(test::matches_reference(y.row(r), row_of(y64, r % kPatternRows, cols, kBf16), kBf16Tol));
-  }
+  expect_probed_rows(y, y64, "y");
 }
 
 TEST(LargeTensorCuda, MseSumAndMean) {
