@@ -8,7 +8,6 @@
 
 #include <cstdint>
 #include <limits>
-#include <string>
 
 #include <cutlass/numeric_types.h>
 
@@ -16,6 +15,7 @@
 #include "core/check.h"
 #include "ops/attention/attention_bwd_kernel.cuh"
 #include "ops/attention/attention_cuda.h"
+#include "ops/attention/attention_dtype.cuh"
 #include "ops/attention/attention_heuristics.h"
 #include "ops/attention/attention_internal.h"
 
@@ -124,13 +124,9 @@ void launch_backward(const AttentionBackwardArgs& args, const AttentionOptions& 
 template <int kHeadDim>
 void dispatch_backward(const AttentionBackwardArgs& args, const AttentionOptions& options,
                        cudaStream_t stream) {
-  switch (args.q.dtype) {
-    case DType::kBFloat16: launch_backward<cutlass::bfloat16_t, kHeadDim>(args, options, stream); break;
-    case DType::kFloat16: launch_backward<cutlass::half_t, kHeadDim>(args, options, stream); break;
-    default:
-      detail::throw_op_error(kBackwardOp,
-                             std::string("no CUDA kernel for dtype ") + dtype_name(args.q.dtype));
-  }
+  with_element_type(args.q.dtype, kBackwardOp, [&](auto tag) {
+    launch_backward<typename decltype(tag)::type, kHeadDim>(args, options, stream);
+  });
 }
 
 }  // namespace trainscale::ops::attention

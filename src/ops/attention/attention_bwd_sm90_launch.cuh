@@ -13,7 +13,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <string>
 
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
@@ -122,12 +121,9 @@ void launch_backward_sm90(const AttentionBackwardArgs& args, const AttentionOpti
 template <int kHeadDim>
 void dispatch_backward_sm90(const AttentionBackwardArgs& args, const AttentionOptions& options,
                             cudaStream_t stream) {
-  switch (args.q.dtype) {
-    case DType::kBFloat16: launch_backward_sm90<cutlass::bfloat16_t, kHeadDim>(args, options, stream); break;
-    case DType::kFloat16: launch_backward_sm90<cutlass::half_t, kHeadDim>(args, options, stream); break;
-    default:
-      detail::throw_op_error(kBackwardOp, std::string("no CUDA kernel for dtype ") + dtype_name(args.q.dtype));
-  }
+  with_element_type(args.q.dtype, kBackwardOp, [&](auto tag) {
+    launch_backward_sm90<typename decltype(tag)::type, kHeadDim>(args, options, stream);
+  });
 }
 
 }  // namespace trainscale::ops::attention

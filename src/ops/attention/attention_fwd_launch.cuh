@@ -13,7 +13,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <string>
 
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
@@ -22,6 +21,7 @@
 #include "common/stream_scratch.h"
 #include "core/check.h"
 #include "ops/attention/attention_cuda.h"
+#include "ops/attention/attention_dtype.cuh"
 #include "ops/attention/attention_fwd_kernel.cuh"
 #include "ops/attention/attention_heuristics.h"
 #include "ops/attention/attention_internal.h"
@@ -133,19 +133,14 @@ void launch_forward(const TensorView& q, const TensorView& k, const TensorView& 
 template <int kHeadDim>
 void dispatch_forward(const TensorView& q, const TensorView& k, const TensorView& v, TensorView out,
                       TensorView lse, const AttentionOptions& options, cudaStream_t stream) {
-  auto run = [&]<class Element>() {
+  with_element_type(q.dtype, kForwardOp, [&](auto tag) {
+    using Element = typename decltype(tag)::type;
     if (attention_is_masked(options)) {
       launch_forward<Element, kHeadDim, true>(q, k, v, out, lse, options, stream);
     } else {
       launch_forward<Element, kHeadDim, false>(q, k, v, out, lse, options, stream);
     }
-  };
-  switch (q.dtype) {
-    case DType::kBFloat16: run.template operator()<cutlass::bfloat16_t>(); break;
-    case DType::kFloat16: run.template operator()<cutlass::half_t>(); break;
-    default:
-      detail::throw_op_error(kForwardOp, std::string("no CUDA kernel for dtype ") + dtype_name(q.dtype));
-  }
+  });
 }
 
 }  // namespace trainscale::ops::attention

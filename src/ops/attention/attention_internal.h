@@ -1,5 +1,5 @@
 // Between the attention family's entry points (attention.cc), its CPU reference
-// (attention_cpu.cc) and its CUDA kernels (attention.cu). Arguments arrive validated.
+// (attention_cpu.cc) and its CUDA launchers (attention_*_hdim*.cu). Arguments arrive validated.
 #pragma once
 
 #include <cmath>
