@@ -31,6 +31,18 @@ struct MaxOp {
   }
 };
 
+// Elementwise maxima of unsigned words: fp8's amax, taken over the bit patterns of |x| so that a
+// NaN wins (ops/fp8/fp8_quantize_device.cuh). A whole warp's maximum is one redux.sync.
+struct BitsMaxOp {
+  template <class F, int kCount>
+  static __device__ __forceinline__ void combine(F (&a)[kCount], const F (&b)[kCount]) {
+    static_assert(std::is_same_v<F, unsigned>);
+#pragma unroll
+    for (int c = 0; c < kCount; ++c) a[c] = max(a[c], b[c]);
+  }
+  static __device__ __forceinline__ unsigned warp(unsigned v) { return __reduce_max_sync(0xffffffffu, v); }
+};
+
 inline constexpr float kLog2e = 1.4426950408889634f;
 
 // 2^x in one MUFU instruction (relative error 2^-22; results under 2^-126 flush to 0), where
@@ -68,15 +80,21 @@ struct OnlineSoftmaxOp {
   }
 };
 
-// Combines over groups of kWidth consecutive lanes (kWidth a power of two <= 32).
+// Combines over groups of kWidth consecutive lanes (kWidth a power of two <= 32); a whole warp
+// in one instruction per value where Op has one (Op::warp).
 template <int kWidth, class Op, class F, int kCount>
 __device__ __forceinline__ void warp_segment_reduce(F (&v)[kCount]) {
+  if constexpr (kWidth == 32 && requires(F x) { Op::warp(x); }) {
 #pragma unroll
-  for (int offset = kWidth / 2; offset > 0; offset /= 2) {
-    F other[kCount];
+    for (int c = 0; c < kCount; ++c) v[c] = Op::warp(v[c]);
+  } else {
 #pragma unroll
-    for (int c = 0; c < kCount; ++c) other[c] = __shfl_xor_sync(0xffffffffu, v[c], offset);
-    Op::combine(v, other);
+    for (int offset = kWidth / 2; offset > 0; offset /= 2) {
+      F other[kCount];
+#pragma unroll
+      for (int c = 0; c < kCount; ++c) other[c] = __shfl_xor_sync(0xffffffffu, v[c], offset);
+      Op::combine(v, other);
+    }
   }
 }
 

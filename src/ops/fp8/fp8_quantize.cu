@@ -64,15 +64,10 @@ __global__ void __launch_bounds__(kAmaxThreads)
       m = max(m, abs_bits(to_float(x[i * x_stride + first + (t - i * w.tail)])));
     }
   }
-  __shared__ unsigned warp_amax[kAmaxThreads / 32];
-  m = __reduce_max_sync(kFullMask, m);
-  if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = m;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int k = 0; k < kAmaxThreads / 32; ++k) m = max(m, warp_amax[k]);
-    if (m != 0) atomicMax(amax, m);
-  }
+  __shared__ unsigned scratch[kAmaxThreads / 32];
+  unsigned block_max[1] = {m};
+  detail::row_reduce<kAmaxThreads, detail::BitsMaxOp, false>(block_max, scratch);  // once per block
+  if (threadIdx.x == 0 && block_max[0] != 0) atomicMax(amax, block_max[0]);
 }
 
 template <class T>

@@ -18,6 +18,7 @@
 #include <type_traits>
 
 #include "common/dtype.cuh"
+#include "common/reduce.cuh"
 #include "common/vec.cuh"
 #include "ops/fp8/fp8_quantize.h"
 #include "ops/fp8/fp8_quotient.h"

@@ -55,11 +55,8 @@ __global__ void __launch_bounds__(256) tile_rows_kernel(TileArgs a) {
         m[k] = 0;
 #pragma unroll
         for (int e = 0; e < 16; ++e) m[k] = max(m[k], abs_bits(chunk_value(raw[k][e / 8], e % 8)));
-#pragma unroll
-        for (int offset = kLanes / 2; offset > 0; offset /= 2) {
-          m[k] = max(m[k], __shfl_xor_sync(kFullMask, m[k], offset));
-        }
       }
+      detail::warp_segment_reduce<kLanes, detail::BitsMaxOp>(m);
       GroupScale g[kTiles];
       float own;
       lane_group_scales<kLanes>(m, kFp8Max<kE4M3>, a.pow2, g, own);
@@ -148,23 +145,11 @@ __global__ void __launch_bounds__(kThreads < 256 ? 256 : kThreads) row_kernel(Ro
 #pragma unroll
       for (int e = 0; e < 8 * kRun; ++e) m = max(m, abs_bits(chunk_value(raw[r][e / 8], e % 8)));
     }
-    if constexpr (kThreads < 32) {
-#pragma unroll
-      for (int offset = kThreads / 2; offset > 0; offset /= 2) {
-        m = max(m, __shfl_xor_sync(kFullMask, m, offset));
-      }
-    } else {
-      m = __reduce_max_sync(kFullMask, m);
-      if constexpr (kThreads > 32) {
-        // warp_amax holds kRowsPerBlock rows of kThreads / 32 warps each.
-        __syncthreads();  // the previous row's readers are done with warp_amax
-        if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = m;
-        __syncthreads();
-#pragma unroll
-        for (int w = 0; w < kThreads / 32; ++w) m = max(m, warp_amax[slot * (kThreads / 32) + w]);
-      }
-    }
-    const float s = scale_from_amax(m, kFp8Max<kE4M3>, a.pow2);
+    // warp_amax holds kRowsPerBlock rows of kThreads / 32 warps each (used beyond a warp; its
+    // leading barrier keeps the previous row's readers).
+    unsigned row_max[1] = {m};
+    detail::row_reduce<kThreads, detail::BitsMaxOp>(row_max, warp_amax);
+    const float s = scale_from_amax(row_max[0], kFp8Max<kE4M3>, a.pow2);
     if (!valid) continue;
     if (lane == 0) a.scales[row] = s;
     const GroupScale g = group_scale(s);

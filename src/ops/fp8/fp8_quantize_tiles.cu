@@ -105,21 +105,14 @@ __global__ void __launch_bounds__(kTileThreads, (kTileMinBlocks<T, kMode, kTrans
     if constexpr (kWholeAmax) {
 #pragma unroll
       for (int r = 0; r < 8; ++r) whole = max(whole, ra[r]);
-      whole = __reduce_max_sync(kFullMask, whole);
-      if (lane == 0) warp_amax[warp] = whole;
-      __syncthreads();
-#pragma unroll
-      for (int w = 0; w < kTileThreads / 32; ++w) whole = max(whole, warp_amax[w]);
+      // No leading barrier: the barrier that ends each tile keeps the previous tile's readers.
+      unsigned tile_max[1] = {whole};
+      detail::row_reduce<kTileThreads, detail::BitsMaxOp, false>(tile_max, warp_amax);
+      whole = tile_max[0];
     }
     if constexpr (kRowAmax) {
       // A tile row is held by the 16 lanes of one half warp.
-#pragma unroll
-      for (int r = 0; r < 8; ++r) {
-#pragma unroll
-        for (int offset = 8; offset > 0; offset /= 2) {
-          ra[r] = max(ra[r], __shfl_xor_sync(kFullMask, ra[r], offset));
-        }
-      }
+      detail::warp_segment_reduce<16, detail::BitsMaxOp>(ra);
     }
     if constexpr (kMode == TileMode::kAmaxRow) {
       if (cg == 0) {
