@@ -2,7 +2,7 @@
 // summed per block into fixed partial rows of the workspace, then reduced over blocks in a
 // fixed order, so they are bitwise identical from run to run: by the register kernel itself
 // after a grid-wide barrier where its launch is cooperative (one block per row group, the
-// training shapes), else by a second kernel (reduce_partials_kernel). Launched by
+// training shapes), else by a second launch of the same sums (reduce_partials_kernel). Launched by
 // norm_backward_launch.cuh.
 #pragma once
 
@@ -32,8 +32,8 @@ struct BackwardArgs {
   void* dx;
   std::int64_t dx_stride;
   float* partial;  // [blocks, cols] weight-gradient partials, then [blocks, cols] for bias
-  // The register kernel's own reduction of the partials (a cooperative launch, no cluster):
-  // dw and db (either may be null), fp32 or in the activation dtype.
+  // The register kernel reduces the partials itself (a cooperative launch, no cluster), else
+  // reduce_partials_kernel does. dw and db: either may be null, fp32 or the activation dtype.
   bool reduce_in_kernel;
   void* dw;
   bool dw_f32;
@@ -64,6 +64,19 @@ __device__ __forceinline__ void add_residual_gradient(const BackwardArgs& a, std
   load_floats<X, V>(static_cast<const X*>(a.d_residual) + row * a.d_residual_stride + col, r);
 #pragma unroll
   for (int j = 0; j < V; ++j) dx[j] += r[j];
+}
+
+// Column col of dw (array 0) or db (array 1), either absent, in fp32 or the activation dtype.
+template <class T>
+__device__ __forceinline__ void store_gradient(const BackwardArgs& a, int array, std::int64_t col,
+                                               float total) {
+  void* const out = array == 0 ? a.dw : a.db;
+  if (out == nullptr) return;
+  if (array == 0 ? a.dw_f32 : a.db_f32) {
+    static_cast<float*>(out)[col] = total;
+  } else {
+    static_cast<T*>(out)[col] = detail::from_float<T>(total);
+  }
 }
 
 // Register kernel configuration for rows of `vecs` 16-byte vectors: kThreads threads per row
@@ -427,15 +440,7 @@ __global__ void __launch_bounds__(kBackwardBlock, kVecs > 2 ? 1 : kBackwardBlock
     detail::grid_barrier();
     detail::reduce_partial_rows<kBlock>(
         a.partial, static_cast<int>(groups), n, kSums, *reinterpret_cast<Scratch*>(smem_quads),
-        [&](int array, std::int64_t col, float total) {
-          void* const out = array == 0 ? a.dw : a.db;
-          if (out == nullptr) return;
-          if (array == 0 ? a.dw_f32 : a.db_f32) {
-            static_cast<float*>(out)[col] = total;
-          } else {
-            static_cast<T*>(out)[col] = detail::from_float<T>(total);
-          }
-        });
+        [&](int array, std::int64_t col, float total) { store_gradient<T>(a, array, col, total); });
   }
 }
 
@@ -503,26 +508,17 @@ __global__ void __launch_bounds__(kTwoPassThreads) backward_two_pass_kernel(Back
   }
 }
 
-// out[c] = sum over p of partial[p][c], p in order: 8 warps take interleaved partial rows
-// for 32 columns, then one warp adds the 8 results in warp order.
-template <class W>
-__global__ void __launch_bounds__(256) reduce_partials_kernel(const float* partial,
-                                                              std::int64_t blocks,
-                                                              std::int64_t cols, W* out) {
-  __shared__ float warp_sums[8][33];
-  const std::int64_t col = static_cast<std::int64_t>(blockIdx.x) * 32 + threadIdx.x;
-  float s = 0.f;
-  if (col < cols) {
-    for (std::int64_t p = threadIdx.y; p < blocks; p += 8) s += partial[p * cols + col];
-  }
-  warp_sums[threadIdx.y][threadIdx.x] = s;
-  __syncthreads();
-  if (threadIdx.y == 0 && col < cols) {
-    float total = 0.f;
-#pragma unroll
-    for (int w = 0; w < 8; ++w) total += warp_sums[w][threadIdx.x];
-    out[col] = detail::from_float<W>(total);
-  }
+// dw (and db) from the `parts` partial rows of a launch that did not reduce them itself
+// (clusters, two passes): grid_reduce.cuh's column sums in a second launch, one 32-column tile
+// per block.
+inline constexpr int kReduceBlock = 256;
+template <class T>
+__global__ void __launch_bounds__(kReduceBlock) reduce_partials_kernel(BackwardArgs a, int parts,
+                                                                       int arrays) {
+  __shared__ detail::GridReduceScratch<kReduceBlock> scratch;
+  detail::reduce_partial_rows<kReduceBlock>(
+      a.partial, parts, a.cols, arrays, scratch,
+      [&](int array, std::int64_t col, float total) { store_gradient<T>(a, array, col, total); });
 }
 
 }  // namespace

@@ -17,19 +17,6 @@
 namespace trainscale::ops::norm {
 namespace {
 
-template <class T>
-void reduce_partials(const float* partial, std::int64_t blocks, std::int64_t cols,
-                     const TensorView& out, cudaStream_t stream, const char* op) {
-  const dim3 grid(static_cast<unsigned>((cols + 31) / 32));
-  const dim3 block(32, 8);
-  if (out.dtype == DType::kFloat32) {
-    reduce_partials_kernel<float><<<grid, block, 0, stream>>>(partial, blocks, cols, out.ptr<float>());
-  } else {
-    reduce_partials_kernel<T><<<grid, block, 0, stream>>>(partial, blocks, cols, out.ptr<T>());
-  }
-  detail::check_launch(op);
-}
-
 // Partial rows: row groups of the register kernel (blocks, or clusters), or two-pass blocks.
 struct Plan {
   bool registers = false;
@@ -168,6 +155,10 @@ void launch_backward(BackwardArgs a, const TensorView& dw, const TensorView& db,
       detail::throw_arg_error(op, "workspace", "a 16-byte aligned pointer", "an unaligned one");
     }
     a.partial = static_cast<float*>(workspace.data);
+    a.dw = dw.defined() ? dw.data : nullptr;
+    a.dw_f32 = dw.defined() && dw.dtype == DType::kFloat32;
+    a.db = db.defined() ? db.data : nullptr;
+    a.db_f32 = db.defined() && db.dtype == DType::kFloat32;
   }
   constexpr int V = detail::kVec16<T>;
   bool reduced = false;
@@ -180,10 +171,6 @@ void launch_backward(BackwardArgs a, const TensorView& dw, const TensorView& db,
     if (a.partial != nullptr && k.cluster == 1 && detail::cooperative_launch_supported(op)) {
       BackwardArgs fused = a;
       fused.reduce_in_kernel = true;
-      fused.dw = dw.defined() ? dw.data : nullptr;
-      fused.dw_f32 = dw.defined() && dw.dtype == DType::kFloat32;
-      fused.db = db.defined() ? db.data : nullptr;
-      fused.db_f32 = db.defined() && db.dtype == DType::kFloat32;
       reduced = detail::launch_cooperative(k.kernel, plan.groups, kBackwardBlock, k.smem, stream,
                                            op, fused);
     }
@@ -200,11 +187,13 @@ void launch_backward(BackwardArgs a, const TensorView& dw, const TensorView& db,
     }
   }
   detail::check_launch(op);
-  if (reduced) return;
-  if (dw.defined()) reduce_partials<T>(a.partial, plan.groups, a.cols, dw, stream, op);
-  if (db.defined()) {
-    reduce_partials<T>(a.partial + plan.groups * a.cols, plan.groups, a.cols, db, stream, op);
-  }
+  if (reduced || a.partial == nullptr) return;
+  // The bias's partial rows follow the weight's (array 1), whether or not dw is asked for.
+  const int arrays = db.defined() ? 2 : 1;
+  const std::int64_t tiles = (a.cols + detail::kGridReduceTile - 1) / detail::kGridReduceTile * arrays;
+  reduce_partials_kernel<T><<<static_cast<unsigned>(tiles), kReduceBlock, 0, stream>>>(
+      a, static_cast<int>(plan.groups), arrays);
+  detail::check_launch(op);
 }
 
 BackwardArgs make_args(const TensorView& dy, const TensorView& x,
