@@ -61,8 +61,8 @@ inline bool rows_at_slots(const void* data, std::int64_t stride, std::int64_t co
 // The norms' register kernels split rows alike (kRows: 1024-thread blocks in clusters of 2 to
 // 8); the first softmax kernels, with clusters of 512-thread blocks, ran 1604-1864 GB/s from
 // N = 32768 on an H200 where N = 8192 took 2416 (bf16).
-inline RowConfig row_config(std::int64_t slots, int min_threads, int vecs = kRowVecs,
-                            int max_threads = kRowMaxThreads) {
+constexpr RowConfig row_config(std::int64_t slots, int min_threads, int vecs = kRowVecs,
+                               int max_threads = kRowMaxThreads) {
   if (slots <= 2 && min_threads <= 2) {
     const int t = static_cast<int>(std::max<std::int64_t>(slots, min_threads));
     return {t < 1 ? 1 : t, 1, 1};

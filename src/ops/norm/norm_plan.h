@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/row_config.h"
 #include "trainscale/norm.h"
 
 namespace trainscale::ops::norm {
@@ -37,12 +38,12 @@ struct RowSplit {
 constexpr int vecs_per_thread_at(int threads, int vecs_per_thread) {
   return threads < 4 ? 1 : vecs_per_thread;
 }
+// The split is common/row_config.h's within one block; a row longer than the block holds takes
+// its widest split (kRows spreads such rows over a cluster of these blocks).
 constexpr RowSplit row_split(std::int64_t vecs, int vecs_per_thread, int max_threads) {
-  int threads = 1;
-  while (threads < max_threads && vecs > threads * vecs_per_thread_at(threads, vecs_per_thread)) {
-    threads *= 2;
-  }
-  return {threads, vecs_per_thread_at(threads, vecs_per_thread)};
+  const detail::RowConfig c = detail::row_config(vecs, 1, vecs_per_thread, max_threads);
+  if (c.threads == 0 || c.cluster > 1) return {max_threads, vecs_per_thread_at(max_threads, vecs_per_thread)};
+  return {c.threads, c.vecs};
 }
 
 // Longest row (in 16-byte vectors) the register kernels take; longer rows use two passes.
