@@ -78,6 +78,12 @@ constexpr RowConfig row_config(std::int64_t slots, int min_threads, int vecs = k
   return {};
 }
 
+// Row groups each cluster takes in turn where rows are loaded straight into registers (this
+// layer's direct feed, the norms' kRows): one per cluster paid every cluster's launch, its first
+// cluster barrier and its first L1 misses on the weights once per row (H100: 4 groups 2925 vs 1
+// group 2768 GB/s at rmsnorm 32768x65536; 16 was slower too, docs/perf/norm.md).
+inline constexpr std::int64_t kClusterRowGroups = 4;
+
 // Longest supported row in elements (for messages).
 inline std::int64_t max_row_cols(int vec) {
   return std::int64_t{kRowMaxThreads} * kRowVecs * kRowMaxCluster * vec - (vec - 1);

@@ -91,11 +91,6 @@ constexpr std::size_t row_ring_bytes(int threads, int vecs, int buffers) {
   return static_cast<std::size_t>(buffers) * vecs * 16 * row_block_threads(threads, buffers > 0);
 }
 
-// Row groups each cluster takes in turn where rows are loaded straight into registers: one per
-// cluster paid every cluster's launch and first cluster barrier once per row (the norms' kRows,
-// H100: 4 groups 2925 vs 1 group 2768 GB/s at rmsnorm 32768x65536).
-inline constexpr std::int64_t kClusterRowGroups = 4;
-
 // Launches `kernel` (compiled for `threads` per row and `cluster` blocks per row, with a row ring
 // of `ring_buffers` buffers) over `rows` rows. With a ring, on a persistent grid: as many blocks
 // (clusters) as are resident at once, at most one per row group. Without, a block per row group

@@ -93,9 +93,9 @@ bool launch_registers(const ForwardArgs& a, std::int64_t vecs, cudaStream_t stre
           forward_registers_kernel<T, R, W, B, kKind, kVariant, kThreads, kVecs, kCluster>;
       if (detail::max_active_clusters(kernel, kBlock, kCluster, 0, op) == 0) return false;
       detail::prefer_l1_at_full_occupancy(kernel, kBlock, 0, op);  // weight and bias from L1
-      const std::int64_t clusters =
-          std::min<std::int64_t>((row_groups + kClusterRowGroups - 1) / kClusterRowGroups,
-                                 std::numeric_limits<int>::max() / kCluster);
+      const std::int64_t clusters = std::min<std::int64_t>(
+          (row_groups + detail::kClusterRowGroups - 1) / detail::kClusterRowGroups,
+          std::numeric_limits<int>::max() / kCluster);
       detail::launch_in_clusters(kernel, clusters * kCluster, kBlock, kCluster, 0, stream, op, a);
       return true;
     } else {

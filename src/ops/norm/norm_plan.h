@@ -132,11 +132,6 @@ constexpr int rows_cluster_blocks(std::int64_t vecs) {
   return vecs <= kBlockVecs ? 1 : vecs <= 2 * kBlockVecs ? 2 : vecs <= 4 * kBlockVecs ? 4 : 8;
 }
 
-// Row groups each kRows cluster takes in turn (the grid has a quarter as many clusters as row
-// groups). One per cluster paid every cluster's launch, its cluster barrier and its first L1
-// misses on the weights once per row; 4 was faster than 1 and than 16 (docs/perf/norm.md).
-inline constexpr std::int64_t kClusterRowGroups = 4;
-
 // kRing (sm_90): a persistent grid of blocks of kRingThreads, each walking the rows
 // blockIdx.x, + gridDim.x, ... Every row arrives by one bulk copy into a ring of `stages`
 // shared-memory rows, issued `stages` rows ahead, so a block has that many rows in flight through
