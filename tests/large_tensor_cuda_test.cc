@@ -248,9 +248,12 @@ TEST(LargeTensorCuda, Fp8QuantizePerRowAndTilesWithTransposedCopy) {
     }
     HostTensor qb(fp8, {m, cols}), sb(DType::kFloat32, {m, col_tiles}), qtb(fp8, {cols, m}),
         stb(DType::kFloat32, {cols, 1});
-    fp8_quantize(HostTensor::from_values(kBf16, {m, cols}, block).view(), qb.view(), sb.view(), qtb.view(), stb.view(), tiles);
+    const HostTensor xb = HostTensor::from_values(kBf16, {m, cols}, block);
+    fp8_quantize(xb.view(), qb.view(), sb.view(), qtb.view(), stb.view(), tiles);
     EXPECT_EQ(q.row(r), row_of(qb, r - first, cols));
-    for (std::int64_t t = 0; t < col_tiles; ++t) EXPECT_EQ(scales[r * col_tiles + t], sb.at((r - first) * col_tiles + t));
+    for (std::int64_t t = 0; t < col_tiles; ++t) {
+      EXPECT_EQ(scales[r * col_tiles + t], sb.at((r - first) * col_tiles + t));
+    }
     HostTensor got_t(fp8, {cols, m});
     test::device_synchronize();
     ASSERT_EQ(cudaMemcpy2D(got_t.data(), m, static_cast<const char*>(q_t.data()) + first, rows, m, cols,
@@ -285,7 +288,9 @@ TEST(LargeTensorCuda, EmbeddingForwardAndBackward) {
   DeviceTensor d_ws(HostTensor(DType::kFloat32, {static_cast<std::int64_t>(ws / 4 + 4)}), false);
   embedding_backward(grad_out.view(), d_ids.view(), d_grad.view(), -1, d_ws.view());
   Values count(static_cast<std::size_t>(vocab * kPatternRows), 0.0);
-  for (std::int64_t t = 0; t < tokens; ++t) count[static_cast<std::int64_t>(ids.at(t)) * kPatternRows + t % kPatternRows] += 1;
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    count[static_cast<std::int64_t>(ids.at(t)) * kPatternRows + t % kPatternRows] += 1;
+  }
   Values want(static_cast<std::size_t>(vocab * hidden), 0.0);
   for (std::int64_t v = 0; v < vocab; ++v) {
     for (std::int64_t p = 0; p < kPatternRows; ++p) {

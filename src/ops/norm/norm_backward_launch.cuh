@@ -190,7 +190,8 @@ void launch_backward(BackwardArgs a, const TensorView& dw, const TensorView& db,
   if (reduced || a.partial == nullptr) return;
   // The bias's partial rows follow the weight's (array 1), whether or not dw is asked for.
   const int arrays = db.defined() ? 2 : 1;
-  const std::int64_t tiles = (a.cols + detail::kGridReduceTile - 1) / detail::kGridReduceTile * arrays;
+  const std::int64_t tiles =
+      (a.cols + detail::kGridReduceTile - 1) / detail::kGridReduceTile * arrays;
   reduce_partials_kernel<T><<<static_cast<unsigned>(tiles), kReduceBlock, 0, stream>>>(
       a, static_cast<int>(plan.groups), arrays);
   detail::check_launch(op);
