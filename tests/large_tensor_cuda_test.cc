@@ -1,10 +1,11 @@
-// Tensors of more than 2^31 elements (and, in 16-bit dtypes, 2^32 bytes) through the public
-// entry points of every row-wise and elementwise family: rows sampled at the start, around
-// element 2^31 and byte 2^32, and at the end, against the fp64 CPU reference of their pattern
-// (util/repeated_rows.h: row r holds pattern r % 61, filled on the device). Reductions over
-// every row (the norm's weight gradient, the mean cross-entropy, the MSE sum, the embedding's
-// table gradient) are checked whole, from each pattern's row count. Each test needs 9-13 GB of
-// device memory (attention 46 GB) and skips where less is free.
+// Tensors of more than 2^31 elements (and, in 16-bit dtypes, 2^32 bytes; for softmax also more
+// than 2^31 rows) through the public entry points of every row-wise and elementwise family and
+// attention: rows sampled at the start, around element 2^31, byte 2^32 and row 2^31, and at the
+// end, against the fp64 CPU reference of their pattern (util/repeated_rows.h: row r holds pattern
+// r % 61, filled on the device). Reductions over every row (the norm's weight gradient, the mean
+// cross-entropy, the MSE sum, the embedding's table gradient) are checked whole, from each
+// pattern's row count. Each test needs 9-17 GB of device memory (attention 46 GB) and skips where
+// less is free.
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -129,6 +130,19 @@ TEST(LargeTensorCuda, SoftmaxForwardAndBackward) {
   HostTensor dx64(DType::kFloat64, {kPatternRows, cols});
   softmax_backward(f64(dyp, {kPatternRows, cols}).view(), f64(yp, {kPatternRows, cols}).view(), dx64.view());
   expect_probed_rows(dx, dx64, "dx");
+}
+
+// More than 2^31 rows (of 2 elements): a row index or a row count held in 32 bits.
+TEST(LargeTensorCuda, SoftmaxRowsPastInt32) {
+  TS_REQUIRE_GPU();
+  const std::int64_t cols = 2, rows = (std::int64_t{1} << 31) + 64;
+  TS_REQUIRE_DEVICE_MEMORY(2 * rows * cols * 2);
+  const Values xp = patterns(kBf16, cols, -8, 8);
+  RepeatedRows x(kBf16, rows, cols, xp), y(kBf16, rows, cols);
+  softmax_forward(x.view(), y.view());
+  HostTensor y64(DType::kFloat64, {kPatternRows, cols});
+  softmax_forward(f64(xp, {kPatternRows, cols}).view(), y64.view());
+  expect_probed_rows(y, y64, "y");
 }
 
 TEST(LargeTensorCuda, CrossEntropyWithGradientAndMean) {

@@ -26,12 +26,12 @@ inline std::int64_t rows_past_int32(std::int64_t cols, std::int64_t extra_rows =
 }
 
 // Rows worth checking in a [rows, cols] matrix of `elem_bytes` elements: the first, one per
-// pattern offset near the start, those around element 2^31 and byte 2^32, and the last.
+// pattern offset near the start, those around element 2^31, byte 2^32 and row 2^31, and the last.
 inline std::vector<std::int64_t> probe_rows(std::int64_t rows, std::int64_t cols,
                                             std::int64_t elem_bytes) {
   std::vector<std::int64_t> out = {0, 1, kPatternRows - 1, kPatternRows};
   for (const std::int64_t edge : {(std::int64_t{1} << 31) / cols,
-                                  (std::int64_t{1} << 32) / (cols * elem_bytes)}) {
+                                  (std::int64_t{1} << 32) / (cols * elem_bytes), std::int64_t{1} << 31}) {
     for (std::int64_t r = edge - 1; r <= edge + 1; ++r) {
       if (r >= 0 && r < rows) out.push_back(r);
     }
