@@ -29,7 +29,8 @@ using detail::Vec;
 
 // ---------------------------------------------------------------------------------------------
 // Per-tensor amax: a plain streaming read (the elementwise walk: 16-byte units, kAmaxUnroll
-// loads in flight per thread, a grid as large as the work), a warp max, one atomicMax per block.
+// loads in flight per thread, a grid as large as the work), the block's maximum (reduce.cuh),
+// one atomicMax per block.
 
 constexpr int kAmaxThreads = 256;
 constexpr int kAmaxUnroll = 4;
