@@ -100,6 +100,10 @@ TEST(TensorView, ShapesStridesAndContiguity) {
   EXPECT_TRUE(t.is_contiguous());
   TensorView s(buf, DType::kFloat32, {2, 3}, {8, 1});
   EXPECT_FALSE(s.is_contiguous());
+  // An empty tensor is contiguous whatever its strides, as PyTorch allocates [1, 2, 0] with
+  // strides [2, 1, 1].
+  EXPECT_TRUE(TensorView(buf, DType::kFloat32, {1, 2, 0}, {2, 1, 1}).is_contiguous());
+  EXPECT_FALSE(TensorView(buf, DType::kFloat32, {1, 2, 1}, {2, 2, 1}).is_contiguous());
   EXPECT_EQ(s.describe(), "float32[2, 3] (strides [8, 1]) on cpu");
   EXPECT_FALSE(TensorView().defined());
   TS_EXPECT_ERROR((TensorView(buf, DType::kFloat32, {1, 2, 3, 4, 5, 6, 7})), "at most 6");
@@ -117,6 +121,12 @@ TEST(OpChecker, RowsFlattensLeadingDims) {
                   "trainscale::op", "'x'", "evenly strided rows");
   TS_EXPECT_ERROR(c.rows(TensorView(buf, DType::kFloat32, {2, 4}, {1, 2}), "x"),
                   "stride 1 in the last dimension");
+  // An empty tensor (an autograd gradient of no rows may be an expand, strides [0, 0]) has no
+  // layout to check: rows of their own length.
+  r = c.rows(TensorView(buf, DType::kFloat32, {0, 4}, {0, 0}), "x");
+  EXPECT_EQ(r.rows, 0);
+  EXPECT_EQ(r.row_stride, 4);
+  c.unit_last_stride(TensorView(buf, DType::kFloat32, {2, 0, 4}, {0, 0, 0}), "x");
 }
 
 TEST(OpChecker, ErrorsNameOpArgumentExpectedAndGot) {
@@ -148,7 +158,9 @@ TEST(OpChecker, RowLayoutIsWhatRowsAccepted) {
   for (const TensorView& t : {TensorView(buf, DType::kFloat32, {2, 3, 4}, {30, 10, 1}),
                               TensorView(buf, DType::kFloat32, {1, 1, 5}, {7, 9, 1}),
                               TensorView(buf, DType::kFloat32, {3, 1, 4}, {8, 99, 1}),
-                              TensorView(buf, DType::kFloat32, {6})}) {
+                              TensorView(buf, DType::kFloat32, {6}),
+                              TensorView(buf, DType::kFloat32, {0, 4}, {0, 0}),
+                              TensorView(buf, DType::kFloat32, {3, 0}, {0, 0})}) {
     const Rows checked = OpChecker("op").rows(t, "x"), layout = row_layout(t);
     EXPECT_EQ(layout.rows, checked.rows) << t.describe();
     EXPECT_EQ(layout.cols, checked.cols) << t.describe();

@@ -375,7 +375,7 @@ TEST(Rope, OptionAndShapeErrors) {
   TS_EXPECT_ERROR(fwd(qv, {}, q_out.view(), {}, {RopeStyle::kNeox, -2}),
                   "argument 'options.rotary_dim'", "got -2");
   TS_EXPECT_ERROR(fwd(q7.view(), {}, q7_out.view(), {}), "argument 'options.rotary_dim'",
-                  "got -1 (head dim 7)");
+                  "got -1 with the odd head dim 7");
 
   TS_EXPECT_ERROR(fwd({}, {}, q_out.view(), {}), "rope_forward", "argument 'q'", "none");
   TS_EXPECT_ERROR(fwd(ints.view(), {}, q_out.view(), {}), "argument 'q'", "int32");

@@ -44,9 +44,9 @@ std::int64_t check_options(detail::OpChecker& c, const RopeOptions& options,
   const std::int64_t rotary_dim = options.rotary_dim == -1 ? head_dim : options.rotary_dim;
   if (!(rotary_dim >= 0 && rotary_dim <= head_dim && rotary_dim % 2 == 0))
     c.fail("options.rotary_dim",
-           "-1 (the head dim) or an even number in [0, " + std::to_string(head_dim) + "]",
-           std::to_string(options.rotary_dim) +
-               (options.rotary_dim == -1 ? " (head dim " + std::to_string(head_dim) + ")" : ""));
+           "an even number in [0, " + std::to_string(head_dim) + "], or -1 for an even head dim",
+           options.rotary_dim == -1 ? "-1 with the odd head dim " + std::to_string(head_dim)
+                                    : std::to_string(options.rotary_dim));
   return rotary_dim;
 }
 
