@@ -44,6 +44,18 @@ struct BackwardArgs {
   float weight_offset;
 };
 
+// Adds V elements to the row's reductions: sums[kSums - 1] += g * xhat, and for LayerNorm
+// sums[0] += g.
+template <Kind kKind, int V, int kSums>
+__device__ __forceinline__ void add_row_sums(const float (&g)[V], const float (&xhat)[V],
+                                             float (&sums)[kSums]) {
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    sums[kSums - 1] += g[j] * xhat[j];
+    if constexpr (kKind == Kind::kLayer) sums[0] += g[j];
+  }
+}
+
 // dx for V elements given the row's reductions: sum(g) (LayerNorm) and sum(g * xhat).
 template <Kind kKind, int V>
 __device__ __forceinline__ void input_gradient(const float (&g)[V], const float (&xhat)[V],
@@ -384,11 +396,7 @@ __global__ void __launch_bounds__(kBackwardBlock, kVecs > 2 ? 1 : kBackwardBlock
     for (int i = 0; i < kVecs; ++i) {
       float dy[V], xhat[V], g[V];
       unpack(i, dy, xhat, g);
-#pragma unroll
-      for (int j = 0; j < V; ++j) {
-        sums[kSums - 1] += g[j] * xhat[j];
-        if constexpr (kKind == Kind::kLayer) sums[0] += g[j];
-      }
+      add_row_sums<kKind, V>(g, xhat, sums);
     }
     row_sum<kThreads, kSums>(sums, scratch);
     if constexpr (kPrefetch) prefetch(row + groups);
@@ -481,11 +489,7 @@ __global__ void __launch_bounds__(kTwoPassThreads) backward_two_pass_kernel(Back
     for (std::int64_t col = threadIdx.x * V; col < n; col += kStep) {
       float dy[V], xhat[V], g[V];
       load(col, dy, xhat, g);
-#pragma unroll
-      for (int j = 0; j < V; ++j) {
-        sums[kSums - 1] += g[j] * xhat[j];
-        if constexpr (kKind == Kind::kLayer) sums[0] += g[j];
-      }
+      add_row_sums<kKind, V>(g, xhat, sums);
     }
     row_sum<kTwoPassThreads, kSums>(sums, scratch);
     const float inv_n = 1.f / static_cast<float>(n);
