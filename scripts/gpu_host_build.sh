@@ -43,6 +43,6 @@ cmake --build build -j "$(nproc)" ${TRAINSCALE_BUILD_TARGET:+--target "$TRAINSCA
 echo "build: $((SECONDS - start)) s; $(grep -h 'cuDNN baselines' "$OUT/configure.log" 2>/dev/null)"
 if [ -f build/python/_C.so ]; then
   rm -rf build/pypkg && mkdir -p build/pypkg/trainscale
-  cp python/trainscale/*.py build/python/_C.so build/pypkg/trainscale/
+  cp -r python/trainscale/. build/pypkg/trainscale/ && cp build/python/_C.so build/pypkg/trainscale/
   export PYTHONPATH=$PWD/build/pypkg${PYTHONPATH:+:$PYTHONPATH}
 fi

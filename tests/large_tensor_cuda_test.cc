@@ -6,6 +6,7 @@
 // cross-entropy, the MSE sum, the embedding's table gradient) are checked whole, from each
 // pattern's row count. Each test needs 9-17 GB of device memory (attention 46 GB) and skips where
 // less is free.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -374,8 +375,12 @@ TEST(LargeTensorCuda, AttentionCausalForwardAndBackward) {
     }
     return f64(vectors, {1, last - first + 1, 1, dim});
   };
-  // The reference of queries [first, seq) of head (b, h) against all keys up to them (causal,
-  // bottom-right aligned: query i sees keys <= i): out, lse, dq, dk, dv.
+  // The reference of queries [first, last] of head (b, h) against all keys up to them (causal,
+  // bottom-right aligned: query i sees keys <= i): out, lse, dq, dk, dv. Its backward takes the
+  // kernel's own bf16 out (an input of the backward, through delta = rowsum(dout * out)), as
+  // docs/contract.md has every reference see the inputs the kernel saw: with the exact out, a
+  // query that sees two keys, or a key that one query sees, differs by 1.0-1.4 % (delta
+  // nearly cancels dP there) while both kernels are right.
   struct Reference {
     HostTensor out, lse, dq, dk, dv;
   };
@@ -387,7 +392,13 @@ TEST(LargeTensorCuda, AttentionCausalForwardAndBackward) {
                 HostTensor(DType::kFloat64, {1, n, 1, dim}), HostTensor(DType::kFloat64, {1, last + 1, 1, dim}),
                 HostTensor(DType::kFloat64, {1, last + 1, 1, dim})};
     attention_forward(q64.view(), k64.view(), v64.view(), r.out.view(), r.lse.view(), causal);
-    attention_backward({.dout = do64.view(), .q = q64.view(), .k = k64.view(), .v = v64.view(), .out = r.out.view(),
+    Values seen_out(n * dim);
+    for (std::int64_t s = first; s <= last; ++s) {
+      const Values row = out.row(row_index(b, s, h));
+      std::copy(row.begin(), row.end(), seen_out.begin() + (s - first) * dim);
+    }
+    const HostTensor out64 = f64(seen_out, {1, n, 1, dim});
+    attention_backward({.dout = do64.view(), .q = q64.view(), .k = k64.view(), .v = v64.view(), .out = out64.view(),
                         .lse = r.lse.view(), .dq = r.dq.view(), .dk = r.dk.view(), .dv = r.dv.view()},
                        causal);
     return r;

@@ -192,33 +192,36 @@ void check_norm(bool layer) {
     for (DType wdt : {dt, DType::kFloat32}) {
       for (const Shape& s : shapes()) {
         if (!worth_every_dtype(s, dt, wdt)) continue;
+        // One set of inputs and its fp64 reference per shape, checked against every variant.
+        const double tol = test::tolerance(dt);
+        auto x = HostTensor::random(dt, {s.rows, s.cols}, -2, 2, s.pad);
+        x.set(0, x.at(0) + 3.0);  // a row with a non-zero mean
+        auto w = HostTensor::random(wdt, {s.cols}, 0.5, 1.5);
+        auto b = HostTensor::random(wdt, {s.cols}, -0.5, 0.5);
+        auto dy = HostTensor::random(dt, {s.rows, s.cols}, -1, 1, s.pad);
+        DeviceTensor d_x(x), d_w(w), d_b(b), d_dy(dy);
+        auto x64 = as_f64(x), w64 = as_f64(w), b64 = as_f64(b), dy64 = as_f64(dy);
+        HostTensor y64(DType::kFloat64, {s.rows, s.cols}), mean64(DType::kFloat64, {s.rows}),
+            rstd64(DType::kFloat64, {s.rows}), dx64(DType::kFloat64, {s.rows, s.cols}),
+            dw64(DType::kFloat64, {s.cols}), db64(DType::kFloat64, {s.cols});
+        if (layer) {
+          layernorm_forward(x64.view(), w64.view(), b64.view(), y64.view(), mean64.view(), rstd64.view());
+          layernorm_backward({.dy = dy64.view(), .x = x64.view(), .weight = w64.view(), .mean = mean64.view(),
+                              .rstd = rstd64.view(), .dx = dx64.view(), .dw = dw64.view(), .db = db64.view()});
+        } else {
+          const RMSNormOptions opt = rms_options(NormVariant::kAuto, 0.25);
+          rmsnorm_forward(x64.view(), w64.view(), y64.view(), rstd64.view(), opt);
+          rmsnorm_backward(dy64.view(), x64.view(), w64.view(), rstd64.view(), dx64.view(), dw64.view(), {}, opt);
+        }
         for (NormVariant variant : variants_for(s, dt)) {
           SCOPED_TRACE(shape_name(dt, s, wdt, variant));
-          const double tol = test::tolerance(dt);
-          auto x = HostTensor::random(dt, {s.rows, s.cols}, -2, 2, s.pad);
-          x.set(0, x.at(0) + 3.0);  // a row with a non-zero mean
-          auto w = HostTensor::random(wdt, {s.cols}, 0.5, 1.5);
-          auto b = HostTensor::random(wdt, {s.cols}, -0.5, 0.5);
-          auto dy = HostTensor::random(dt, {s.rows, s.cols}, -1, 1, s.pad);
-          DeviceTensor d_x(x), d_w(w), d_b(b), d_dy(dy);
           DeviceTensor d_y(HostTensor(dt, {s.rows, s.cols}, s.pad), false);
           DeviceTensor d_mean(HostTensor(DType::kFloat32, {s.rows}), false);
           DeviceTensor d_rstd(HostTensor(DType::kFloat32, {s.rows}), false);
           DeviceTensor d_dx(HostTensor(dt, {s.rows, s.cols}, s.pad), false);
           DeviceTensor d_dw(HostTensor(wdt, {s.cols}), false), d_db(HostTensor(wdt, {s.cols}), false);
           DeviceTensor d_ws(byte_buffer(workspace_bytes(s.rows, s.cols, dt)), false);
-
-          // fp64 reference.
-          auto x64 = as_f64(x), w64 = as_f64(w), b64 = as_f64(b), dy64 = as_f64(dy);
-          HostTensor y64(DType::kFloat64, {s.rows, s.cols}), mean64(DType::kFloat64, {s.rows}),
-              rstd64(DType::kFloat64, {s.rows}), dx64(DType::kFloat64, {s.rows, s.cols}),
-              dw64(DType::kFloat64, {s.cols}), db64(DType::kFloat64, {s.cols});
           if (layer) {
-            layernorm_forward(x64.view(), w64.view(), b64.view(), y64.view(), mean64.view(),
-                              rstd64.view());
-            layernorm_backward({.dy = dy64.view(), .x = x64.view(), .weight = w64.view(),
-                                .mean = mean64.view(), .rstd = rstd64.view(), .dx = dx64.view(),
-                                .dw = dw64.view(), .db = db64.view()});
             ops::norm::layernorm_forward_cuda(
                 d_x.view(), d_w.view(), d_b.view(), d_y.view(), d_mean.view(), d_rstd.view(),
                 layer_options(forward_variant(s, dt, variant, true)), nullptr);
@@ -227,15 +230,12 @@ void check_norm(bool layer) {
                                                d_db.view(), d_ws.view(), layer_options(variant),
                                                nullptr);
           } else {
-            const RMSNormOptions opt = rms_options(variant, 0.25);
-            rmsnorm_forward(x64.view(), w64.view(), y64.view(), rstd64.view(), opt);
-            rmsnorm_backward(dy64.view(), x64.view(), w64.view(), rstd64.view(), dx64.view(),
-                             dw64.view(), {}, opt);
             ops::norm::rmsnorm_forward_cuda(d_x.view(), d_w.view(), d_y.view(), d_rstd.view(),
                                             rms_options(forward_variant(s, dt, variant), 0.25),
                                             nullptr);
             ops::norm::rmsnorm_backward_cuda(d_dy.view(), d_x.view(), d_w.view(), d_rstd.view(),
-                                             d_dx.view(), d_dw.view(), d_ws.view(), opt, nullptr);
+                                             d_dx.view(), d_dw.view(), d_ws.view(), rms_options(variant, 0.25),
+                                             nullptr);
           }
           EXPECT_TRUE(test::matches_reference(d_y.to_host().values(), y64.values(), tol)) << "y";
           EXPECT_TRUE(test::matches_reference(d_rstd.to_host().values(), rstd64.values(), 1e-5))
@@ -267,15 +267,26 @@ TEST(NormCuda, FusedAddRMSNormMatchesReference) {
     for (DType rdt : {dt, DType::kFloat32}) {
       for (const Shape& s : shapes()) {
         if (!worth_every_dtype(s, dt, rdt)) continue;
+        // One set of inputs and its reference per shape, checked against every variant: the sum
+        // as the kernel stores it (rounded to the residual dtype), then rmsnorm in fp64.
+        const double tol = test::tolerance(dt);
+        auto x = HostTensor::random(dt, {s.rows, s.cols}, -2, 2, s.pad);
+        auto r = HostTensor::random(rdt, {s.rows, s.cols}, -2, 2);
+        auto w = HostTensor::random(dt, {s.cols}, 0.5, 1.5);
+        auto dy = HostTensor::random(dt, {s.rows, s.cols}, -1, 1, s.pad);
+        auto dres = HostTensor::random(rdt, {s.rows, s.cols}, -1, 1);
+        DeviceTensor d_w(w), d_dy(dy), d_dres(dres);
+        HostTensor sum(rdt, {s.rows, s.cols});
+        for (std::int64_t i = 0; i < sum.numel(); ++i) sum.set(i, x.at(i) + r.at(i));
+        auto s64 = as_f64(sum), w64 = as_f64(w), dy64 = as_f64(dy), dres64 = as_f64(dres);
+        HostTensor y64(DType::kFloat64, {s.rows, s.cols}), rstd64(DType::kFloat64, {s.rows}),
+            dx64(DType::kFloat64, {s.rows, s.cols}), dw64(DType::kFloat64, {s.cols});
+        rmsnorm_forward(s64.view(), w64.view(), y64.view(), rstd64.view());
+        fused_add_rmsnorm_backward(dy64.view(), dres64.view(), s64.view(), w64.view(), rstd64.view(), dx64.view(),
+                                   dw64.view(), {});
         for (NormVariant variant : variants_for(s, dt)) {
           SCOPED_TRACE(shape_name(dt, s, rdt, variant));
-          const double tol = test::tolerance(dt);
-          auto x = HostTensor::random(dt, {s.rows, s.cols}, -2, 2, s.pad);
-          auto r = HostTensor::random(rdt, {s.rows, s.cols}, -2, 2);
-          auto w = HostTensor::random(dt, {s.cols}, 0.5, 1.5);
-          auto dy = HostTensor::random(dt, {s.rows, s.cols}, -1, 1, s.pad);
-          auto dres = HostTensor::random(rdt, {s.rows, s.cols}, -1, 1);
-          DeviceTensor d_x(x), d_r(r), d_w(w), d_dy(dy), d_dres(dres);
+          DeviceTensor d_x(x), d_r(r);  // the forward writes both in place
           DeviceTensor d_rstd(HostTensor(DType::kFloat32, {s.rows}), false);
           DeviceTensor d_dx(HostTensor(dt, {s.rows, s.cols}, s.pad), false);
           DeviceTensor d_dw(HostTensor(dt, {s.cols}), false);
@@ -289,16 +300,6 @@ TEST(NormCuda, FusedAddRMSNormMatchesReference) {
                                                      d_w.view(), d_rstd.view(), d_dx.view(),
                                                      d_dw.view(), d_ws.view(),
                                                      rms_options(variant), nullptr);
-          // Reference: the sum as the kernel stores it (rounded to the residual dtype), then
-          // rmsnorm in fp64.
-          HostTensor sum(rdt, {s.rows, s.cols});
-          for (std::int64_t i = 0; i < sum.numel(); ++i) sum.set(i, x.at(i) + r.at(i));
-          auto s64 = as_f64(sum), w64 = as_f64(w), dy64 = as_f64(dy), dres64 = as_f64(dres);
-          HostTensor y64(DType::kFloat64, {s.rows, s.cols}), rstd64(DType::kFloat64, {s.rows}),
-              dx64(DType::kFloat64, {s.rows, s.cols}), dw64(DType::kFloat64, {s.cols});
-          rmsnorm_forward(s64.view(), w64.view(), y64.view(), rstd64.view());
-          fused_add_rmsnorm_backward(dy64.view(), dres64.view(), s64.view(), w64.view(),
-                                     rstd64.view(), dx64.view(), dw64.view(), {});
           EXPECT_TRUE(test::matches_reference(d_r.to_host().values(), sum.values(), 1e-6))
               << "residual";
           EXPECT_TRUE(test::matches_reference(d_x.to_host().values(), y64.values(), tol)) << "x";
