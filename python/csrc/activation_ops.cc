@@ -11,16 +11,17 @@
 namespace trainscale::binding {
 namespace {
 
-ts::GeluApproximation approx_of(std::string_view a) {
+ts::GeluApproximation approx_of(const char* op, c10::string_view approximate) {
+  const std::string_view a(approximate.data(), approximate.size());
   if (a == "none") return ts::GeluApproximation::kNone;
   if (a == "tanh") return ts::GeluApproximation::kTanh;
-  arg_error("gelu", "approximate", "expected 'none' or 'tanh', got '" + std::string(a) + "'");
+  arg_error(op, "approximate", "expected 'none' or 'tanh', got '" + std::string(a) + "'");
 }
 
 Tensor gelu_forward(const Tensor& x, c10::string_view approximate) {
   const char* op = "gelu_forward";
   Ctx ctx(x, op, "x");
-  auto ap = approx_of(std::string_view(approximate.data(), approximate.size()));
+  auto ap = approx_of(op, approximate);
   Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
   guarded([&] { ts::gelu_forward(view(x, op, "x"), view(y, op, "y"), ap, ctx.stream); });
   return y;
@@ -29,7 +30,7 @@ Tensor gelu_forward(const Tensor& x, c10::string_view approximate) {
 Tensor gelu_backward(const Tensor& dy, const Tensor& x, c10::string_view approximate) {
   const char* op = "gelu_backward";
   Ctx ctx(x, op, "x");
-  auto ap = approx_of(std::string_view(approximate.data(), approximate.size()));
+  auto ap = approx_of(op, approximate);
   Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);
   guarded([&] {
     ts::gelu_backward(view(dy, op, "dy"), view(x, op, "x"), view(dx, op, "dx"), ap, ctx.stream);
@@ -55,26 +56,56 @@ Tensor silu_backward(const Tensor& dy, const Tensor& x) {
   return dx;
 }
 
-Tensor swiglu_forward(const Tensor& a, const Tensor& b) {
-  const char* op = "swiglu_forward";
+// The gated pair's bindings, separate halves a, b [..., F]: `fn(a, b, y, stream)` /
+// `fn(dy, a, b, da, db, stream)` calls swiglu's or geglu's entry point.
+template <class Fn>
+Tensor gated_forward(const char* op, const Tensor& a, const Tensor& b, Fn&& fn) {
   Ctx ctx(a, op, "a");
   Tensor y = at::empty_like(a, at::MemoryFormat::Contiguous);
-  guarded([&] {
-    ts::swiglu_forward(view(a, op, "a"), view(b, op, "b"), view(y, op, "y"), ctx.stream);
-  });
+  guarded([&] { fn(view(a, op, "a"), view(b, op, "b"), view(y, op, "y"), ctx.stream); });
   return y;
 }
 
-std::tuple<Tensor, Tensor> swiglu_backward(const Tensor& dy, const Tensor& a, const Tensor& b) {
-  const char* op = "swiglu_backward";
+template <class Fn>
+std::tuple<Tensor, Tensor> gated_backward(const char* op, const Tensor& dy, const Tensor& a, const Tensor& b,
+                                          Fn&& fn) {
   Ctx ctx(a, op, "a");
   Tensor da = at::empty_like(a, at::MemoryFormat::Contiguous);
   Tensor db = at::empty_like(b, at::MemoryFormat::Contiguous);
   guarded([&] {
-    ts::swiglu_backward(view(dy, op, "dy"), view(a, op, "a"), view(b, op, "b"),
-                        view(da, op, "da"), view(db, op, "db"), ctx.stream);
+    fn(view(dy, op, "dy"), view(a, op, "a"), view(b, op, "b"), view(da, op, "da"), view(db, op, "db"), ctx.stream);
   });
   return {da, db};
+}
+
+// Packed: ab [..., 2F] (a in the first F columns, b in the last), y [..., F], dab like ab.
+template <class Fn>
+Tensor gated_forward_packed(const char* op, const Tensor& ab, Fn&& fn) {
+  Ctx ctx(ab, op, "ab");
+  auto sizes = ab.sizes().vec();
+  if (sizes.empty() || sizes.back() % 2 != 0) {
+    arg_error(op, "ab", "expected an even last dim [..., 2F], got shape " + c10::str(ab.sizes()));
+  }
+  sizes.back() /= 2;
+  Tensor y = at::empty(sizes, ab.options());
+  guarded([&] { fn(view(ab, op, "ab"), view(y, op, "y"), ctx.stream); });
+  return y;
+}
+
+template <class Fn>
+Tensor gated_backward_packed(const char* op, const Tensor& dy, const Tensor& ab, Fn&& fn) {
+  Ctx ctx(ab, op, "ab");
+  Tensor dab = at::empty_like(ab, at::MemoryFormat::Contiguous);
+  guarded([&] { fn(view(dy, op, "dy"), view(ab, op, "ab"), view(dab, op, "dab"), ctx.stream); });
+  return dab;
+}
+
+Tensor swiglu_forward(const Tensor& a, const Tensor& b) {
+  return gated_forward("swiglu_forward", a, b, [](auto&&... v) { ts::swiglu_forward(v...); });
+}
+
+std::tuple<Tensor, Tensor> swiglu_backward(const Tensor& dy, const Tensor& a, const Tensor& b) {
+  return gated_backward("swiglu_backward", dy, a, b, [](auto&&... v) { ts::swiglu_backward(v...); });
 }
 
 // In place: a <- da, b <- db; returns the forward's y. For a backward that owns a and b (the
@@ -91,28 +122,44 @@ Tensor swiglu_backward_recompute_(const Tensor& dy, Tensor& a, Tensor& b) {
 }
 
 Tensor swiglu_forward_packed(const Tensor& ab) {
-  const char* op = "swiglu_forward_packed";
-  Ctx ctx(ab, op, "ab");
-  auto sizes = ab.sizes().vec();
-  if (sizes.empty() || sizes.back() % 2 != 0) {
-    arg_error(op, "ab", "expected an even last dim [..., 2F], got shape " +
-                            c10::str(ab.sizes()));
-  }
-  sizes.back() /= 2;
-  Tensor y = at::empty(sizes, ab.options());
-  guarded([&] { ts::swiglu_forward_packed(view(ab, op, "ab"), view(y, op, "y"), ctx.stream); });
-  return y;
+  return gated_forward_packed("swiglu_forward_packed", ab, [](auto&&... v) { ts::swiglu_forward_packed(v...); });
 }
 
 Tensor swiglu_backward_packed(const Tensor& dy, const Tensor& ab) {
-  const char* op = "swiglu_backward_packed";
-  Ctx ctx(ab, op, "ab");
-  Tensor dab = at::empty_like(ab, at::MemoryFormat::Contiguous);
-  guarded([&] {
-    ts::swiglu_backward_packed(view(dy, op, "dy"), view(ab, op, "ab"), view(dab, op, "dab"),
-                               ctx.stream);
+  return gated_backward_packed("swiglu_backward_packed", dy, ab,
+                               [](auto&&... v) { ts::swiglu_backward_packed(v...); });
+}
+
+// geglu: gelu(a) * b, gelu's form named as in gelu_forward.
+Tensor geglu_forward(const Tensor& a, const Tensor& b, c10::string_view approximate) {
+  const auto ap = approx_of("geglu_forward", approximate);
+  return gated_forward("geglu_forward", a, b,
+                       [&](const TensorView& va, const TensorView& vb, TensorView y, cudaStream_t stream) {
+                         ts::geglu_forward(va, vb, y, ap, stream);
+                       });
+}
+
+std::tuple<Tensor, Tensor> geglu_backward(const Tensor& dy, const Tensor& a, const Tensor& b,
+                                          c10::string_view approximate) {
+  const auto ap = approx_of("geglu_backward", approximate);
+  return gated_backward("geglu_backward", dy, a, b,
+                        [&](const TensorView& vdy, const TensorView& va, const TensorView& vb, TensorView da,
+                            TensorView db, cudaStream_t stream) { ts::geglu_backward(vdy, va, vb, da, db, ap, stream); });
+}
+
+Tensor geglu_forward_packed(const Tensor& ab, c10::string_view approximate) {
+  const auto ap = approx_of("geglu_forward_packed", approximate);
+  return gated_forward_packed("geglu_forward_packed", ab, [&](const TensorView& vab, TensorView y, cudaStream_t stream) {
+    ts::geglu_forward_packed(vab, y, ap, stream);
   });
-  return dab;
+}
+
+Tensor geglu_backward_packed(const Tensor& dy, const Tensor& ab, c10::string_view approximate) {
+  const auto ap = approx_of("geglu_backward_packed", approximate);
+  return gated_backward_packed("geglu_backward_packed", dy, ab,
+                               [&](const TensorView& vdy, const TensorView& vab, TensorView dab, cudaStream_t stream) {
+                                 ts::geglu_backward_packed(vdy, vab, dab, ap, stream);
+                               });
 }
 
 }  // namespace
@@ -138,4 +185,8 @@ TORCH_LIBRARY_FRAGMENT(trainscale, m) {
          &swiglu_forward_packed);
   def_op(m, "swiglu_backward_packed(Tensor dy, Tensor ab) -> Tensor",
          &swiglu_backward_packed);
+  def_op(m, "geglu_forward(Tensor a, Tensor b, str approximate) -> Tensor", &geglu_forward);
+  def_op(m, "geglu_backward(Tensor dy, Tensor a, Tensor b, str approximate) -> (Tensor, Tensor)", &geglu_backward);
+  def_op(m, "geglu_forward_packed(Tensor ab, str approximate) -> Tensor", &geglu_forward_packed);
+  def_op(m, "geglu_backward_packed(Tensor dy, Tensor ab, str approximate) -> Tensor", &geglu_backward_packed);
 }

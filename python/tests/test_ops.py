@@ -66,6 +66,11 @@ def test_forward_values(dtype):
     close(ts.swiglu(a, g), tF.silu(a.double()) * g.double(), dtype)
     ab = torch.cat([a, g], -1)
     close(ts.swiglu(ab), tF.silu(a.double()) * g.double(), dtype)
+    for approximate in ("none", "tanh"):
+        want = tF.gelu(a.double(), approximate=approximate) * g.double()
+        close(ts.geglu(a, g, approximate), want, dtype)
+        close(ts.geglu(ab, approximate=approximate), want, dtype)
+        close(ts.GeGLU(approximate)(a, g), want, dtype)
     r = torch.randn_like(x)
     out, res = ts.fused_add_rms_norm(x, r, w)
     s = (x.float() + r.float()).to(dtype)
@@ -146,6 +151,9 @@ def test_gradcheck_activations():
     assert gradcheck(ts.silu, (x,))
     assert gradcheck(ts.swiglu, (a, b))
     assert gradcheck(lambda ab: ts.swiglu(ab), (d(2, 3, 10),))
+    for approximate in ("none", "tanh"):
+        assert gradcheck(lambda a, b: ts.geglu(a, b, approximate), (a, b))
+        assert gradcheck(lambda ab: ts.geglu(ab, approximate=approximate), (d(2, 3, 10),))
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
@@ -165,6 +173,8 @@ def test_opcheck():
     opcheck(torch.ops.trainscale.layernorm_forward, (x, w, w, 1e-5))
     opcheck(torch.ops.trainscale.fused_add_rmsnorm_forward, (x.clone(), x.clone(), w, 1e-6, 0.0))
     opcheck(torch.ops.trainscale.swiglu_forward_packed, (x,))
+    opcheck(torch.ops.trainscale.geglu_forward, (x, x.clone(), "tanh"))
+    opcheck(torch.ops.trainscale.geglu_forward_packed, (x, "none"))
     opcheck(torch.ops.trainscale.gelu_forward, (x, "tanh"))
     opcheck(torch.ops.trainscale.rope_forward, (torch.randn(1, 3, 2, 8), None, None, None, None,
                                             False, -1, 10000.0))
@@ -404,6 +414,12 @@ def test_errors_name_op_and_argument():
         ts.swiglu(x, torch.randn(4, 8))
     with pytest.raises(ValueError, match=r"gelu.*argument 'approximate'"):
         ts.gelu(x, "fast")
+    with pytest.raises(ValueError, match=r"geglu_forward: argument 'approximate': expected 'none' or 'tanh', got 'fast'"):
+        ts.geglu(x, x, "fast")
+    with pytest.raises(ValueError, match=r"geglu_forward_packed: argument 'ab': expected an even last dim"):
+        ts.geglu(torch.randn(4, 15))
+    with pytest.raises(ValueError, match=r"geglu_forward.*argument 'b'"):
+        ts.geglu(x, torch.randn(4, 8))
     with pytest.raises(ValueError, match=r"rope_forward.*argument 'q'"):
         ts.apply_rotary(torch.randn(4, 8))
     with pytest.raises(ValueError, match=r"fp8_quantize.*argument 'dtype'"):
@@ -430,6 +446,7 @@ def _empty_batch_cases(device):
         ("layer_norm", lambda x, w, b: ts.layer_norm(x, w, b), (t(0, 64), t(64), t(64))),
         ("fused_add_rms_norm", lambda x, r, w: ts.fused_add_rms_norm(x, r, w)[0], (t(0, 64), t(0, 64), t(64))),
         ("swiglu", lambda a, b: ts.swiglu(a, b), (t(0, 32), t(0, 32))),
+        ("geglu", lambda ab: ts.geglu(ab, approximate="tanh"), (t(0, 64),)),
         ("softmax", lambda x: ts.softmax(x), (t(0, 32),)),
         ("cross_entropy", lambda x: ts.cross_entropy(x, none, reduction="sum"), (t(0, 32),)),
         ("linear_cross_entropy", lambda h, w: ts.linear_cross_entropy(h, w, none, reduction="sum"),
@@ -470,6 +487,8 @@ def test_cuda_matches_cpu(dtype):
         (lambda x, w, b: ts.gelu(x), (x, w, b)),
         (lambda x, w, b: ts.silu(x), (x, w, b)),
         (lambda x, w, b: ts.swiglu(x), (x, w, b)),
+        (lambda x, w, b: ts.geglu(x, approximate="tanh"), (x, w, b)),
+        (lambda x, w, b: ts.geglu(x[:, :128], x[:, 128:]), (x, w, b)),
         (lambda x, w, b: ts.fused_add_rms_norm(x, x * 0.5, w)[0], (x, w, b)),
         (lambda x, w, b: ts.apply_rotary(x.view(2, 32, 2, 128)), (x, w, b)),
     ]:

@@ -26,6 +26,7 @@ from .functional import (  # noqa: E402
     fp8_quantize,
     fused_add_rms_norm,
     fused_add_rms_norm_,
+    geglu,
     gelu,
     layer_norm,
     linear_cross_entropy,
@@ -40,6 +41,7 @@ from .modules import (  # noqa: E402
     CrossEntropyLoss,
     Embedding,
     FusedAddRMSNorm,
+    GeGLU,
     LayerNorm,
     LinearCrossEntropyLoss,
     RMSNorm,
@@ -55,8 +57,8 @@ __version__ = "0.1.0"
 __all__ = [
     "apply_rotary", "attention", "attention_varlen", "attention_varlen_with_lse", "attention_with_lse", "cross_entropy", "embedding", "fp8_quantize", "fused_add_rms_norm",
     "fused_add_rms_norm_", "hf_attention_forward", "register_hf_attention",
-    "gelu", "layer_norm", "linear_cross_entropy", "newton_schulz", "optim", "rms_norm", "rope_tables", "silu", "softmax", "swiglu",
-    "CrossEntropyLoss", "Embedding", "FusedAddRMSNorm", "LayerNorm", "LinearCrossEntropyLoss", "RMSNorm",
+    "geglu", "gelu", "layer_norm", "linear_cross_entropy", "newton_schulz", "optim", "rms_norm", "rope_tables", "silu", "softmax", "swiglu",
+    "CrossEntropyLoss", "Embedding", "FusedAddRMSNorm", "GeGLU", "LayerNorm", "LinearCrossEntropyLoss", "RMSNorm",
     "RotaryEmbedding", "SwiGLU", "SwiGLUMLP", "config", "hf_apply_rotary_pos_emb", "hf_causal_lm_loss",
     "patch", "print_selection", "vocab_parallel_cross_entropy", "vocab_parallel_linear_cross_entropy",
 ]

@@ -1,6 +1,6 @@
 """The activation family (include/trainscale/activation.h) as PyTorch functions: fake
 implementations and autograd formulas of its ops in torch.ops.trainscale
-(python/csrc/activation_ops.cc), and gelu, silu and swiglu."""
+(python/csrc/activation_ops.cc), and gelu, silu, swiglu and geglu."""
 from typing import Optional
 
 import torch
@@ -63,6 +63,28 @@ def _(dy, ab):
     return _like(ab)
 
 
+@register_fake("trainscale::geglu_forward")
+def _(a, b, approximate):
+    return _like(a)
+
+
+@register_fake("trainscale::geglu_backward")
+def _(dy, a, b, approximate):
+    return _like(a), _like(b)
+
+
+@register_fake("trainscale::geglu_forward_packed")
+def _(ab, approximate):
+    torch._check(ab.shape[-1] % 2 == 0,
+                 lambda: "trainscale::geglu_forward_packed: argument 'ab': expected an even last dim")
+    return ab.new_empty((*ab.shape[:-1], ab.shape[-1] // 2))
+
+
+@register_fake("trainscale::geglu_backward_packed")
+def _(dy, ab, approximate):
+    return _like(ab)
+
+
 # ---- autograd -------------------------------------------------------------------------------
 
 def _gelu_setup(ctx, inputs, output):
@@ -111,6 +133,25 @@ register_autograd("trainscale::swiglu_forward_packed", _swiglu_packed_backward,
                   setup_context=_swiglu_setup)
 
 
+def _geglu_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:-1])
+    ctx.approximate = inputs[-1]
+
+
+def _geglu_backward(ctx, dy):
+    a, b = ctx.saved_tensors
+    return *ops.geglu_backward(dy.contiguous(), a, b, ctx.approximate), None
+
+
+def _geglu_packed_backward(ctx, dy):
+    (ab,) = ctx.saved_tensors
+    return ops.geglu_backward_packed(dy.contiguous(), ab, ctx.approximate), None
+
+
+register_autograd("trainscale::geglu_forward", _geglu_backward, setup_context=_geglu_setup)
+register_autograd("trainscale::geglu_forward_packed", _geglu_packed_backward, setup_context=_geglu_setup)
+
+
 # ---- functions ------------------------------------------------------------------------------
 
 def swiglu(a: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -121,6 +162,16 @@ def swiglu(a: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
 
 def _swiglu(a, b):
     return ops.swiglu_forward_packed(a) if b is None else ops.swiglu_forward(a, b)
+
+
+def geglu(a: torch.Tensor, b: Optional[torch.Tensor] = None, approximate: str = "none") -> torch.Tensor:
+    """gelu(a, approximate) * b (Gemma's MLP takes approximate='tanh'); with b omitted, a is packed
+    [..., 2F] (gate in the first half, up in the second) and the result is [..., F]."""
+    return _dispatch("geglu", "geglu", _geglu, _ref.geglu, a, b, approximate)
+
+
+def _geglu(a, b, approximate):
+    return ops.geglu_forward_packed(a, approximate) if b is None else ops.geglu_forward(a, b, approximate)
 
 
 class _SwiGLUMLP(torch.autograd.Function):

@@ -3,7 +3,7 @@ its family's module (norm.py, activation.py, rope.py, fp8.py, softmax.py, loss.p
 family's fake implementations and autograd formulas) and follows its trainscale.config switch (selection.py):
 ours (the default), PyTorch's (trainscale.reference), or the faster of the two per shape
 ("auto"). docs/python.md maps each to its C++ entry point, bench op and torch op."""
-from .activation import gelu, silu, swiglu, swiglu_mlp  # noqa: F401
+from .activation import geglu, gelu, silu, swiglu, swiglu_mlp  # noqa: F401
 from .embedding import embedding  # noqa: F401
 from .fp8 import fp8_quantize  # noqa: F401
 from .loss import cross_entropy, linear_cross_entropy  # noqa: F401

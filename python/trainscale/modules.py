@@ -82,6 +82,20 @@ class SwiGLU(nn.Module):
         return F.swiglu(a, b)
 
 
+class GeGLU(nn.Module):
+    """gelu(a, approximate) * b; forward(ab) for a packed [..., 2F] input, forward(a, b) for halves."""
+
+    def __init__(self, approximate: str = "none"):
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, a, b=None):
+        return F.geglu(a, b, self.approximate)
+
+    def extra_repr(self):
+        return f"approximate={self.approximate!r}"
+
+
 class SwiGLUMLP(nn.Module):
     """Llama MLP: down_proj(silu(gate_proj(x)) * up_proj(x)) with the activation fused. With
     fused=True (trainscale.functional.swiglu_mlp) the backward recomputes the activation instead

@@ -60,6 +60,12 @@ def swiglu(a, b=None):
     return F.silu(a) * b
 
 
+def geglu(a, b=None, approximate="none"):
+    if b is None:
+        a, b = a.chunk(2, dim=-1)
+    return F.gelu(a, approximate=approximate) * b
+
+
 def gelu(x, approximate="none"):
     return F.gelu(x, approximate=approximate)
 

@@ -19,7 +19,7 @@ import torch
 
 from . import _C
 
-FAMILIES = ("rmsnorm", "layernorm", "swiglu", "gelu", "silu", "rope", "fp8", "softmax",
+FAMILIES = ("rmsnorm", "layernorm", "swiglu", "geglu", "gelu", "silu", "rope", "fp8", "softmax",
             "cross_entropy", "fused_linear_cross_entropy", "embedding")
 _SCHEMA = "trainscale-selection"
 
