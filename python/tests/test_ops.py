@@ -144,6 +144,17 @@ def test_gradcheck_norms():
     assert gradcheck(lambda x, r: ts.fused_add_rms_norm(x, r)[0], (x, r))
 
 
+def test_norms_of_rows_that_do_not_flatten():
+    # Heads transposed across the leading dims (Gemma 3 normalizes q and k so), and a transposed
+    # last dim: the functions copy them into rows the kernels take; values and gradients as for
+    # the contiguous tensor.
+    base, w, b = d(2, 5, 3, 8), d(8), d(8)
+    for x in (base.transpose(1, 2), d(2, 5, 8, 3).transpose(2, 3)):
+        assert gradcheck(lambda x, w: ts.rms_norm(x, w, 1e-6, 1.0), (x, w))
+        assert gradcheck(lambda x, w, b: ts.layer_norm(x, w, b), (x, w, b))
+        close(ts.rms_norm(x, w), ts.rms_norm(x.contiguous(), w), torch.float64)
+
+
 def test_gradcheck_activations():
     x, a, b = d(3, 7), d(2, 5), d(2, 5)
     assert gradcheck(ts.gelu, (x,))

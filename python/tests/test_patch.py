@@ -186,6 +186,48 @@ def test_patched_model_families_match(monkeypatch, family, training):
     assert_same(loss, grads, ref_loss, ref_grads)
 
 
+# Gemma: RMSNorms of weight + 1 and a GELU(tanh)-gated MLP; Gemma 2 adds norms around the MLP,
+# attention and final logit softcaps (the fused loss steps aside for the latter); Gemma 3 adds
+# q / k norms. Attention stays as the model has it.
+GEMMA_FAMILIES = {
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {}, 5, True),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"sliding_window": 5}, 9, False),
+    "gemma2-no-final-softcap": ("Gemma2Config", "Gemma2ForCausalLM", {"final_logit_softcapping": None}, 9, True),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"sliding_window": 5}, 13, True),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(GEMMA_FAMILIES))
+@pytest.mark.parametrize("training", [False, True])
+def test_patched_gemma_families_match(monkeypatch, variant, training):
+    config_name, model_name, extra, norms, fused_loss = GEMMA_FAMILIES[variant]
+    family = variant.split("-")[0]
+    modeling = pytest.importorskip(f"transformers.models.{family}.modeling_{family}")
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)
+    monkeypatch.setattr(ts.config, "use_fused_linear_cross_entropy", True)
+    torch.manual_seed(0)
+    cfg = getattr(transformers, config_name)(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                             max_position_embeddings=64, attn_implementation="eager", **extra)
+    model = getattr(transformers, model_name)(cfg).double().train(training)
+    with torch.no_grad():  # nonzero norm weights, so that a dropped offset or weight shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    original = copy.deepcopy(model)
+    ids = torch.randint(0, 97, (2, 12))
+    ref_loss, ref_grads = loss_and_grads(original, ids)
+
+    report = ts.patch(model, verbose=False)
+    assert len(report["rms_norm"]) == norms and report["swiglu_mlp"] == []
+    assert report["geglu_mlp"] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert model.model.layers[0].mlp.approximate == "tanh" and model.model.norm.weight_offset == 1.0
+    assert report["rope"] and report["cross_entropy"] == [model_name] and report["attention"] == []
+    assert report["linear_cross_entropy"] == ([model_name] if fused_loss else [])
+    loss, grads = loss_and_grads(model, ids)
+    assert_same(loss, grads, ref_loss, ref_grads)
+
+
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_patched_llama_under_activation_checkpointing(monkeypatch, use_reentrant):
     # Recomputing a layer in the backward runs the grouped q/k/v projections and every patched op

@@ -42,6 +42,7 @@ from .modules import (  # noqa: E402
     Embedding,
     FusedAddRMSNorm,
     GeGLU,
+    GeGLUMLP,
     LayerNorm,
     LinearCrossEntropyLoss,
     RMSNorm,
@@ -58,7 +59,7 @@ __all__ = [
     "apply_rotary", "attention", "attention_varlen", "attention_varlen_with_lse", "attention_with_lse", "cross_entropy", "embedding", "fp8_quantize", "fused_add_rms_norm",
     "fused_add_rms_norm_", "hf_attention_forward", "register_hf_attention",
     "geglu", "gelu", "layer_norm", "linear_cross_entropy", "newton_schulz", "optim", "rms_norm", "rope_tables", "silu", "softmax", "swiglu",
-    "CrossEntropyLoss", "Embedding", "FusedAddRMSNorm", "GeGLU", "LayerNorm", "LinearCrossEntropyLoss", "RMSNorm",
+    "CrossEntropyLoss", "Embedding", "FusedAddRMSNorm", "GeGLU", "GeGLUMLP", "LayerNorm", "LinearCrossEntropyLoss", "RMSNorm",
     "RotaryEmbedding", "SwiGLU", "SwiGLUMLP", "config", "hf_apply_rotary_pos_emb", "hf_causal_lm_loss",
     "patch", "print_selection", "vocab_parallel_cross_entropy", "vocab_parallel_linear_cross_entropy",
 ]

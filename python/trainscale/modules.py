@@ -96,7 +96,18 @@ class GeGLU(nn.Module):
         return f"approximate={self.approximate!r}"
 
 
-class SwiGLUMLP(nn.Module):
+class _GatedMLP(nn.Module):
+    """down_proj(act(gate_proj(x)) * up_proj(x)): the projections of a gated MLP."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, device, dtype):
+        super().__init__()
+        kw = dict(bias=bias, device=device, dtype=dtype)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
+
+
+class SwiGLUMLP(_GatedMLP):
     """Llama MLP: down_proj(silu(gate_proj(x)) * up_proj(x)) with the activation fused. With
     fused=True (trainscale.functional.swiglu_mlp) the backward recomputes the activation instead
     of keeping it: a third less saved activation beside the input, the same forward, one
@@ -104,12 +115,8 @@ class SwiGLUMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
                  device=None, dtype=None, fused: bool = False):
-        super().__init__()
+        super().__init__(hidden_size, intermediate_size, bias, device, dtype)
         self.fused = fused
-        kw = dict(bias=bias, device=device, dtype=dtype)
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
 
     def forward(self, x):
         if self.fused:
@@ -119,6 +126,22 @@ class SwiGLUMLP(nn.Module):
 
     def extra_repr(self):
         return f"fused={self.fused}"
+
+
+class GeGLUMLP(_GatedMLP):
+    """Gemma MLP: down_proj(gelu(gate_proj(x), approximate) * up_proj(x)) with the activation
+    fused (Gemma's configurations take approximate='tanh')."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 device=None, dtype=None, approximate: str = "none"):
+        super().__init__(hidden_size, intermediate_size, bias, device, dtype)
+        self.approximate = approximate
+
+    def forward(self, x):
+        return self.down_proj(F.geglu(self.gate_proj(x), self.up_proj(x), self.approximate))
+
+    def extra_repr(self):
+        return f"approximate={self.approximate!r}"
 
 
 class RotaryEmbedding(nn.Module):

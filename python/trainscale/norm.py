@@ -7,6 +7,7 @@ import torch
 from torch.library import register_autograd, register_fake
 
 from . import reference as _ref
+from ._common import contiguous_rows
 from ._common import like as _like
 from ._common import ops
 from .selection import dispatch as _dispatch
@@ -88,7 +89,7 @@ register_autograd("trainscale::layernorm_forward", _ln_backward, setup_context=_
 # ---- functions ------------------------------------------------------------------------------
 
 def _rms_norm(x, weight, eps, weight_offset):
-    return ops.rmsnorm_forward(x, weight, eps, weight_offset)[0]
+    return ops.rmsnorm_forward(contiguous_rows(x), weight, eps, weight_offset)[0]
 
 
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
@@ -142,7 +143,7 @@ def saved_input(ctx):
 
 
 def _layer_norm(x, weight, bias, eps):
-    return ops.layernorm_forward(x, weight, bias, eps)[0]
+    return ops.layernorm_forward(contiguous_rows(x), weight, bias, eps)[0]
 
 
 def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None,

@@ -9,14 +9,18 @@ from torch import nn
 
 from .functional import apply_rotary, cross_entropy, linear_cross_entropy
 from .linear import group_projections
-from .modules import Embedding, RMSNorm, SwiGLUMLP
+from .modules import Embedding, GeGLUMLP, RMSNorm, SwiGLUMLP
 from .selection import config
 
-# RMSNorms computing x * rsqrt(mean(x^2) + eps) * weight (Gemma's adds 1 to the weight: not these).
-_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+# RMSNorms computing x * rsqrt(mean(x^2) + eps) * (weight + offset), by class name: offset 0
+# (Llama's), or 1 (Gemma's, from float32 x to one rounding, as trainscale.RMSNorm does).
+_RMS_NORMS = {"LlamaRMSNorm": 0.0, "MistralRMSNorm": 0.0, "Qwen2RMSNorm": 0.0, "Qwen3RMSNorm": 0.0,
+              "GemmaRMSNorm": 1.0, "Gemma2RMSNorm": 1.0, "Gemma3RMSNorm": 1.0}
 # Causal LMs whose forward computes `logits = self.lm_head(hidden_states)` and then, with labels,
-# `self.loss_function(logits=logits, labels=labels, ..., **kwargs)`, with nothing in between.
-_FUSED_LOSS_MODELS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# `self.loss_function(logits=logits, labels=labels, ..., **kwargs)`, with nothing in between
+# (Gemma 2 and 3: when config.final_logit_softcapping is None, the softcap being between them).
+_FUSED_LOSS_MODELS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                      "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Llama-family models (config.model_type) whose attention goes through transformers'
 # AttentionInterface with the sdpa signature: patch(model) may route it to trainscale.
 _ATTENTION_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -127,6 +131,13 @@ def _is_silu(act) -> bool:
     return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
 
 
+def _gelu_form(act):
+    """'none' or 'tanh' for a GELU activation module (torch's or transformers'), else None."""
+    if isinstance(act, nn.GELU):
+        return act.approximate
+    return {"GELUActivation": "none", "GELUTanh": "tanh", "PytorchGELUTanh": "tanh"}.get(type(act).__name__)
+
+
 def _swap(model: nn.Module, make) -> List[str]:
     """Replaces each submodule for which make(module) returns a module; returns their names."""
     swapped = []
@@ -141,9 +152,12 @@ def _swap(model: nn.Module, make) -> List[str]:
 
 
 def _rms_norm(m, rebuildable_output):
-    if type(m).__name__ not in _RMS_NORMS:
+    offset = _RMS_NORMS.get(type(m).__name__)
+    if offset is None:
         return None
-    new = RMSNorm(m.weight.shape[0], eps=m.variance_epsilon, device="meta", rebuildable_output=rebuildable_output)
+    eps = m.variance_epsilon if hasattr(m, "variance_epsilon") else m.eps
+    new = RMSNorm(m.weight.shape[0], eps=eps, weight_offset=offset, device="meta",
+                  rebuildable_output=rebuildable_output)
     new.weight = m.weight
     return new
 
@@ -158,14 +172,26 @@ def _embedding(m):
     return new
 
 
-def _mlp(m, fused):
-    if not all(hasattr(m, p) for p in ("gate_proj", "up_proj", "down_proj", "act_fn")) or not _is_silu(m.act_fn):
+def _gated_mlp(m, make):
+    """make(in_features, out_features) built over m's projections, for a gated MLP module m."""
+    if isinstance(m, (SwiGLUMLP, GeGLUMLP)) or \
+            not all(hasattr(m, p) for p in ("gate_proj", "up_proj", "down_proj", "act_fn")):
         return None
-    if isinstance(m, SwiGLUMLP):
-        return None
-    new = SwiGLUMLP(m.gate_proj.in_features, m.gate_proj.out_features, device="meta", fused=fused)
-    new.gate_proj, new.up_proj, new.down_proj = m.gate_proj, m.up_proj, m.down_proj
+    new = make(m.gate_proj.in_features, m.gate_proj.out_features)
+    if new is not None:
+        new.gate_proj, new.up_proj, new.down_proj = m.gate_proj, m.up_proj, m.down_proj
     return new
+
+
+def _swiglu_mlp(m, fused):
+    return _gated_mlp(m, lambda h, f: SwiGLUMLP(h, f, device="meta", fused=fused) if _is_silu(m.act_fn) else None)
+
+
+def _geglu_mlp(m):
+    def make(h, f):
+        form = _gelu_form(m.act_fn)
+        return None if form is None else GeGLUMLP(h, f, device="meta", approximate=form)
+    return _gated_mlp(m, make)
 
 
 def _attention_skip_reason(model: nn.Module):
@@ -215,7 +241,8 @@ class PatchReport(Dict[str, List[str]]):
 
 def _fuse_loss(m, grad_weight_accumulation) -> bool:
     """Makes a Llama-family causal LM compute its training loss with linear_cross_entropy."""
-    if type(m).__name__ not in _FUSED_LOSS_MODELS or type(getattr(m, "lm_head", None)) is not nn.Linear:
+    if type(m).__name__ not in _FUSED_LOSS_MODELS or type(getattr(m, "lm_head", None)) is not nn.Linear or \
+            getattr(getattr(m, "config", None), "final_logit_softcapping", None) is not None:
         return False
     old = m.lm_head
     head = _LMHead(old.in_features, old.out_features, bias=old.bias is not None, device="meta")
@@ -227,19 +254,21 @@ def _fuse_loss(m, grad_weight_accumulation) -> bool:
     return True
 
 
-def patch(model: nn.Module, rms_norm: bool = True, swiglu: bool = True, rope: bool = True,
+def patch(model: nn.Module, rms_norm: bool = True, swiglu: bool = True, geglu: bool = True, rope: bool = True,
           cross_entropy: bool = True, linear_cross_entropy: bool = True, attention: bool = True,
           embedding: bool = True, qkv_projections: bool = True, fused_mlp: bool = True,
           rebuild_norm_outputs: bool = True, loss_grad_weight_accumulation: torch.dtype = torch.float32,
           verbose: bool = True) -> PatchReport:
-    """Swaps in trainscale, in place: Llama-style RMSNorms -> trainscale.RMSNorm, SiLU-gated MLPs
-    (gate_proj / up_proj / down_proj) -> trainscale.SwiGLUMLP (same Linear layers, fused
-    activation; with fused_mlp its backward recomputes the activation instead of keeping it, a
-    third less saved MLP activation beside the input), apply_rotary_pos_emb of the model's
+    """Swaps in trainscale, in place: Llama-style RMSNorms (and Gemma's, weight + 1) ->
+    trainscale.RMSNorm, SiLU-gated MLPs (gate_proj / up_proj / down_proj) -> trainscale.SwiGLUMLP
+    (same Linear layers, fused activation; with fused_mlp its backward recomputes the activation
+    instead of keeping it, a third less saved MLP activation beside the input), with geglu
+    GELU-gated ones (Gemma's) -> trainscale.GeGLUMLP, apply_rotary_pos_emb of the model's
     modeling module -> hf_apply_rotary_pos_emb (that module's function, so every model of that
     type in the process uses it), the
     causal-LM loss of each submodule with a settable `loss_function` (transformers' models) ->
-    hf_causal_lm_loss, and, in Llama / Mistral / Qwen2 / Qwen3 causal LMs, the training loss
+    hf_causal_lm_loss, and, in Llama / Mistral / Qwen2 / Qwen3 / Gemma causal LMs (Gemma 2 and 3
+    without a final logit softcap), the training loss
     (labels given, model.training) -> linear_cross_entropy of the last hidden states and
     lm_head's weight, without the logits (the output's `logits` is then None; its
     grad_weight_accumulation is loss_grad_weight_accumulation: the weight's dtype sums the
@@ -269,7 +298,9 @@ def patch(model: nn.Module, rms_norm: bool = True, swiglu: bool = True, rope: bo
     if rms_norm:
         report["rms_norm"] = _swap(model, lambda m: _rms_norm(m, rebuild_norm_outputs))
     if swiglu:
-        report["swiglu_mlp"] = _swap(model, lambda m: _mlp(m, fused_mlp))
+        report["swiglu_mlp"] = _swap(model, lambda m: _swiglu_mlp(m, fused_mlp))
+    if geglu:
+        report["geglu_mlp"] = _swap(model, _geglu_mlp)
     if rope:
         report["rope"] = []
         for mod_name in sorted({type(m).__module__ for m in model.modules()}):
