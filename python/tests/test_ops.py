@@ -144,15 +144,38 @@ def test_gradcheck_norms():
     assert gradcheck(lambda x, r: ts.fused_add_rms_norm(x, r)[0], (x, r))
 
 
-def test_norms_of_rows_that_do_not_flatten():
-    # Heads transposed across the leading dims (Gemma 3 normalizes q and k so), and a transposed
-    # last dim: the functions copy them into rows the kernels take; values and gradients as for
-    # the contiguous tensor.
-    base, w, b = d(2, 5, 3, 8), d(8), d(8)
-    for x in (base.transpose(1, 2), d(2, 5, 8, 3).transpose(2, 3)):
-        assert gradcheck(lambda x, w: ts.rms_norm(x, w, 1e-6, 1.0), (x, w))
-        assert gradcheck(lambda x, w, b: ts.layer_norm(x, w, b), (x, w, b))
-        close(ts.rms_norm(x, w), ts.rms_norm(x.contiguous(), w), torch.float64)
+def _layouts():
+    """Tensors whose rows the kernels do not take as they are: heads moved ahead of the tokens
+    (Gemma 3 normalizes q and k so), a transposed last dim, an expanded row."""
+    return {"heads first": d(2, 5, 3, 8).transpose(1, 2), "last dim strided": d(2, 5, 8, 3).transpose(2, 3),
+            "expanded": d(1, 8).expand(4, 8)}
+
+
+def test_functions_take_any_layout():
+    # The functions copy such inputs into rows: values and gradients as for the contiguous tensor.
+    w, b = d(8), d(8)
+    fns = {
+        "rms_norm": lambda x: ts.rms_norm(x, w, 1e-6, 1.0), "layer_norm": lambda x: ts.layer_norm(x, w, b),
+        "gelu": lambda x: ts.gelu(x, "tanh"), "silu": ts.silu, "softmax": ts.softmax,
+        "swiglu": lambda x: ts.swiglu(x, x * 2), "swiglu packed": ts.swiglu,
+        "geglu": lambda x: ts.geglu(x, x * 2), "geglu packed": lambda x: ts.geglu(x, approximate="tanh"),
+        "cross_entropy": lambda x: ts.cross_entropy(x, torch.zeros(x.shape[:-1], dtype=torch.long)),
+    }
+    for layout, x in _layouts().items():
+        for name, f in fns.items():
+            y = f(x)
+            xc = x.detach().contiguous().requires_grad_()
+            torch.testing.assert_close(y, f(xc), msg=f"{name}, {layout}")
+            g = torch.randn_like(y)
+            gx, = torch.autograd.grad(y, x, g)
+            gxc, = torch.autograd.grad(f(xc), xc, g)
+            torch.testing.assert_close(gx, gxc, msg=f"{name}, {layout}")
+        if layout != "expanded":  # gradcheck takes no overlapping input
+            assert gradcheck(lambda x: ts.rms_norm(x, w), (x,)), layout
+    x = _layouts()["last dim strided"].float().detach().reshape(-1, 3, 8)[:, 0]  # [10, 8], rows 24 apart
+    q, s = ts.fp8_quantize(x.t().contiguous().t())
+    q_ref, s_ref = ts.fp8_quantize(x.contiguous())
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
 
 
 def test_gradcheck_activations():

@@ -10,9 +10,14 @@ def like(t):
 
 
 def contiguous_rows(x):
-    """x when its rows flatten into evenly strided rows of unit stride, as the row kernels take
-    them; otherwise a contiguous copy (a view transposed across its leading dims, like
-    Gemma 3's q / k before their norm)."""
+    """x when it is rows as the kernels take them (leading dims that flatten evenly strided, a row
+    stride of at least the row length, unit stride within a row); otherwise a contiguous copy, so
+    that the functions take any layout PyTorch's do (a view transposed across its leading dims,
+    like Gemma 3's q / k before their norm, a transposed matrix, an expanded row)."""
+    if x.is_contiguous():
+        return x
     lead = [(n, st) for n, st in zip(x.shape[:-1], x.stride()[:-1]) if n != 1]
     flat = all(lead[i][1] == lead[i + 1][1] * lead[i + 1][0] for i in range(len(lead) - 1))
-    return x if x.numel() == 0 or (flat and (x.shape[-1] == 1 or x.stride(-1) == 1)) else x.contiguous()
+    rows_apart = not lead or lead[-1][1] >= x.shape[-1]
+    unit = x.shape[-1] == 1 or x.stride(-1) == 1
+    return x if x.numel() == 0 or (flat and rows_apart and unit) else x.contiguous()

@@ -7,6 +7,7 @@ import torch
 from torch.library import register_autograd, register_fake
 
 from . import reference as _ref
+from ._common import contiguous_rows
 from ._common import like as _like
 from ._common import ops
 from .norm import save_input, saved_input
@@ -161,7 +162,8 @@ def swiglu(a: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
 
 
 def _swiglu(a, b):
-    return ops.swiglu_forward_packed(a) if b is None else ops.swiglu_forward(a, b)
+    a = contiguous_rows(a)
+    return ops.swiglu_forward_packed(a) if b is None else ops.swiglu_forward(a, contiguous_rows(b))
 
 
 def geglu(a: torch.Tensor, b: Optional[torch.Tensor] = None, approximate: str = "none") -> torch.Tensor:
@@ -171,7 +173,9 @@ def geglu(a: torch.Tensor, b: Optional[torch.Tensor] = None, approximate: str = 
 
 
 def _geglu(a, b, approximate):
-    return ops.geglu_forward_packed(a, approximate) if b is None else ops.geglu_forward(a, b, approximate)
+    a = contiguous_rows(a)
+    return ops.geglu_forward_packed(a, approximate) if b is None else \
+        ops.geglu_forward(a, contiguous_rows(b), approximate)
 
 
 class _SwiGLUMLP(torch.autograd.Function):
@@ -235,9 +239,9 @@ def swiglu_mlp(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tens
 
 def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """GELU, erf form ('none') or tanh form ('tanh'), like F.gelu."""
-    return _dispatch("gelu", "gelu", ops.gelu_forward, _ref.gelu, x, approximate)
+    return _dispatch("gelu", "gelu", lambda x, a: ops.gelu_forward(contiguous_rows(x), a), _ref.gelu, x, approximate)
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
     """x * sigmoid(x)."""
-    return _dispatch("silu", "silu", ops.silu_forward, _ref.silu, x)
+    return _dispatch("silu", "silu", lambda x: ops.silu_forward(contiguous_rows(x)), _ref.silu, x)

@@ -6,6 +6,7 @@ import torch
 from torch.library import register_fake
 
 from . import reference as _ref
+from ._common import contiguous_rows
 from ._common import ops
 from .selection import dispatch as _dispatch
 
@@ -31,5 +32,6 @@ def fp8_quantize(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn,
     """Quantizes x [M, N] to fp8 with float32 dequantization scales per row ('row', [M]) or per
     1x128 tile ('1x128', [M, ceil(N/128)], or [ceil(N/128), align4(M)] when scales_m_major).
     Returns (q, scales) with x ~= q.float() * scales (broadcast per group)."""
-    return _dispatch("fp8", "fp8_quantize", ops.fp8_quantize, _ref.fp8_quantize, x, dtype, granularity,
+    return _dispatch("fp8", "fp8_quantize", lambda x, *options: ops.fp8_quantize(contiguous_rows(x), *options),
+                     _ref.fp8_quantize, x, dtype, granularity,
                      power_of_two_scales, scales_m_major)

@@ -8,6 +8,7 @@ from torch.library import register_autograd, register_fake
 
 from . import reference as _ref
 from ._common import like as _like
+from ._common import contiguous_rows
 from ._common import ops
 from .selection import dispatch as _dispatch
 
@@ -48,7 +49,7 @@ register_autograd("trainscale::cross_entropy_forward", _ce_backward, setup_conte
 
 def _cross_entropy(logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction):
     v = logits.shape[-1]
-    loss = ops.cross_entropy_forward(logits.reshape(-1, v), target.reshape(-1), ignore_index,
+    loss = ops.cross_entropy_forward(contiguous_rows(logits).reshape(-1, v), target.reshape(-1), ignore_index,
                                      label_smoothing, z_loss, softcap, reduction, False)[0]
     return loss.reshape(target.shape) if reduction == "none" else loss
 
@@ -147,7 +148,7 @@ def _linear_cross_entropy(hidden, weight, target, bias, ignore_index, label_smoo
     in_forward = torch.is_grad_enabled() and reduction != "none"
     with_grads = [in_forward and t is not None and t.requires_grad for t in (hidden, weight, bias)]
     loss = ops.fused_linear_cross_entropy_forward(
-        hidden.reshape(-1, hidden.shape[-1]), weight, bias, target.reshape(-1), None, ignore_index,
+        contiguous_rows(hidden).reshape(-1, hidden.shape[-1]), weight, bias, target.reshape(-1), None, ignore_index,
         label_smoothing, z_loss, softcap, reduction, *with_grads, grad_weight_accumulation, chunk_tokens)[0]
     return loss.reshape(target.shape) if reduction == "none" else loss
 

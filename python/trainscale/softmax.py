@@ -6,6 +6,7 @@ from torch.library import register_autograd, register_fake
 
 from . import reference as _ref
 from ._common import like as _like
+from ._common import contiguous_rows
 from ._common import ops
 from .selection import dispatch as _dispatch
 
@@ -36,4 +37,4 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Softmax over the last dim (dim must name it), computed in float32."""
     if dim not in (-1, x.dim() - 1):
         raise ValueError(f"trainscale.softmax: argument 'dim': expected the last dim, got {dim}")
-    return _dispatch("softmax", "softmax", ops.softmax_forward, _ref.softmax, x)
+    return _dispatch("softmax", "softmax", lambda x: ops.softmax_forward(contiguous_rows(x)), _ref.softmax, x)
