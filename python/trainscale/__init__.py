@@ -56,10 +56,12 @@ from .vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_linear_
 
 __version__ = "0.1.0"
 __all__ = [
-    "apply_rotary", "attention", "attention_varlen", "attention_varlen_with_lse", "attention_with_lse", "cross_entropy", "embedding", "fp8_quantize", "fused_add_rms_norm",
-    "fused_add_rms_norm_", "hf_attention_forward", "register_hf_attention",
-    "geglu", "gelu", "layer_norm", "linear_cross_entropy", "newton_schulz", "optim", "rms_norm", "rope_tables", "silu", "softmax", "swiglu",
-    "CrossEntropyLoss", "Embedding", "FusedAddRMSNorm", "GeGLU", "GeGLUMLP", "LayerNorm", "LinearCrossEntropyLoss", "RMSNorm",
-    "RotaryEmbedding", "SwiGLU", "SwiGLUMLP", "config", "hf_apply_rotary_pos_emb", "hf_causal_lm_loss",
-    "patch", "print_selection", "vocab_parallel_cross_entropy", "vocab_parallel_linear_cross_entropy",
+    "apply_rotary", "attention", "attention_varlen", "attention_varlen_with_lse", "attention_with_lse",
+    "config", "cross_entropy", "embedding", "fp8_quantize", "fused_add_rms_norm", "fused_add_rms_norm_",
+    "geglu", "gelu", "hf_apply_rotary_pos_emb", "hf_attention_forward", "hf_causal_lm_loss", "layer_norm",
+    "linear_cross_entropy", "newton_schulz", "optim", "patch", "print_selection", "register_hf_attention",
+    "rms_norm", "rope_tables", "silu", "softmax", "swiglu", "vocab_parallel_cross_entropy",
+    "vocab_parallel_linear_cross_entropy",
+    "CrossEntropyLoss", "Embedding", "FusedAddRMSNorm", "GeGLU", "GeGLUMLP", "LayerNorm",
+    "LinearCrossEntropyLoss", "RMSNorm", "RotaryEmbedding", "SwiGLU", "SwiGLUMLP",
 ]

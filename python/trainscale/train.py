@@ -95,7 +95,7 @@ def git_commit() -> Optional[str]:
 
 
 # trainscale.patch's switches (--trainscale-skip).
-PATCH_PARTS = ("rms_norm", "swiglu", "rope", "cross_entropy", "linear_cross_entropy", "attention", "embedding",
+PATCH_PARTS = ("rms_norm", "swiglu", "geglu", "rope", "cross_entropy", "linear_cross_entropy", "attention", "embedding",
                "qkv_projections", "fused_mlp", "rebuild_norm_outputs")
 
 
