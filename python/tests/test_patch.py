@@ -187,20 +187,20 @@ def test_patched_model_families_match(monkeypatch, family, training):
 
 
 # Gemma: RMSNorms of weight + 1 and a GELU(tanh)-gated MLP; Gemma 2 adds norms around the MLP,
-# attention and final logit softcaps (the fused loss steps aside for the latter); Gemma 3 adds
-# q / k norms. Attention stays as the model has it.
+# attention and final logit softcaps (the latter small enough here to change the loss; the fused
+# loss applies it); Gemma 3 adds q / k norms. Attention stays as the model has it.
 GEMMA_FAMILIES = {
-    "gemma": ("GemmaConfig", "GemmaForCausalLM", {}, 5, True),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"sliding_window": 5}, 9, False),
-    "gemma2-no-final-softcap": ("Gemma2Config", "Gemma2ForCausalLM", {"final_logit_softcapping": None}, 9, True),
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"sliding_window": 5}, 13, True),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {}, 5),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"sliding_window": 5, "final_logit_softcapping": 0.5}, 9),
+    "gemma2-no-final-softcap": ("Gemma2Config", "Gemma2ForCausalLM", {"final_logit_softcapping": None}, 9),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"sliding_window": 5}, 13),
 }
 
 
 @pytest.mark.parametrize("variant", sorted(GEMMA_FAMILIES))
 @pytest.mark.parametrize("training", [False, True])
 def test_patched_gemma_families_match(monkeypatch, variant, training):
-    config_name, model_name, extra, norms, fused_loss = GEMMA_FAMILIES[variant]
+    config_name, model_name, extra, norms = GEMMA_FAMILIES[variant]
     family = variant.split("-")[0]
     modeling = pytest.importorskip(f"transformers.models.{family}.modeling_{family}")
     monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)
@@ -223,9 +223,17 @@ def test_patched_gemma_families_match(monkeypatch, variant, training):
     assert report["geglu_mlp"] == ["model.layers.0.mlp", "model.layers.1.mlp"]
     assert model.model.layers[0].mlp.approximate == "tanh" and model.model.norm.weight_offset == 1.0
     assert report["rope"] and report["cross_entropy"] == [model_name] and report["attention"] == []
-    assert report["linear_cross_entropy"] == ([model_name] if fused_loss else [])
+    assert report["linear_cross_entropy"] == [model_name]
     loss, grads = loss_and_grads(model, ids)
     assert_same(loss, grads, ref_loss, ref_grads)
+    softcap = getattr(original.config, "final_logit_softcapping", None)
+    assert getattr(model.config, "final_logit_softcapping", None) == softcap  # put back after the forward
+    if training and softcap:  # the loss with the softcap is eval mode's (logits, then loss); put back after a raise
+        assert abs(loss.item() - loss_and_grads(model.train(False), ids)[0].item()) < 1e-9
+        model.train(True)
+        with pytest.raises(ValueError):
+            model(input_ids=ids, labels=ids[:, :5])
+        assert model.config.final_logit_softcapping == 0.5
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])

@@ -17,8 +17,9 @@ from .selection import config
 _RMS_NORMS = {"LlamaRMSNorm": 0.0, "MistralRMSNorm": 0.0, "Qwen2RMSNorm": 0.0, "Qwen3RMSNorm": 0.0,
               "GemmaRMSNorm": 1.0, "Gemma2RMSNorm": 1.0, "Gemma3RMSNorm": 1.0}
 # Causal LMs whose forward computes `logits = self.lm_head(hidden_states)` and then, with labels,
-# `self.loss_function(logits=logits, labels=labels, ..., **kwargs)`, with nothing in between
-# (Gemma 2 and 3: when config.final_logit_softcapping is None, the softcap being between them).
+# `self.loss_function(logits=logits, labels=labels, ..., **kwargs)`, with nothing in between but
+# Gemma 2 and 3's config.final_logit_softcapping, which the fused loss applies instead (the
+# forward runs with it set to None).
 _FUSED_LOSS_MODELS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                       "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Llama-family models (config.model_type) whose attention goes through transformers'
@@ -99,6 +100,10 @@ def _fused_loss_pre_hook(model, args, kwargs):
     if isinstance(head, _LMHead):
         head.hidden = [] if fused else None
     model._trainscale_labels = kwargs["labels"] if fused else None
+    cfg = getattr(model, "config", None)
+    model._trainscale_softcap = getattr(cfg, "final_logit_softcapping", None) if fused else None
+    if model._trainscale_softcap is not None:
+        cfg.final_logit_softcapping = None  # put back by _fused_loss_hook, also when forward raises
     if fused:
         return args, {**kwargs, "labels": None}
     return None
@@ -106,7 +111,10 @@ def _fused_loss_pre_hook(model, args, kwargs):
 
 def _fused_loss_hook(model, args, kwargs, output):
     labels, model._trainscale_labels = model._trainscale_labels, None
-    if labels is None:
+    softcap, model._trainscale_softcap = model._trainscale_softcap, None
+    if softcap is not None:
+        model.config.final_logit_softcapping = softcap
+    if labels is None or output is None:  # no fused loss, or forward raised
         return None
     head = model.lm_head
     hidden, head.hidden = head.hidden, None
@@ -118,6 +126,7 @@ def _fused_loss_hook(model, args, kwargs, output):
     accumulation = model._trainscale_grad_weight_accumulation
     loss = _causal_lm_loss(lambda target, reduction: linear_cross_entropy(h, head.weight, target, head.bias,
                                                                           ignore_index=ignore_index,
+                                                                          softcap=softcap or 0.0,
                                                                           reduction=reduction,
                                                                           grad_weight_accumulation=accumulation),
                            labels, h.device, kwargs.get("num_items_in_batch"), ignore_index,
@@ -241,8 +250,7 @@ class PatchReport(Dict[str, List[str]]):
 
 def _fuse_loss(m, grad_weight_accumulation) -> bool:
     """Makes a Llama-family causal LM compute its training loss with linear_cross_entropy."""
-    if type(m).__name__ not in _FUSED_LOSS_MODELS or type(getattr(m, "lm_head", None)) is not nn.Linear or \
-            getattr(getattr(m, "config", None), "final_logit_softcapping", None) is not None:
+    if type(m).__name__ not in _FUSED_LOSS_MODELS or type(getattr(m, "lm_head", None)) is not nn.Linear:
         return False
     old = m.lm_head
     head = _LMHead(old.in_features, old.out_features, bias=old.bias is not None, device="meta")
@@ -250,7 +258,8 @@ def _fuse_loss(m, grad_weight_accumulation) -> bool:
     m.lm_head = head
     m._trainscale_grad_weight_accumulation = grad_weight_accumulation
     m.register_forward_pre_hook(_fused_loss_pre_hook, with_kwargs=True)
-    m.register_forward_hook(_fused_loss_hook, with_kwargs=True)
+    m._trainscale_labels = m._trainscale_softcap = None
+    m.register_forward_hook(_fused_loss_hook, with_kwargs=True, always_call=True)
     return True
 
 
@@ -267,8 +276,8 @@ def patch(model: nn.Module, rms_norm: bool = True, swiglu: bool = True, geglu: b
     modeling module -> hf_apply_rotary_pos_emb (that module's function, so every model of that
     type in the process uses it), the
     causal-LM loss of each submodule with a settable `loss_function` (transformers' models) ->
-    hf_causal_lm_loss, and, in Llama / Mistral / Qwen2 / Qwen3 / Gemma causal LMs (Gemma 2 and 3
-    without a final logit softcap), the training loss
+    hf_causal_lm_loss, and, in Llama / Mistral / Qwen2 / Qwen3 / Gemma 1-3 causal LMs (Gemma's
+    final logit softcap applied in the loss), the training loss
     (labels given, model.training) -> linear_cross_entropy of the last hidden states and
     lm_head's weight, without the logits (the output's `logits` is then None; its
     grad_weight_accumulation is loss_grad_weight_accumulation: the weight's dtype sums the
