@@ -393,8 +393,8 @@ def test_fused_add_module_and_rotary_module():
 # ---- torch.compile ---------------------------------------------------------------------------
 
 def test_compile_fullgraph():
-    def f(x, w, ab):
-        return ts.rms_norm(x, w) * ts.swiglu(ab)
+    def f(x, w, ab):  # a transposed ab: contiguous_rows traced too
+        return ts.rms_norm(x, w) * ts.swiglu(ab) + ts.geglu(ab.t().contiguous().t(), approximate="tanh")
 
     x, w, ab = torch.randn(4, 16), torch.randn(16), torch.randn(4, 32)
     expected = f(x, w, ab)
