@@ -186,6 +186,61 @@ def test_patched_model_families_match(monkeypatch, family, training):
     assert_same(loss, grads, ref_loss, ref_grads)
 
 
+def _class_source(cls):
+    """cls's source with its name replaced and comments, docstrings and blank lines dropped."""
+    import inspect
+    lines = inspect.getsource(cls).replace(cls.__name__, "X").split("\n")
+    return [line for line in lines if line.strip() and not line.strip().startswith(("#", '"""', "@"))
+            and "is equivalent to" not in line]
+
+
+def test_patched_rms_norm_classes_compute_as_llama_or_gemma():
+    # patch() swaps RMSNorms by class name: each must be LlamaRMSNorm's code (offset 0) or
+    # GemmaRMSNorm's (offset 1) under its own name, in the transformers installed.
+    import importlib
+    family = {"LlamaRMSNorm": "llama", "MistralRMSNorm": "mistral", "MinistralRMSNorm": "ministral",
+              "MixtralRMSNorm": "mixtral", "Qwen2RMSNorm": "qwen2", "Qwen2MoeRMSNorm": "qwen2_moe",
+              "Qwen3RMSNorm": "qwen3", "Qwen3MoeRMSNorm": "qwen3_moe", "Phi3RMSNorm": "phi3",
+              "GraniteRMSNorm": "granite", "DeepseekV3RMSNorm": "deepseek_v3", "SmolLM3RMSNorm": "smollm3",
+              "Glm4RMSNorm": "glm4", "GemmaRMSNorm": "gemma", "Gemma2RMSNorm": "gemma2", "Gemma3RMSNorm": "gemma3"}
+    assert family.keys() == ts.patching._RMS_NORMS.keys()
+
+    def source(name):
+        try:
+            module = importlib.import_module(f"transformers.models.{family[name]}.modeling_{family[name]}")
+        except ImportError:
+            return None
+        return _class_source(getattr(module, name)) if hasattr(module, name) else None
+    reference = {0.0: source("LlamaRMSNorm"), 1.0: source("GemmaRMSNorm")}
+    checked = [name for name, offset in ts.patching._RMS_NORMS.items()
+               if source(name) is not None and source(name) == reference[offset]]
+    missing = [name for name in family if source(name) is None]
+    assert sorted(checked + missing) == sorted(family), "differ from Llama's / Gemma's: " + \
+        ", ".join(sorted(set(family) - set(checked) - set(missing)))
+    assert len(checked) >= 7
+
+
+def test_patch_keeps_rope_that_is_not_llamas(monkeypatch):
+    # Cohere rotates interleaved pairs: its apply_rotary_pos_emb is not Llama's code, so patch()
+    # leaves it (ours would rotate the wrong pairs), and the patched model computes what it did.
+    modeling = pytest.importorskip("transformers.models.cohere.modeling_cohere")
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)
+    theirs = modeling.apply_rotary_pos_emb
+    assert ts.patching._rope_is_llamas(modeling_llama) and not ts.patching._rope_is_llamas(modeling)
+    torch.manual_seed(0)
+    cfg = transformers.CohereConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                    attn_implementation="eager", pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = transformers.CohereForCausalLM(cfg).double().train()
+    original = copy.deepcopy(model)
+    ids = torch.randint(0, 97, (2, 12))
+    ref_loss, ref_grads = loss_and_grads(original, ids)
+    report = ts.patch(model, verbose=False)
+    assert report["rope"] == [] and modeling.apply_rotary_pos_emb is theirs
+    loss, grads = loss_and_grads(model, ids)
+    assert_same(loss, grads, ref_loss, ref_grads, loss_rtol=1e-6)  # Cohere's logits are float32
+
+
 # Gemma: RMSNorms of weight + 1 and a GELU(tanh)-gated MLP; Gemma 2 adds norms around the MLP,
 # attention and final logit softcaps (the latter small enough here to change the loss; the fused
 # loss applies it); Gemma 3 adds q / k norms. Attention stays as the model has it.

@@ -1,6 +1,9 @@
 """trainscale.patch(model): swaps the parts of a Hugging Face Llama-style model that trainscale
 implements (Liger-style monkey patching). Parameters are shared, not copied, so optimizers and
 state dicts are unaffected; the swapped parts follow trainscale.config like the rest."""
+import ast
+import functools
+import inspect
 import sys
 from typing import Dict, List
 
@@ -14,8 +17,11 @@ from .selection import config
 
 # RMSNorms computing x * rsqrt(mean(x^2) + eps) * (weight + offset), by class name: offset 0
 # (Llama's), or 1 (Gemma's, from float32 x to one rounding, as trainscale.RMSNorm does).
-_RMS_NORMS = {"LlamaRMSNorm": 0.0, "MistralRMSNorm": 0.0, "Qwen2RMSNorm": 0.0, "Qwen3RMSNorm": 0.0,
-              "GemmaRMSNorm": 1.0, "Gemma2RMSNorm": 1.0, "Gemma3RMSNorm": 1.0}
+# (test_patch.py checks that each class transformers has is Llama's or Gemma's, line for line.)
+_RMS_NORMS = {**dict.fromkeys(("LlamaRMSNorm", "MistralRMSNorm", "MinistralRMSNorm", "MixtralRMSNorm", "Qwen2RMSNorm",
+                               "Qwen2MoeRMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm", "Phi3RMSNorm", "GraniteRMSNorm",
+                               "DeepseekV3RMSNorm", "SmolLM3RMSNorm", "Glm4RMSNorm"), 0.0),
+              **dict.fromkeys(("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"), 1.0)}
 # Causal LMs whose forward computes `logits = self.lm_head(hidden_states)` and then, with labels,
 # `self.loss_function(logits=logits, labels=labels, ..., **kwargs)`, with nothing in between but
 # Gemma 2 and 3's config.final_logit_softcapping, which the fused loss applies instead (the
@@ -25,6 +31,36 @@ _FUSED_LOSS_MODELS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
 # Llama-family models (config.model_type) whose attention goes through transformers'
 # AttentionInterface with the sdpa signature: patch(model) may route it to trainscale.
 _ATTENTION_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@functools.lru_cache(maxsize=None)
+def _rope_functions(path: str):
+    """The syntax trees (dumped, without docstrings and decorators) of apply_rotary_pos_emb and
+    rotate_half in the Python file at path."""
+    try:
+        with open(path) as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    found = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name in ("apply_rotary_pos_emb", "rotate_half"):
+            node.body = [b for b in node.body if not (isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant))]
+            node.decorator_list = []
+            found[node.name] = ast.dump(node)
+    return found
+
+
+def _rope_is_llamas(module) -> bool:
+    """Whether module's apply_rotary_pos_emb and rotate_half are Llama's code, what
+    hf_apply_rotary_pos_emb computes: other models rotate interleaved pairs (Cohere, GLM) or treat
+    part of the head their own way (GPT-NeoX, Phi-3, OLMo), and keep theirs."""
+    try:
+        from transformers.models.llama import modeling_llama
+        ours, llama = inspect.getsourcefile(module), inspect.getsourcefile(modeling_llama)
+    except (ImportError, TypeError):
+        return False
+    return ours is not None and llama is not None and _rope_functions(ours) == _rope_functions(llama) is not None
 
 
 def hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
@@ -273,8 +309,8 @@ def patch(model: nn.Module, rms_norm: bool = True, swiglu: bool = True, geglu: b
     (same Linear layers, fused activation; with fused_mlp its backward recomputes the activation
     instead of keeping it, a third less saved MLP activation beside the input), with geglu
     GELU-gated ones (Gemma's) -> trainscale.GeGLUMLP, apply_rotary_pos_emb of the model's
-    modeling module -> hf_apply_rotary_pos_emb (that module's function, so every model of that
-    type in the process uses it), the
+    modeling module, where it is Llama's code -> hf_apply_rotary_pos_emb (that module's function,
+    so every model of that type in the process uses it), the
     causal-LM loss of each submodule with a settable `loss_function` (transformers' models) ->
     hf_causal_lm_loss, and, in Llama / Mistral / Qwen2 / Qwen3 / Gemma 1-3 causal LMs (Gemma's
     final logit softcap applied in the loss), the training loss
@@ -315,7 +351,7 @@ def patch(model: nn.Module, rms_norm: bool = True, swiglu: bool = True, geglu: b
         for mod_name in sorted({type(m).__module__ for m in model.modules()}):
             mod = sys.modules.get(mod_name)
             if mod is not None and callable(getattr(mod, "apply_rotary_pos_emb", None)) and \
-                    mod.apply_rotary_pos_emb is not hf_apply_rotary_pos_emb:
+                    mod.apply_rotary_pos_emb is not hf_apply_rotary_pos_emb and _rope_is_llamas(mod):
                 mod.apply_rotary_pos_emb = hf_apply_rotary_pos_emb
                 report["rope"].append(f"{mod_name}.apply_rotary_pos_emb")
     if cross_entropy:
