@@ -5,6 +5,7 @@ import ast
 import functools
 import inspect
 import sys
+import textwrap
 from typing import Dict, List
 
 import torch
@@ -15,13 +16,6 @@ from .linear import group_projections
 from .modules import Embedding, GeGLUMLP, RMSNorm, SwiGLUMLP
 from .selection import config
 
-# RMSNorms computing x * rsqrt(mean(x^2) + eps) * (weight + offset), by class name: offset 0
-# (Llama's), or 1 (Gemma's, from float32 x to one rounding, as trainscale.RMSNorm does).
-# (test_patch.py checks that each class transformers has is Llama's or Gemma's, line for line.)
-_RMS_NORMS = {**dict.fromkeys(("LlamaRMSNorm", "MistralRMSNorm", "MinistralRMSNorm", "MixtralRMSNorm", "Qwen2RMSNorm",
-                               "Qwen2MoeRMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm", "Phi3RMSNorm", "GraniteRMSNorm",
-                               "DeepseekV3RMSNorm", "SmolLM3RMSNorm", "Glm4RMSNorm"), 0.0),
-              **dict.fromkeys(("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"), 1.0)}
 # Causal LMs whose forward computes `logits = self.lm_head(hidden_states)` and then, with labels,
 # `self.loss_function(logits=logits, labels=labels, ..., **kwargs)`, with nothing in between but
 # Gemma 2 and 3's config.final_logit_softcapping, which the fused loss applies instead (the
@@ -31,6 +25,50 @@ _FUSED_LOSS_MODELS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
 # Llama-family models (config.model_type) whose attention goes through transformers'
 # AttentionInterface with the sdpa signature: patch(model) may route it to trainscale.
 _ATTENTION_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@functools.lru_cache(maxsize=None)
+def _code(cls, method: str = ""):
+    """The syntax tree of cls (or of its method), dumped without docstrings, decorators, type
+    annotations and the class's own name: the classes transformers copies from model to model
+    (its "Copied from" / modular code) compare equal; None without a source."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(getattr(cls, method) if method else cls))).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+            node.decorator_list = []
+            node.body = [b for b in node.body if not (isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant))]
+        if isinstance(node, ast.FunctionDef):
+            node.returns = None
+        if isinstance(node, ast.arg):
+            node.annotation = None
+    if isinstance(tree, ast.ClassDef):
+        tree.name = ""
+    return ast.dump(tree)
+
+
+@functools.lru_cache(maxsize=1)
+def _hf_references():
+    """transformers' LlamaRMSNorm, GemmaRMSNorm and LlamaMLP, or None without transformers."""
+    try:
+        from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+        from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+    except ImportError:
+        return None
+    return LlamaRMSNorm, GemmaRMSNorm, LlamaMLP
+
+
+def _rms_norm_offset(cls):
+    """0 for an RMSNorm class of LlamaRMSNorm's code (x * rsqrt(mean(x^2) + eps) * weight), 1 for
+    one of GemmaRMSNorm's (the same times 1 + weight, from float32 x to one rounding, as
+    trainscale.RMSNorm does), else None: by code, not by name, since other norms named so differ
+    (OLMo 2 multiplies before rounding, Gemma 3n has no weight offset)."""
+    refs = _hf_references()
+    if refs is None or _code(cls) is None:
+        return None
+    return {_code(refs[0]): 0.0, _code(refs[1]): 1.0}.get(_code(cls))
 
 
 @functools.lru_cache(maxsize=None)
@@ -197,7 +235,9 @@ def _swap(model: nn.Module, make) -> List[str]:
 
 
 def _rms_norm(m, rebuildable_output):
-    offset = _RMS_NORMS.get(type(m).__name__)
+    if not type(m).__name__.endswith("RMSNorm"):
+        return None
+    offset = _rms_norm_offset(type(m))
     if offset is None:
         return None
     eps = m.variance_epsilon if hasattr(m, "variance_epsilon") else m.eps
@@ -218,9 +258,14 @@ def _embedding(m):
 
 
 def _gated_mlp(m, make):
-    """make(in_features, out_features) built over m's projections, for a gated MLP module m."""
+    """make(in_features, out_features) built over m's projections, for a module m whose forward is
+    LlamaMLP's code, down_proj(act_fn(gate_proj(x)) * up_proj(x)) (others with those parts differ:
+    BitNet's normalizes the product, Falcon-H1's scales it)."""
     if isinstance(m, (SwiGLUMLP, GeGLUMLP)) or \
             not all(hasattr(m, p) for p in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+        return None
+    refs = _hf_references()
+    if refs is None or _code(type(m), "forward") is None or _code(type(m), "forward") != _code(refs[2], "forward"):
         return None
     new = make(m.gate_proj.in_features, m.gate_proj.out_features)
     if new is not None:
