@@ -209,6 +209,41 @@ def test_patch_recognizes_norms_and_mlps_by_their_code():
     assert ts.patching._code(cls("bitnet", "BitNetMLP"), "forward") != mlp  # a norm of the product
 
 
+# Families patch() names no part of: it swaps what is Llama's code in them and leaves the rest
+# (OLMo 2's norms, BitNet's MLP, Phi-3's packed MLP and partial RoPE, GLM-4's interleaved RoPE),
+# and the model computes what it did (its loss in float32, as transformers' loss upcasts).
+OTHER_FAMILIES = ["olmo2", "bitnet", "phi3", "granite", "glm4", "stablelm", "exaone4"]
+
+
+@pytest.mark.parametrize("family", OTHER_FAMILIES)
+def test_patch_other_families_keep_their_results(monkeypatch, family):
+    import importlib
+    try:
+        modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    except ImportError:
+        pytest.skip(f"transformers has no {family}")
+    if hasattr(modeling, "apply_rotary_pos_emb"):
+        monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)
+    package = importlib.import_module(f"transformers.models.{family}")
+    config = next(getattr(package, n) for n in dir(package) if n.endswith("Config"))
+    lm = next(getattr(modeling, n) for n in dir(modeling) if n.endswith("ForCausalLM"))
+    torch.manual_seed(0)
+    cfg = config(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg._attn_implementation = "eager"
+    model = lm(cfg).double().train()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    original = copy.deepcopy(model)
+    ids = torch.randint(3, 97, (2, 12))
+    ref_loss, ref_grads = loss_and_grads(original, ids)
+    ts.patch(model, verbose=False)
+    loss, grads = loss_and_grads(model, ids)
+    assert_same(loss, grads, ref_loss, ref_grads, loss_rtol=1e-6, grad_rtol=1e-4)
+
+
 def test_patch_keeps_rope_that_is_not_llamas(monkeypatch):
     # Cohere rotates interleaved pairs: its apply_rotary_pos_emb is not Llama's code, so patch()
     # leaves it (ours would rotate the wrong pairs), and the patched model computes what it did.
