@@ -16,12 +16,6 @@ from .linear import group_projections
 from .modules import Embedding, GeGLUMLP, RMSNorm, SwiGLUMLP
 from .selection import config
 
-# Causal LMs whose forward computes `logits = self.lm_head(hidden_states)` and then, with labels,
-# `self.loss_function(logits=logits, labels=labels, ..., **kwargs)`, with nothing in between but
-# Gemma 2 and 3's config.final_logit_softcapping, which the fused loss applies instead (the
-# forward runs with it set to None).
-_FUSED_LOSS_MODELS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                      "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Llama-family models (config.model_type) whose attention goes through transformers'
 # AttentionInterface with the sdpa signature: patch(model) may route it to trainscale.
 _ATTENTION_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -34,7 +28,7 @@ def _code(cls, method: str = ""):
     (its "Copied from" / modular code) compare equal; None without a source."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(getattr(cls, method) if method else cls))).body[0]
-    except (OSError, TypeError, SyntaxError, IndexError):
+    except (AttributeError, OSError, TypeError, SyntaxError, IndexError):
         return None
     for node in ast.walk(tree):
         if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
@@ -51,13 +45,20 @@ def _code(cls, method: str = ""):
 
 @functools.lru_cache(maxsize=1)
 def _hf_references():
-    """transformers' LlamaRMSNorm, GemmaRMSNorm and LlamaMLP, or None without transformers."""
+    """The code (_code) of transformers' classes patch() swaps others by: RMSNorm -> weight offset,
+    and the forwards of LlamaMLP and of causal LMs; empty without transformers."""
     try:
         from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
-        from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+        from transformers.models.gemma2.modeling_gemma2 import Gemma2ForCausalLM
+        from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaMLP, LlamaRMSNorm
     except ImportError:
-        return None
-    return LlamaRMSNorm, GemmaRMSNorm, LlamaMLP
+        return {}
+    return {"rms_norm_offset": {_code(LlamaRMSNorm): 0.0, _code(GemmaRMSNorm): 1.0},
+            "mlp_forward": _code(LlamaMLP, "forward"),
+            # `logits = self.lm_head(hidden_states)`, then with labels `self.loss_function(...)`,
+            # nothing between but (Gemma 2's) config.final_logit_softcapping, which the fused
+            # loss applies instead (the forward runs with it set to None).
+            "causal_lm_forward": (_code(LlamaForCausalLM, "forward"), _code(Gemma2ForCausalLM, "forward"))}
 
 
 def _rms_norm_offset(cls):
@@ -65,10 +66,8 @@ def _rms_norm_offset(cls):
     one of GemmaRMSNorm's (the same times 1 + weight, from float32 x to one rounding, as
     trainscale.RMSNorm does), else None: by code, not by name, since other norms named so differ
     (OLMo 2 multiplies before rounding, Gemma 3n has no weight offset)."""
-    refs = _hf_references()
-    if refs is None or _code(cls) is None:
-        return None
-    return {_code(refs[0]): 0.0, _code(refs[1]): 1.0}.get(_code(cls))
+    code = _code(cls)
+    return None if code is None else _hf_references().get("rms_norm_offset", {}).get(code)
 
 
 @functools.lru_cache(maxsize=None)
@@ -264,8 +263,8 @@ def _gated_mlp(m, make):
     if isinstance(m, (SwiGLUMLP, GeGLUMLP)) or \
             not all(hasattr(m, p) for p in ("gate_proj", "up_proj", "down_proj", "act_fn")):
         return None
-    refs = _hf_references()
-    if refs is None or _code(type(m), "forward") is None or _code(type(m), "forward") != _code(refs[2], "forward"):
+    code = _code(type(m), "forward")
+    if code is None or code != _hf_references().get("mlp_forward"):
         return None
     new = make(m.gate_proj.in_features, m.gate_proj.out_features)
     if new is not None:
@@ -330,8 +329,10 @@ class PatchReport(Dict[str, List[str]]):
 
 
 def _fuse_loss(m, grad_weight_accumulation) -> bool:
-    """Makes a Llama-family causal LM compute its training loss with linear_cross_entropy."""
-    if type(m).__name__ not in _FUSED_LOSS_MODELS or type(getattr(m, "lm_head", None)) is not nn.Linear:
+    """Makes a causal LM (one of the forwards _hf_references names) compute its training loss
+    with linear_cross_entropy."""
+    if type(getattr(m, "lm_head", None)) is not nn.Linear or \
+            _code(type(m), "forward") not in _hf_references().get("causal_lm_forward", ()):
         return False
     old = m.lm_head
     head = _LMHead(old.in_features, old.out_features, bias=old.bias is not None, device="meta")
@@ -357,8 +358,9 @@ def patch(model: nn.Module, rms_norm: bool = True, swiglu: bool = True, geglu: b
     modeling module, where it is Llama's code -> hf_apply_rotary_pos_emb (that module's function,
     so every model of that type in the process uses it), the
     causal-LM loss of each submodule with a settable `loss_function` (transformers' models) ->
-    hf_causal_lm_loss, and, in Llama / Mistral / Qwen2 / Qwen3 / Gemma 1-3 causal LMs (Gemma's
-    final logit softcap applied in the loss), the training loss
+    hf_causal_lm_loss, and, in causal LMs whose forward is LlamaForCausalLM's or
+    Gemma2ForCausalLM's code (Llama, Mistral, Qwen2/3, Gemma 1-3, Phi-3, OLMo, ...; Gemma's final
+    logit softcap applied in the loss), the training loss
     (labels given, model.training) -> linear_cross_entropy of the last hidden states and
     lm_head's weight, without the logits (the output's `logits` is then None; its
     grad_weight_accumulation is loss_grad_weight_accumulation: the weight's dtype sums the
