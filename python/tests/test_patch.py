@@ -147,6 +147,37 @@ def test_patch_leaves_attention_off_the_cpu(monkeypatch):
     assert model.config._attn_implementation == "eager"
 
 
+def tiny_family_model(monkeypatch, family, config_name=None, model_name=None, training=True, **config):
+    """A two-layer float64 model of transformers' `family` (its `*Config` and `*ForCausalLM` unless
+    named) with its norm weights and biases moved off their initial values, so that a dropped one
+    shows, and its unpatched loss and gradients on random ids: (model, ids, ref_loss, ref_grads).
+    The family's apply_rotary_pos_emb is restored after the test (patch() replaces it)."""
+    import importlib
+    try:
+        modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    except ImportError:
+        pytest.skip(f"transformers has no {family}")
+    if hasattr(modeling, "apply_rotary_pos_emb"):
+        monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)
+    package = importlib.import_module(f"transformers.models.{family}")
+    config_class = getattr(package, config_name) if config_name else \
+        next(getattr(package, n) for n in dir(package) if n.endswith("Config"))
+    model_class = getattr(package, model_name) if model_name else \
+        next(getattr(modeling, n) for n in dir(modeling) if n.endswith("ForCausalLM"))
+    torch.manual_seed(0)
+    cfg = config_class(**{**dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                 pad_token_id=0, bos_token_id=1, eos_token_id=2), **config})
+    cfg._attn_implementation = "eager"
+    model = model_class(cfg).double().train(training)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    ids = torch.randint(3, 97, (2, 12))
+    return (model, ids) + loss_and_grads(copy.deepcopy(model), ids)
+
+
 # The other model families patch() names: Mistral (a sliding window shorter than the sequence),
 # Qwen2 (biases on q, k, v) and Qwen3 (RMSNorms over each head's q and k).
 FAMILIES = {
@@ -160,21 +191,8 @@ FAMILIES = {
 @pytest.mark.parametrize("training", [False, True])
 def test_patched_model_families_match(monkeypatch, family, training):
     config_name, model_name, extra, norms = FAMILIES[family]
-    modeling = pytest.importorskip(f"transformers.models.{family}.modeling_{family}")
-    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)
     monkeypatch.setattr(ts.config, "use_fused_linear_cross_entropy", True)
-    torch.manual_seed(0)
-    cfg = getattr(transformers, config_name)(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                             attn_implementation="eager", **extra)
-    model = getattr(transformers, model_name)(cfg).double().train(training)
-    with torch.no_grad():  # nonzero biases and norm weights, so that a dropped one shows
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    original = copy.deepcopy(model)
-    ids = torch.randint(0, 97, (2, 12))
-    ref_loss, ref_grads = loss_and_grads(original, ids)
+    model, ids, ref_loss, ref_grads = tiny_family_model(monkeypatch, family, config_name, model_name, training, **extra)
 
     report = ts.patch(model, verbose=False)
     assert report["cross_entropy"] == [model_name]
@@ -217,28 +235,7 @@ OTHER_FAMILIES = ["olmo2", "bitnet", "phi3", "granite", "glm4", "stablelm", "exa
 
 @pytest.mark.parametrize("family", OTHER_FAMILIES)
 def test_patch_other_families_keep_their_results(monkeypatch, family):
-    import importlib
-    try:
-        modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-    except ImportError:
-        pytest.skip(f"transformers has no {family}")
-    if hasattr(modeling, "apply_rotary_pos_emb"):
-        monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)
-    package = importlib.import_module(f"transformers.models.{family}")
-    config = next(getattr(package, n) for n in dir(package) if n.endswith("Config"))
-    lm = next(getattr(modeling, n) for n in dir(modeling) if n.endswith("ForCausalLM"))
-    torch.manual_seed(0)
-    cfg = config(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    cfg._attn_implementation = "eager"
-    model = lm(cfg).double().train()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    original = copy.deepcopy(model)
-    ids = torch.randint(3, 97, (2, 12))
-    ref_loss, ref_grads = loss_and_grads(original, ids)
+    model, ids, ref_loss, ref_grads = tiny_family_model(monkeypatch, family)
     ts.patch(model, verbose=False)
     loss, grads = loss_and_grads(model, ids)
     assert_same(loss, grads, ref_loss, ref_grads, loss_rtol=1e-6, grad_rtol=1e-4)
@@ -280,23 +277,10 @@ GEMMA_FAMILIES = {
 @pytest.mark.parametrize("training", [False, True])
 def test_patched_gemma_families_match(monkeypatch, variant, training):
     config_name, model_name, extra, norms = GEMMA_FAMILIES[variant]
-    family = variant.split("-")[0]
-    modeling = pytest.importorskip(f"transformers.models.{family}.modeling_{family}")
-    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)
     monkeypatch.setattr(ts.config, "use_fused_linear_cross_entropy", True)
-    torch.manual_seed(0)
-    cfg = getattr(transformers, config_name)(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                             max_position_embeddings=64, attn_implementation="eager", **extra)
-    model = getattr(transformers, model_name)(cfg).double().train(training)
-    with torch.no_grad():  # nonzero norm weights, so that a dropped offset or weight shows
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    original = copy.deepcopy(model)
-    ids = torch.randint(0, 97, (2, 12))
-    ref_loss, ref_grads = loss_and_grads(original, ids)
-
+    model, ids, ref_loss, ref_grads = tiny_family_model(monkeypatch, variant.split("-")[0], config_name, model_name,
+                                                        training, head_dim=16, **extra)
+    softcap = getattr(model.config, "final_logit_softcapping", None)
     report = ts.patch(model, verbose=False)
     assert len(report["rms_norm"]) == norms and report["swiglu_mlp"] == []
     assert report["geglu_mlp"] == ["model.layers.0.mlp", "model.layers.1.mlp"]
@@ -305,14 +289,13 @@ def test_patched_gemma_families_match(monkeypatch, variant, training):
     assert report["linear_cross_entropy"] == [model_name]
     loss, grads = loss_and_grads(model, ids)
     assert_same(loss, grads, ref_loss, ref_grads)
-    softcap = getattr(original.config, "final_logit_softcapping", None)
     assert getattr(model.config, "final_logit_softcapping", None) == softcap  # put back after the forward
     if training and softcap:  # the loss with the softcap is eval mode's (logits, then loss); put back after a raise
         assert abs(loss.item() - loss_and_grads(model.train(False), ids)[0].item()) < 1e-9
         model.train(True)
         with pytest.raises(ValueError):
             model(input_ids=ids, labels=ids[:, :5])
-        assert model.config.final_logit_softcapping == 0.5
+        assert model.config.final_logit_softcapping == softcap
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])
