@@ -3,6 +3,7 @@ the same loss and gradients as the original, in evaluation mode (logits, then th
 training (the loss from the hidden states, without logits). Skipped when transformers is not
 installed."""
 import copy
+import sys
 
 import pytest
 import torch
@@ -263,11 +264,13 @@ def test_patch_keeps_rope_that_is_not_llamas(monkeypatch):
 
 
 # Gemma: RMSNorms of weight + 1 and a GELU(tanh)-gated MLP; Gemma 2 adds norms around the MLP,
-# attention and final logit softcaps (the latter small enough here to change the loss; the fused
-# loss applies it); Gemma 3 adds q / k norms. Attention stays as the model has it.
+# attention and final logit softcaps (small enough here to change the loss; the fused loss
+# applies the latter), a query scale of its own and a sliding window on every other layer;
+# Gemma 3 adds q / k norms. Attention is ours (on the CPU here) in every call.
 GEMMA_FAMILIES = {
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {}, 5),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"sliding_window": 5, "final_logit_softcapping": 0.5}, 9),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"sliding_window": 5, "final_logit_softcapping": 0.5,
+                                                    "attn_logit_softcapping": 0.5}, 9),
     "gemma2-no-final-softcap": ("Gemma2Config", "Gemma2ForCausalLM", {"final_logit_softcapping": None}, 9),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"sliding_window": 5}, 13),
 }
@@ -281,11 +284,12 @@ def test_patched_gemma_families_match(monkeypatch, variant, training):
     model, ids, ref_loss, ref_grads = tiny_family_model(monkeypatch, variant.split("-")[0], config_name, model_name,
                                                         training, head_dim=16, **extra)
     softcap = getattr(model.config, "final_logit_softcapping", None)
+    monkeypatch.setattr(sys.modules["trainscale.attention"], "_warn_once", pytest.fail)  # no call falls back
     report = ts.patch(model, verbose=False)
     assert len(report["rms_norm"]) == norms and report["swiglu_mlp"] == []
     assert report["geglu_mlp"] == ["model.layers.0.mlp", "model.layers.1.mlp"]
     assert model.model.layers[0].mlp.approximate == "tanh" and model.model.norm.weight_offset == 1.0
-    assert report["rope"] and report["cross_entropy"] == [model_name] and report["attention"] == []
+    assert report["rope"] and report["cross_entropy"] == [model_name] and report["attention"]
     assert report["linear_cross_entropy"] == [model_name]
     loss, grads = loss_and_grads(model, ids)
     assert_same(loss, grads, ref_loss, ref_grads)
