@@ -281,7 +281,7 @@ def test_hf_padding_mask_falls_back_to_sdpa():
     torch.testing.assert_close(logits, ref_model(input_ids=ids, attention_mask=mask).logits)
 
 
-def _tiny_gemma2(impl):
+def _tiny_gemma2(impl, dtype=torch.float64):
     transformers = pytest.importorskip("transformers")
     ts.register_hf_attention()
     cfg = transformers.Gemma2Config(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -289,7 +289,7 @@ def _tiny_gemma2(impl):
                                     max_position_embeddings=64, sliding_window=4, attn_logit_softcapping=5.0,
                                     query_pre_attn_scalar=16, attn_implementation=impl)
     torch.manual_seed(0)
-    return transformers.Gemma2ForCausalLM(cfg).to(torch.float64)
+    return transformers.Gemma2ForCausalLM(cfg).to(dtype)
 
 
 def test_hf_gemma2_window_and_softcap_match_eager():
@@ -306,6 +306,20 @@ def test_hf_gemma2_window_and_softcap_match_eager():
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
     for name, g in ref_grads.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_hf_gemma2_padding_mask_falls_back_to_eager():
+    """A padding mask with a softcap (which sdpa lacks) goes to Gemma 2's own eager attention,
+    which adds its mask: the boolean mask transformers builds for us is handed over additive.
+    (float32: Gemma 2's own eager float64 masks turn padding rows to NaN in its float32 softmax.)"""
+    ref_model, model = _tiny_gemma2("eager", torch.float32), _tiny_gemma2("trainscale", torch.float32)
+    ids = torch.randint(0, 97, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :3] = 0  # left padding
+    sys.modules["trainscale.attention"]._warned.clear()
+    with pytest.warns(UserWarning, match="eager attention for a softcap"):
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(logits, ref_model(input_ids=ids, attention_mask=mask).logits)
 
 
 def test_hf_packed_sequences_run_varlen():

@@ -347,6 +347,21 @@ def test_patched_llama_under_torch_compile(monkeypatch):
     assert_same(loss, grads, ref_loss, ref_grads, loss_rtol=1e-5, grad_rtol=1e-4)
 
 
+def test_patched_gemma2_under_torch_compile(monkeypatch):
+    # Traced, the attention mask cannot be read: calls with a mask and a softcap go to Gemma 2's
+    # eager attention (its additive mask from our boolean one); the final softcap's config switch
+    # in the fused loss's hooks traces too.
+    monkeypatch.setattr(ts.config, "use_fused_linear_cross_entropy", True)
+    model, ids, ref_loss, ref_grads = tiny_family_model(
+        monkeypatch, "gemma2", head_dim=16, sliding_window=5, final_logit_softcapping=0.5, attn_logit_softcapping=0.5)
+    ts.patch(model, verbose=False)
+    torch._dynamo.reset()
+    loss, grads = loss_and_grads(torch.compile(model, backend="aot_eager"), ids)
+    grads = {name.removeprefix("_orig_mod."): g for name, g in grads.items()}
+    assert_same(loss, grads, ref_loss, ref_grads, loss_rtol=1e-6, grad_rtol=1e-4)
+    assert model.config.final_logit_softcapping == 0.5
+
+
 def test_rebuilt_norm_outputs_same_gradients_less_kept(monkeypatch):
     # patch()'s norms hand the q/k/v group and the fused MLP their input to rebuild their output
     # from: the same bits as keeping it, two [B, T, H] tensors less per layer.

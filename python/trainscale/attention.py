@@ -215,6 +215,12 @@ def hf_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
         # sdpa cannot express a softcap: such calls go to the model's own eager attention.
         eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
         if softcap is not None and eager is not None:
+            if attention_mask is not None and attention_mask.dtype == torch.bool:
+                # transformers builds sdpa's boolean mask for us; eager attention adds its mask, and
+                # takes its softmax in float32: the most negative value finite in both dtypes, so that
+                # a fully masked (padding) row comes out uniform, not NaN.
+                hidden = max(torch.finfo(query.dtype).min, torch.finfo(torch.float32).min)
+                attention_mask = torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill(~attention_mask, hidden)
             return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
