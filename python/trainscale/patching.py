@@ -21,15 +21,10 @@ from .selection import config
 _ATTENTION_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 
 
-@functools.lru_cache(maxsize=None)
-def _code(cls, method: str = ""):
-    """The syntax tree of cls (or of its method), dumped without docstrings, decorators, type
-    annotations and the class's own name: the classes transformers copies from model to model
-    (its "Copied from" / modular code) compare equal; None without a source."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(getattr(cls, method) if method else cls))).body[0]
-    except (AttributeError, OSError, TypeError, SyntaxError, IndexError):
-        return None
+def _dump(tree) -> str:
+    """tree dumped without docstrings, decorators, type annotations and a class's own name: the
+    code transformers copies from model to model (its "Copied from" / modular classes and
+    functions) dumps the same."""
     for node in ast.walk(tree):
         if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
             node.decorator_list = []
@@ -41,6 +36,15 @@ def _code(cls, method: str = ""):
     if isinstance(tree, ast.ClassDef):
         tree.name = ""
     return ast.dump(tree)
+
+
+@functools.lru_cache(maxsize=None)
+def _code(cls, method: str = ""):
+    """_dump of cls (or of its method); None without a source."""
+    try:
+        return _dump(ast.parse(textwrap.dedent(inspect.getsource(getattr(cls, method) if method else cls))).body[0])
+    except (AttributeError, OSError, TypeError, SyntaxError, IndexError):
+        return None
 
 
 @functools.lru_cache(maxsize=1)
@@ -72,20 +76,15 @@ def _rms_norm_offset(cls):
 
 @functools.lru_cache(maxsize=None)
 def _rope_functions(path: str):
-    """The syntax trees (dumped, without docstrings and decorators) of apply_rotary_pos_emb and
-    rotate_half in the Python file at path."""
+    """_dump of apply_rotary_pos_emb and rotate_half in the Python file at path (read from the
+    file: the module's names may have been replaced, by us or by transformers' kernels)."""
     try:
         with open(path) as f:
             tree = ast.parse(f.read())
     except (OSError, SyntaxError, ValueError):
         return None
-    found = {}
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and node.name in ("apply_rotary_pos_emb", "rotate_half"):
-            node.body = [b for b in node.body if not (isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant))]
-            node.decorator_list = []
-            found[node.name] = ast.dump(node)
-    return found
+    return {node.name: _dump(node) for node in tree.body
+            if isinstance(node, ast.FunctionDef) and node.name in ("apply_rotary_pos_emb", "rotate_half")}
 
 
 def _rope_is_llamas(module) -> bool:
