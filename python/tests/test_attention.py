@@ -270,17 +270,6 @@ def test_hf_llama_matches_sdpa(dtype, tol):
         torch.testing.assert_close(grads[name], g, rtol=tol, atol=tol, msg=name)
 
 
-def test_hf_padding_mask_falls_back_to_sdpa():
-    ref_model, model = _tiny_llama("sdpa", torch.float64), _tiny_llama("trainscale", torch.float64)
-    ids = torch.randint(0, 97, (2, 10))
-    mask = torch.ones(2, 10, dtype=torch.long)
-    mask[1, :3] = 0  # left padding
-    sys.modules["trainscale.attention"]._warned.clear()
-    with pytest.warns(UserWarning, match="falling back to transformers' sdpa"):
-        logits = model(input_ids=ids, attention_mask=mask).logits
-    torch.testing.assert_close(logits, ref_model(input_ids=ids, attention_mask=mask).logits)
-
-
 def _tiny_gemma2(impl, dtype=torch.float64):
     transformers = pytest.importorskip("transformers")
     ts.register_hf_attention()
@@ -308,16 +297,23 @@ def test_hf_gemma2_window_and_softcap_match_eager():
         torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7, msg=name)
 
 
-def test_hf_gemma2_padding_mask_falls_back_to_eager():
-    """A padding mask with a softcap (which sdpa lacks) goes to Gemma 2's own eager attention,
-    which adds its mask: the boolean mask transformers builds for us is handed over additive.
-    (float32: Gemma 2's own eager float64 masks turn padding rows to NaN in its float32 softmax.)"""
-    ref_model, model = _tiny_gemma2("eager", torch.float32), _tiny_gemma2("trainscale", torch.float32)
+# A padding mask falls back: to sdpa (Llama), or, with a softcap, which sdpa lacks, to the model's
+# own eager attention (Gemma 2), which adds its mask: the boolean mask transformers builds for us
+# is handed over additive. (Gemma 2 in float32: its own eager float64 masks turn padding rows to
+# NaN in its float32 softmax.)
+PADDING_FALLBACKS = {"llama": (lambda impl: _tiny_llama(impl, torch.float64), "sdpa", "transformers' sdpa"),
+                     "gemma2": (lambda impl: _tiny_gemma2(impl, torch.float32), "eager", "eager attention for a softcap")}
+
+
+@pytest.mark.parametrize("family", sorted(PADDING_FALLBACKS))
+def test_hf_padding_mask_falls_back(family):
+    make, reference_impl, warning = PADDING_FALLBACKS[family]
+    ref_model, model = make(reference_impl), make("trainscale")
     ids = torch.randint(0, 97, (2, 12))
     mask = torch.ones(2, 12, dtype=torch.long)
     mask[1, :3] = 0  # left padding
     sys.modules["trainscale.attention"]._warned.clear()
-    with pytest.warns(UserWarning, match="eager attention for a softcap"):
+    with pytest.warns(UserWarning, match=warning):
         logits = model(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(logits, ref_model(input_ids=ids, attention_mask=mask).logits)
 
