@@ -278,6 +278,28 @@ def test_fused_swiglu_mlp_matches_the_unfused_chain(bias):
     assert x.grad is not None and all(p.grad is None for p in fused.parameters())
 
 
+def test_fused_swiglu_mlp_calls_wrapped_projections():
+    # A projection wrapped after patching (as a LoRA adapter wraps it: base layer plus a low-rank
+    # delta) is called, so its delta counts; the fused path would read the base weight alone.
+    class WithDelta(torch.nn.Module):
+        def __init__(self, base):
+            super().__init__()
+            self.base, self.delta = base, torch.nn.Linear(base.in_features, base.out_features, bias=False)
+
+        def forward(self, x):
+            return self.base(x) + self.delta(x)
+
+    torch.manual_seed(0)
+    mlp = ts.SwiGLUMLP(32, 48, fused=True)
+    x = torch.randn(3, 7, 32)
+    plain = mlp.down_proj(ts.swiglu(mlp.gate_proj(x), mlp.up_proj(x)))
+    torch.testing.assert_close(mlp(x), plain)
+    mlp.gate_proj = WithDelta(mlp.gate_proj)
+    wrapped = mlp.down_proj(ts.swiglu(mlp.gate_proj(x), mlp.up_proj(x)))
+    assert not torch.allclose(wrapped, plain)
+    torch.testing.assert_close(mlp(x), wrapped)
+
+
 def test_fused_swiglu_mlp_under_torch_compile():
     """The in-place backward through torch.compile's functionalization: the same gradients."""
     torch.manual_seed(0)

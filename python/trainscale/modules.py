@@ -111,7 +111,8 @@ class SwiGLUMLP(_GatedMLP):
     """Llama MLP: down_proj(silu(gate_proj(x)) * up_proj(x)) with the activation fused. With
     fused=True (trainscale.functional.swiglu_mlp) the backward recomputes the activation instead
     of keeping it: a third less saved activation beside the input, the same forward, one
-    backward per forward (no retain_graph)."""
+    backward per forward (no retain_graph); while every projection is a plain nn.Linear (a
+    wrapped one, e.g. by a LoRA adapter, is called as in the unfused chain)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
                  device=None, dtype=None, fused: bool = False):
@@ -119,7 +120,9 @@ class SwiGLUMLP(_GatedMLP):
         self.fused = fused
 
     def forward(self, x):
-        if self.fused:
+        # The fused path reads the projections' weights: only for plain nn.Linear layers, not ones
+        # wrapped since (a LoRA adapter's delta, a quantized weight), which are called instead.
+        if self.fused and all(type(p) is nn.Linear for p in (self.gate_proj, self.up_proj, self.down_proj)):
             return F.swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
                                 self.gate_proj.bias, self.up_proj.bias, self.down_proj.bias)
         return self.down_proj(F.swiglu(self.gate_proj(x), self.up_proj(x)))
