@@ -347,6 +347,28 @@ def test_patched_llama_under_torch_compile(monkeypatch):
     assert_same(loss, grads, ref_loss, ref_grads, loss_rtol=1e-5, grad_rtol=1e-4)
 
 
+def test_patched_llama_under_autocast(monkeypatch):
+    # Mixed precision as Trainer(bf16=True) runs it: float32 parameters, bfloat16 autocast. The
+    # fused MLP, the q/k/v group and the fused loss compute in autocast's dtype, and their
+    # backwards too, as the unpatched model's autocast products do; float32 gradients.
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", modeling_llama.apply_rotary_pos_emb)
+    monkeypatch.setattr(ts.config, "use_fused_linear_cross_entropy", True)
+    torch.manual_seed(0)
+    model = tiny_llama().float().train()
+    original = copy.deepcopy(model)
+    ids = torch.randint(0, 97, (2, 12))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_loss, ref_grads = loss_and_grads(original, ids)
+    report = ts.patch(model, verbose=False)
+    assert report["swiglu_mlp"] and report["qkv_projections"] and report["linear_cross_entropy"]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, grads = loss_and_grads(model, ids)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-3, atol=0)
+    for name, g in ref_grads.items():
+        assert grads[name].dtype == torch.float32, name
+        assert (grads[name] - g).norm() <= 3e-2 * g.norm(), name  # bfloat16 products, rounded apart
+
+
 def test_patched_gemma2_under_torch_compile(monkeypatch):
     # Traced, the attention mask cannot be read: calls with a mask and a softcap go to Gemma 2's
     # eager attention (its additive mask from our boolean one); the final softcap's config switch

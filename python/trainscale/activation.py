@@ -199,6 +199,9 @@ class _SwiGLUMLP(torch.autograd.Function):
         x, (g, u, w_gate, w_up, w_down) = saved_input(ctx)
         need = ctx.needs_input_grad
         dy = dy.reshape(-1, dy.shape[-1])
+        # The products in the forward's dtype (under autocast its dtype, not the weights' or x's;
+        # autograd casts each gradient back to its input's dtype).
+        w_gate, w_up, w_down = (w.to(dy.dtype) for w in (w_gate, w_up, w_down))
         dg, du = g.reshape(dy.shape[0], -1), u.reshape(dy.shape[0], -1)
         h = ops.swiglu_backward_recompute_(dy @ w_down, dg, du)  # dg, du: gradients from here
         if not torch.compiler.is_compiling():
@@ -208,7 +211,7 @@ class _SwiGLUMLP(torch.autograd.Function):
             torch.autograd.graph.increment_version(u)
         dw_down = dy.t() @ h if need[3] else None
         del h
-        x2 = x.reshape(-1, x.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1]).to(dy.dtype)
         dx = torch.addmm(dg @ w_gate, du, w_up).reshape(x.shape) if need[0] else None
         dw_gate = dg.t() @ x2 if need[1] else None
         dw_up = du.t() @ x2 if need[2] else None

@@ -32,7 +32,9 @@ class _SharedInputLinear(torch.autograd.Function):
         for i, (dy, w) in enumerate(zip(grads, weights)):
             if dy is None:
                 continue
-            dy = dy.reshape(-1, dy.shape[-1])
+            # The products in the forward's dtype (under autocast its dtype, not the weights' or
+            # x's; autograd casts each gradient back to its input's dtype).
+            dy, w, x2 = dy.reshape(-1, dy.shape[-1]), w.to(dy.dtype), x2.to(dy.dtype)
             if need[0]:
                 dx = dy @ w if dx is None else dx.addmm_(dy, w)
             if need[1 + i]:
