@@ -219,8 +219,8 @@ def hf_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
                 # transformers builds sdpa's boolean mask for us; eager attention adds its mask, and
                 # takes its softmax in float32: the most negative value finite in both dtypes, so that
                 # a fully masked (padding) row comes out uniform, not NaN.
-                hidden = max(torch.finfo(query.dtype).min, torch.finfo(torch.float32).min)
-                attention_mask = torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill(~attention_mask, hidden)
+                masked = max(torch.finfo(query.dtype).min, torch.finfo(torch.float32).min)
+                attention_mask = torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill(~attention_mask, masked)
             return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
