@@ -128,6 +128,17 @@ def test_window_and_softcap_match_reference(shape, causal, window, softcap):
         torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10)
 
 
+def test_autocast_casts_float32_inputs_as_sdpa():
+    q, k, v = (torch.randn(2, 8, 4, 16) for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ts.attention(q, k, v, causal=True)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True).transpose(1, 2)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    assert ts.attention(q, k, v, causal=True).dtype == torch.float32  # autocast off: as given
+
+
 def test_window_and_softcap_gradcheck():
     q, k, v = make(1, 5, 6, 2, 1, 3, requires_grad=True)
     assert torch.autograd.gradcheck(

@@ -21,3 +21,14 @@ def contiguous_rows(x):
     rows_apart = not lead or lead[-1][1] >= x.shape[-1]
     unit = x.shape[-1] == 1 or x.stride(-1) == 1
     return x if x.numel() == 0 or (flat and rows_apart and unit) else x.contiguous()
+
+
+def autocast_inputs(*tensors):
+    """tensors, with the float32 ones cast to autocast's dtype while autocast is on for the first
+    one's device, as autocast casts the inputs of the products it covers (F.linear, sdpa); None
+    passes through."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if t is not None and t.dtype == torch.float32 else t for t in tensors)

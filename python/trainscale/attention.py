@@ -17,7 +17,7 @@ from typing import Optional, Tuple
 import torch
 from torch.library import register_autograd, register_fake
 
-from ._common import ops
+from ._common import autocast_inputs, ops
 
 
 def _stat_dtype(q):
@@ -61,7 +61,9 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
                        scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
                        softcap: float = 0.0):
     """(out, lse) of attention: lse [B, Hq, Sq] float32 (float64 for float64 inputs), the
-    log-sum-exp of each query's scaled, masked scores; lse is not differentiable."""
+    log-sum-exp of each query's scaled, masked scores; lse is not differentiable. Under autocast,
+    float32 q / k / v are cast to its dtype, as sdpa's are."""
+    q, k, v = autocast_inputs(q, k, v)
     return ops.attention_forward(q, k, v, bool(causal), 0.0 if scale is None else float(scale),
                                  int(window_size[0]), int(window_size[1]), float(softcap))
 
@@ -118,7 +120,9 @@ def attention_varlen_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                               causal: bool = False, scale: Optional[float] = None,
                               window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0):
-    """(out, lse) of attention_varlen: lse [Hq, Tq] (float32; float64 for float64 inputs)."""
+    """(out, lse) of attention_varlen: lse [Hq, Tq] (float32; float64 for float64 inputs); under
+    autocast as attention_with_lse."""
+    q, k, v = autocast_inputs(q, k, v)
     return ops.attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                                         bool(causal), 0.0 if scale is None else float(scale), int(window_size[0]),
                                         int(window_size[1]), float(softcap))

@@ -8,7 +8,7 @@ from torch.library import register_autograd, register_fake
 
 from . import reference as _ref
 from ._common import like as _like
-from ._common import contiguous_rows
+from ._common import autocast_inputs, contiguous_rows
 from ._common import ops
 from .selection import dispatch as _dispatch
 
@@ -144,10 +144,7 @@ register_autograd("trainscale::fused_linear_cross_entropy_forward", _flce_backwa
 
 def _linear_cross_entropy(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap,
                           reduction, grad_weight_accumulation, chunk_tokens):
-    device = hidden.device.type
-    if torch.is_autocast_enabled(device):  # the product in autocast's dtype, as F.linear's would be
-        dtype = torch.get_autocast_dtype(device)
-        hidden, weight, bias = (t if t is None else t.to(dtype) for t in (hidden, weight, bias))
+    hidden, weight, bias = autocast_inputs(hidden, weight, bias)  # the product as F.linear's would be
     # Gradients in the forward only for a reduced loss (see _flce_setup), of what needs them.
     in_forward = torch.is_grad_enabled() and reduction != "none"
     with_grads = [in_forward and t is not None and t.requires_grad for t in (hidden, weight, bias)]
