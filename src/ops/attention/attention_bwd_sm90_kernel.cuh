@@ -321,19 +321,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     Tensor tSrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
     Tensor s = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
     Tensor dp = make_tensor(tSrdP.data(), accumulator_rowcol(tSrdP.layout()));
-    // The columns' lse and delta go to registers while the products they follow run (lse after
-    // S^T's issue, delta after dV's): read after the waits (whose memory clobbers keep the
-    // compiler from hoisting them), their latency would follow each wait. delta any earlier
-    // would spill in the loop, with S^T, dP^T, dV and dK all live.
-    float lse[kCols], delta[kCols];
     pipeline_q.consumer_wait(read);
     detail::warpgroup_gemm</*kZeroInit=*/true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS);
-    CUTE_UNROLL
-    for (int c = 0; c < kCols; ++c) lse[c] = storage.lse_log2[stage][get<1>(s_coords(0, c))];
     pipeline_dout.consumer_wait(read);
     detail::warpgroup_gemm</*kZeroInit=*/true, -1>(mma_sdp, tSrV, tSrdO(_, _, _, stage), tSrdP);
     if (t > 0) reduce_dq(t - 1);
 
+    const float* lse = storage.lse_log2[stage];
+    const float* delta = storage.delta[stage];
     // P^T and dS^T in the input dtype: register operands of the dV and dK products, live until
     // those complete.
     Tensor p_regs = make_tensor<Element>(tSrS.layout());
@@ -362,7 +357,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const float inv_cap = kCapped ? p.scale / p.softcap : 0.f;
       CUTE_UNROLL
       for (int c = 0; c < kCols; ++c) {
-        const float lse_c = lse[c];
+        const float lse_c = lse[get<1>(s_coords(0, c))];
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
           float prob, slope = 1.f;
@@ -383,7 +378,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     auto score_gradients = [&](auto masked) {
       CUTE_UNROLL
       for (int c = 0; c < kCols; ++c) {
-        const float delta_c = delta[c];
+        const float delta_c = delta[get<1>(s_coords(0, c))];
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
           const float dscore = s(r, c) * (dp(r, c) - delta_c);
@@ -405,8 +400,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     detail::warpgroup_gemm</*kZeroInit=*/false, -1>(
         mma_kv, make_tensor(p_regs.data(), accumulator_as_a_operand(tSrS.layout())), tKVrdOt(_, _, _, stage),
         tdVrdV);
-    CUTE_UNROLL
-    for (int c = 0; c < kCols; ++c) delta[c] = storage.delta[stage][get<1>(s_coords(0, c))];
     warpgroup_wait<1>();
     warpgroup_fence_operand(tSrdP);
     if (interior) score_gradients(cute::false_type{});
