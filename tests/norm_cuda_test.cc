@@ -431,27 +431,30 @@ TEST(NormCuda, TrainingShapesMatchReferenceAndReproduce) {
                                      {33, 1032, 0},   {17, 2056, 0}};
   for (DType dt : test_dtypes()) {
     if (dt == DType::kFloat32) continue;  // the 16-bit training dtypes
-    for (DType wdt : {dt, DType::kFloat32}) {
-      for (const Shape& s : shapes) {
+    for (const Shape& s : shapes) {
+      // The activations, their device copies and float64 forms serve all six (weight dtype, op)
+      // pairs of the shape: drawing and converting them is most of this test's host time.
+      auto x = HostTensor::random(dt, {s.rows, s.cols}, -2, 2);
+      x.set(0, x.at(0) + 3.0);  // a row with a non-zero mean
+      auto r = HostTensor::random(dt, {s.rows, s.cols}, -2, 2);
+      auto dy = HostTensor::random(dt, {s.rows, s.cols}, -1, 1);
+      auto dres = HostTensor::random(dt, {s.rows, s.cols}, -1, 1);
+      // The fused add's sum rounded to its dtype: its norm's input.
+      HostTensor sum(dt, {s.rows, s.cols});
+      for (std::int64_t i = 0; i < sum.numel(); ++i) sum.set(i, x.at(i) + r.at(i));
+      const HostTensor x64 = as_f64(x), sum64 = as_f64(sum), dy64 = as_f64(dy), dres64 = as_f64(dres);
+      DeviceTensor d_dy(dy), d_dres(dres), d_x_in(x), d_sum_in(sum);
+      for (DType wdt : {dt, DType::kFloat32}) {
+        auto w = HostTensor::random(wdt, {s.cols}, 0.5, 1.5);
+        auto b = HostTensor::random(wdt, {s.cols}, -0.5, 0.5);
+        const HostTensor w64 = as_f64(w), b64 = as_f64(b);
+        DeviceTensor d_w(w), d_b(b);
         for (int which = 0; which < 3; ++which) {  // RMSNorm, LayerNorm, fused add + RMSNorm
           SCOPED_TRACE(shape_name(dt, s, wdt, NormVariant::kAuto) + " op " + std::to_string(which));
           const bool layer = which == 1;
           const double tol = test::tolerance(dt);
-          auto x = HostTensor::random(dt, {s.rows, s.cols}, -2, 2);
-          x.set(0, x.at(0) + 3.0);  // a row with a non-zero mean
-          auto r = HostTensor::random(dt, {s.rows, s.cols}, -2, 2);
-          auto w = HostTensor::random(wdt, {s.cols}, 0.5, 1.5);
-          auto b = HostTensor::random(wdt, {s.cols}, -0.5, 0.5);
-          auto dy = HostTensor::random(dt, {s.rows, s.cols}, -1, 1);
-          auto dres = HostTensor::random(dt, {s.rows, s.cols}, -1, 1);
-          // The norm's input: x, or the fused add's sum rounded to its dtype.
-          HostTensor in = x;
-          if (which == 2) {
-            in = HostTensor(dt, {s.rows, s.cols});
-            for (std::int64_t i = 0; i < in.numel(); ++i) in.set(i, x.at(i) + r.at(i));
-          }
-          auto in64 = as_f64(in), w64 = as_f64(w), b64 = as_f64(b), dy64 = as_f64(dy),
-               dres64 = as_f64(dres);
+          const HostTensor& in = which == 2 ? sum : x;
+          const HostTensor& in64 = which == 2 ? sum64 : x64;
           HostTensor y64(DType::kFloat64, {s.rows, s.cols}), mean64(DType::kFloat64, {s.rows}),
               rstd64(DType::kFloat64, {s.rows}), dx64(DType::kFloat64, {s.rows, s.cols}),
               dw64(DType::kFloat64, {s.cols}), db64(DType::kFloat64, {s.cols});
@@ -471,8 +474,8 @@ TEST(NormCuda, TrainingShapesMatchReferenceAndReproduce) {
                                          rstd64.view(), dx64.view(), dw64.view(), {});
             }
           }
-          // Forward.
-          DeviceTensor d_x(x), d_r(r), d_w(w), d_b(b), d_dy(dy), d_dres(dres);
+          // Forward (the fused add writes over its inputs: fresh copies).
+          DeviceTensor d_x(x), d_r(r);
           DeviceTensor d_y(HostTensor(dt, {s.rows, s.cols}), false);
           DeviceTensor d_mean(HostTensor(DType::kFloat32, {s.rows}), false);
           DeviceTensor d_rstd(HostTensor(DType::kFloat32, {s.rows}), false);
@@ -494,7 +497,7 @@ TEST(NormCuda, TrainingShapesMatchReferenceAndReproduce) {
             EXPECT_LE(test::max_abs_err(d_mean.to_host().values(), mean64.values()), 1e-5) << "mean";
           }
           // Backward on the saved statistics of the reference (as fp32), twice.
-          DeviceTensor d_in(in);
+          const DeviceTensor& d_in = which == 2 ? d_sum_in : d_x_in;
           DeviceTensor d_smean(HostTensor::from_values(DType::kFloat32, {s.rows}, mean64.values()));
           DeviceTensor d_srstd(HostTensor::from_values(DType::kFloat32, {s.rows}, rstd64.values()));
           HostTensor dx[2], dw[2], db[2];
