@@ -148,11 +148,12 @@ def test_patch_leaves_attention_off_the_cpu(monkeypatch):
     assert model.config._attn_implementation == "eager"
 
 
-def tiny_family_model(monkeypatch, family, config_name=None, model_name=None, training=True, **config):
-    """A two-layer float64 model of transformers' `family` (its `*Config` and `*ForCausalLM` unless
-    named) with its norm weights and biases moved off their initial values, so that a dropped one
-    shows, and its unpatched loss and gradients on random ids: (model, ids, ref_loss, ref_grads).
-    The family's apply_rotary_pos_emb is restored after the test (patch() replaces it)."""
+def tiny_family_model(monkeypatch, family, config_name=None, model_name=None, training=True,
+                      dtype=torch.float64, **config):
+    """A two-layer model of transformers' `family` (its `*Config` and `*ForCausalLM` unless named)
+    with its norm weights and biases moved off their initial values, so that a dropped one shows,
+    and its unpatched loss and gradients on random ids: (model, ids, ref_loss, ref_grads). The
+    family's apply_rotary_pos_emb is restored after the test (patch() replaces it)."""
     import importlib
     try:
         modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
@@ -170,7 +171,7 @@ def tiny_family_model(monkeypatch, family, config_name=None, model_name=None, tr
                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                  pad_token_id=0, bos_token_id=1, eos_token_id=2), **config})
     cfg._attn_implementation = "eager"
-    model = model_class(cfg).double().train(training)
+    model = model_class(cfg).to(dtype).train(training)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
@@ -240,6 +241,26 @@ def test_patch_other_families_keep_their_results(monkeypatch, family):
     ts.patch(model, verbose=False)
     loss, grads = loss_and_grads(model, ids)
     assert_same(loss, grads, ref_loss, ref_grads, loss_rtol=1e-6, grad_rtol=1e-4)
+
+
+# Mixture-of-experts causal LMs with MixtralForCausalLM's forward: the fused loss adds the
+# router's load-balancing loss (weighted 0.5 here so that leaving it out shows) as the forward
+# does, in a dict and in a tuple. Float32: the experts' grouped products take no float64.
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("return_dict", [True, False])
+def test_patched_moe_models_add_the_router_loss(monkeypatch, family, return_dict):
+    model, ids, ref_loss, ref_grads = tiny_family_model(monkeypatch, family, dtype=torch.float32,
+                                                         output_router_logits=True, router_aux_loss_coef=0.5)
+    assert model.router_aux_loss_coef == 0.5
+    assert ts.patch(model, verbose=False)["linear_cross_entropy"]
+    model.zero_grad()
+    out = model(input_ids=ids, labels=ids, return_dict=return_dict)
+    loss = out.loss if return_dict else out[0]
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert_same(loss.detach(), grads, ref_loss, ref_grads, loss_rtol=1e-5, grad_rtol=1e-4)
+    if return_dict:
+        assert out.aux_loss is not None and out.logits is None
 
 
 def test_patch_keeps_rope_that_is_not_llamas(monkeypatch):

@@ -55,14 +55,18 @@ def _hf_references():
         from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
         from transformers.models.gemma2.modeling_gemma2 import Gemma2ForCausalLM
         from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaMLP, LlamaRMSNorm
+        from transformers.models.mixtral.modeling_mixtral import MixtralForCausalLM
     except ImportError:
         return {}
     return {"rms_norm_offset": {_code(LlamaRMSNorm): 0.0, _code(GemmaRMSNorm): 1.0},
             "mlp_forward": _code(LlamaMLP, "forward"),
             # `logits = self.lm_head(hidden_states)`, then with labels `self.loss_function(...)`,
             # nothing between but (Gemma 2's) config.final_logit_softcapping, which the fused
-            # loss applies instead (the forward runs with it set to None).
-            "causal_lm_forward": (_code(LlamaForCausalLM, "forward"), _code(Gemma2ForCausalLM, "forward"))}
+            # loss applies instead (the forward runs with it set to None), or (Mixtral's, the
+            # mixture-of-experts models') the router's load-balancing loss, which the fused loss
+            # adds as the forward would have (_router_aux_loss).
+            "causal_lm_forward": (_code(LlamaForCausalLM, "forward"), _code(Gemma2ForCausalLM, "forward"),
+                                  _code(MixtralForCausalLM, "forward"))}
 
 
 def _rms_norm_offset(cls):
@@ -203,6 +207,9 @@ def _fused_loss_hook(model, args, kwargs, output):
                                                                           grad_weight_accumulation=accumulation),
                            labels, h.device, kwargs.get("num_items_in_batch"), ignore_index,
                            kwargs.get("shift_labels"))
+    aux_loss = _router_aux_loss(model, kwargs, output)
+    if aux_loss is not None:
+        loss = loss + model.router_aux_loss_coef * aux_loss.to(loss.device)
     if isinstance(output, tuple):  # return_dict=False: transformers puts the loss first
         return (loss,) + output
     return type(output)(loss=loss, **{k: v for k, v in output.items() if k != "loss"})
@@ -327,6 +334,21 @@ class PatchReport(Dict[str, List[str]]):
         return "\n".join(lines)
 
 
+def _router_aux_loss(model, kwargs, output):
+    """The load-balancing loss a mixture-of-experts causal LM (MixtralForCausalLM's forward) adds
+    to its loss when given labels, skipped for the fused loss's labels=None; None for other models
+    or without router logits. In a tuple (return_dict=False, the None fields dropped) it comes
+    first, the loss being None."""
+    if not hasattr(model, "router_aux_loss_coef"):
+        return None
+    if not isinstance(output, tuple):
+        return output.get("aux_loss")
+    router = kwargs.get("output_router_logits")
+    if router is None:
+        router = getattr(model.config, "output_router_logits", False)
+    return output[0] if router else None
+
+
 def _fuse_loss(m, grad_weight_accumulation) -> bool:
     """Makes a causal LM (one of the forwards _hf_references names) compute its training loss
     with linear_cross_entropy."""
@@ -357,9 +379,11 @@ def patch(model: nn.Module, rms_norm: bool = True, swiglu: bool = True, geglu: b
     modeling module, where it is Llama's code -> hf_apply_rotary_pos_emb (that module's function,
     so every model of that type in the process uses it), the
     causal-LM loss of each submodule with a settable `loss_function` (transformers' models) ->
-    hf_causal_lm_loss, and, in causal LMs whose forward is LlamaForCausalLM's or
-    Gemma2ForCausalLM's code (Llama, Mistral, Qwen2/3, Gemma 1-3, Phi-3, OLMo, ...; Gemma's final
-    logit softcap applied in the loss), the training loss
+    hf_causal_lm_loss, and, in causal LMs whose forward is LlamaForCausalLM's,
+    Gemma2ForCausalLM's or MixtralForCausalLM's code (Llama, Mistral, Qwen2/3, Gemma 1-3, Phi-3,
+    OLMo, ...; Gemma's final logit softcap applied in the loss; Mixtral, Qwen2/3-MoE, OLMoE,
+    gpt-oss, ... with their router's load-balancing loss added as their forward adds it), the
+    training loss
     (labels given, model.training) -> linear_cross_entropy of the last hidden states and
     lm_head's weight, without the logits (the output's `logits` is then None; its
     grad_weight_accumulation is loss_grad_weight_accumulation: the weight's dtype sums the
