@@ -245,14 +245,17 @@ def test_patch_other_families_keep_their_results(monkeypatch, family):
 
 # Mixture-of-experts causal LMs with MixtralForCausalLM's forward: the fused loss adds the
 # router's load-balancing loss (weighted 0.5 here so that leaving it out shows) as the forward
-# does, in a dict and in a tuple. Float32: the experts' grouped products take no float64.
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe"])
+# does, in a dict and in a tuple; Mixtral's (sliding window) and Qwen3-MoE's attention is ours.
+# Float32: the experts' grouped products take no float64.
+@pytest.mark.parametrize("family,config", [("mixtral", {"sliding_window": 5}), ("qwen3_moe", {"head_dim": 16}),
+                                           ("olmoe", {})])
 @pytest.mark.parametrize("return_dict", [True, False])
-def test_patched_moe_models_add_the_router_loss(monkeypatch, family, return_dict):
-    model, ids, ref_loss, ref_grads = tiny_family_model(monkeypatch, family, dtype=torch.float32,
-                                                         output_router_logits=True, router_aux_loss_coef=0.5)
+def test_patched_moe_models_add_the_router_loss(monkeypatch, family, config, return_dict):
+    model, ids, ref_loss, ref_grads = tiny_family_model(monkeypatch, family, dtype=torch.float32, output_router_logits=True,
+                                                         router_aux_loss_coef=0.5, **config)
     assert model.router_aux_loss_coef == 0.5
-    assert ts.patch(model, verbose=False)["linear_cross_entropy"]
+    report = ts.patch(model, verbose=False)
+    assert report["linear_cross_entropy"] and bool(report["attention"]) == (family != "olmoe")
     model.zero_grad()
     out = model(input_ids=ids, labels=ids, return_dict=return_dict)
     loss = out.loss if return_dict else out[0]
