@@ -186,6 +186,21 @@ def _fused_loss_pre_hook(model, args, kwargs):
     return None
 
 
+def _router_aux_loss(model, kwargs, output):
+    """The load-balancing loss a mixture-of-experts causal LM (MixtralForCausalLM's forward) adds
+    to its loss when given labels, skipped for the fused loss's labels=None; None for other models
+    or without router logits. In a tuple (return_dict=False, the None fields dropped) it comes
+    first, the loss being None."""
+    if not hasattr(model, "router_aux_loss_coef"):
+        return None
+    if not isinstance(output, tuple):
+        return output.get("aux_loss")
+    router = kwargs.get("output_router_logits")
+    if router is None:
+        router = getattr(model.config, "output_router_logits", False)
+    return output[0] if router else None
+
+
 def _fused_loss_hook(model, args, kwargs, output):
     labels, model._trainscale_labels = model._trainscale_labels, None
     softcap, model._trainscale_softcap = model._trainscale_softcap, None
@@ -333,21 +348,6 @@ class PatchReport(Dict[str, List[str]]):
             shown = ", ".join(names[:4]) + (f", ... ({len(names)} in all)" if len(names) > 4 else "")
             lines.append(f"  {part}: {shown or 'nothing matched'}")
         return "\n".join(lines)
-
-
-def _router_aux_loss(model, kwargs, output):
-    """The load-balancing loss a mixture-of-experts causal LM (MixtralForCausalLM's forward) adds
-    to its loss when given labels, skipped for the fused loss's labels=None; None for other models
-    or without router logits. In a tuple (return_dict=False, the None fields dropped) it comes
-    first, the loss being None."""
-    if not hasattr(model, "router_aux_loss_coef"):
-        return None
-    if not isinstance(output, tuple):
-        return output.get("aux_loss")
-    router = kwargs.get("output_router_logits")
-    if router is None:
-        router = getattr(model.config, "output_router_logits", False)
-    return output[0] if router else None
 
 
 def _fuse_loss(m, grad_weight_accumulation) -> bool:
