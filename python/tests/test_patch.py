@@ -245,7 +245,8 @@ def test_patch_other_families_keep_their_results(monkeypatch, family):
 
 # Mixture-of-experts causal LMs with MixtralForCausalLM's forward: the fused loss adds the
 # router's load-balancing loss (weighted 0.5 here so that leaving it out shows) as the forward
-# does, in a dict and in a tuple; Mixtral's (sliding window) and Qwen3-MoE's attention is ours.
+# does, in a dict and in a tuple; Mixtral's (sliding window) and Qwen3-MoE's attention is ours,
+# and so is every experts block's SwiGLU (transformers' grouped_mm experts call its _apply_gate).
 # Float32: the experts' grouped products take no float64.
 @pytest.mark.parametrize("family,config", [("mixtral", {"sliding_window": 5}), ("qwen3_moe", {"head_dim": 16}),
                                            ("olmoe", {})])
@@ -256,6 +257,9 @@ def test_patched_moe_models_add_the_router_loss(monkeypatch, family, config, ret
     assert model.router_aux_loss_coef == 0.5
     report = ts.patch(model, verbose=False)
     assert report["linear_cross_entropy"] and bool(report["attention"]) == (family != "olmoe")
+    assert report["experts_gate"] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert model.config._experts_implementation == "grouped_mm"
+    assert model.model.layers[0].mlp.experts._apply_gate is ts.swiglu
     model.zero_grad()
     out = model(input_ids=ids, labels=ids, return_dict=return_dict)
     loss = out.loss if return_dict else out[0]

@@ -11,6 +11,7 @@ from typing import Dict, List
 import torch
 from torch import nn
 
+from .activation import geglu, swiglu
 from .functional import apply_rotary, cross_entropy, linear_cross_entropy
 from .linear import group_projections
 from .modules import Embedding, GeGLUMLP, RMSNorm, SwiGLUMLP
@@ -305,6 +306,33 @@ def _geglu_mlp(m):
     return _gated_mlp(m, make)
 
 
+def _experts_gates(model: nn.Module, swiglu_on: bool, geglu_on: bool) -> List[str]:
+    """Mixture-of-experts blocks under transformers' experts interface (grouped_mm, batched_mm)
+    apply `self._apply_gate` to each token's concatenated [gate | up] projection; where that is
+    transformers' default (act_fn(gate) * up) with a SiLU or GELU act_fn, the instance gets
+    trainscale.swiglu / geglu on the packed halves instead (one pass forward and backward for
+    the chunk, activation and product). The eager experts forward does not call it and stays
+    as it is."""
+    try:
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError:
+        return []
+    swapped = []
+    for name, m in model.named_modules():
+        if getattr(type(m), "_apply_gate", None) is not _default_apply_gate or "_apply_gate" in vars(m) or \
+                not getattr(m, "is_concatenated", False) or not getattr(m, "has_gate", False):
+            continue
+        form = _gelu_form(getattr(m, "act_fn", None))
+        if swiglu_on and _is_silu(getattr(m, "act_fn", None)):
+            m._apply_gate = swiglu
+        elif geglu_on and form is not None:
+            m._apply_gate = functools.partial(geglu, approximate=form)
+        else:
+            continue
+        swapped.append(name)
+    return swapped
+
+
 def _attention_skip_reason(model: nn.Module):
     """Why patch() leaves model's attention as it is, or None when it switches it to trainscale."""
     cfg = getattr(model, "config", None)
@@ -417,6 +445,8 @@ def patch(model: nn.Module, rms_norm: bool = True, swiglu: bool = True, geglu: b
         report["swiglu_mlp"] = _swap(model, lambda m: _swiglu_mlp(m, fused_mlp))
     if geglu:
         report["geglu_mlp"] = _swap(model, _geglu_mlp)
+    if swiglu or geglu:
+        report["experts_gate"] = _experts_gates(model, swiglu, geglu)
     if rope:
         report["rope"] = []
         for mod_name in sorted({type(m).__module__ for m in model.modules()}):
