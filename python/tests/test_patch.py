@@ -243,23 +243,36 @@ def test_patch_other_families_keep_their_results(monkeypatch, family):
     assert_same(loss, grads, ref_loss, ref_grads, loss_rtol=1e-6, grad_rtol=1e-4)
 
 
-# Mixture-of-experts causal LMs with MixtralForCausalLM's forward: the fused loss adds the
+# Mixture-of-experts causal LMs. With MixtralForCausalLM's forward the fused loss adds the
 # router's load-balancing loss (weighted 0.5 here so that leaving it out shows) as the forward
-# does, in a dict and in a tuple; Mixtral's (sliding window) and Qwen3-MoE's attention is ours,
-# and so is every experts block's SwiGLU (transformers' grouped_mm experts call its _apply_gate).
-# Float32: the experts' grouped products take no float64.
-@pytest.mark.parametrize("family,config", [("mixtral", {"sliding_window": 5}), ("qwen3_moe", {"head_dim": 16}),
-                                           ("olmoe", {})])
+# does, in a dict and in a tuple; DeepSeek-V3's forward (its first layer dense here) has none.
+# Mixtral's (sliding window) and Qwen3-MoE's attention is ours, and so is every experts block's
+# SwiGLU (transformers' grouped_mm experts call its _apply_gate). Float32: the experts' grouped
+# products take no float64.
+MOE_FAMILIES = {
+    "mixtral": ({"sliding_window": 5}, [0, 1]),
+    "qwen3_moe": ({"head_dim": 16}, [0, 1]),
+    "olmoe": ({}, [0, 1]),
+    "deepseek_v3": ({"num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+                     "qk_nope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                     "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}, [1]),
+}
+
+
+@pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
 @pytest.mark.parametrize("return_dict", [True, False])
-def test_patched_moe_models_add_the_router_loss(monkeypatch, family, config, return_dict):
-    model, ids, ref_loss, ref_grads = tiny_family_model(monkeypatch, family, dtype=torch.float32, output_router_logits=True,
-                                                         router_aux_loss_coef=0.5, **config)
-    assert model.router_aux_loss_coef == 0.5
+def test_patched_moe_models_match(monkeypatch, family, return_dict):
+    config, expert_layers = MOE_FAMILIES[family]
+    router_loss = family != "deepseek_v3"
+    if router_loss:
+        config = {**config, "output_router_logits": True, "router_aux_loss_coef": 0.5}
+    model, ids, ref_loss, ref_grads = tiny_family_model(monkeypatch, family, dtype=torch.float32, **config)
+    assert not router_loss or model.router_aux_loss_coef == 0.5
     report = ts.patch(model, verbose=False)
-    assert report["linear_cross_entropy"] and bool(report["attention"]) == (family != "olmoe")
-    assert report["experts_gate"] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert report["linear_cross_entropy"] and bool(report["attention"]) == (family in ("mixtral", "qwen3_moe"))
+    assert report["experts_gate"] == [f"model.layers.{i}.mlp.experts" for i in expert_layers]
     assert model.config._experts_implementation == "grouped_mm"
-    assert model.model.layers[0].mlp.experts._apply_gate is ts.swiglu
+    assert model.model.layers[expert_layers[0]].mlp.experts._apply_gate is ts.swiglu
     model.zero_grad()
     out = model(input_ids=ids, labels=ids, return_dict=return_dict)
     loss = out.loss if return_dict else out[0]
@@ -267,7 +280,7 @@ def test_patched_moe_models_add_the_router_loss(monkeypatch, family, config, ret
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     assert_same(loss.detach(), grads, ref_loss, ref_grads, loss_rtol=1e-5, grad_rtol=1e-4)
     if return_dict:
-        assert out.aux_loss is not None and out.logits is None
+        assert (out.aux_loss is not None) == router_loss and out.logits is None
 
 
 def test_patch_keeps_rope_that_is_not_llamas(monkeypatch):

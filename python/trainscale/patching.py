@@ -57,6 +57,7 @@ def _hf_references():
         from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
         from transformers.models.gemma2.modeling_gemma2 import Gemma2ForCausalLM
         from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaMLP, LlamaRMSNorm
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3ForCausalLM
         from transformers.models.mixtral.modeling_mixtral import MixtralForCausalLM
     except ImportError:
         return {}
@@ -66,9 +67,10 @@ def _hf_references():
             # nothing between but (Gemma 2's) config.final_logit_softcapping, which the fused
             # loss applies instead (the forward runs with it set to None), or (Mixtral's, the
             # mixture-of-experts models') the router's load-balancing loss, which the fused loss
-            # adds as the forward would have (_router_aux_loss).
+            # adds as the forward would have (_router_aux_loss); DeepSeek-V3's is Llama's with
+            # the router logits passed on.
             "causal_lm_forward": (_code(LlamaForCausalLM, "forward"), _code(Gemma2ForCausalLM, "forward"),
-                                  _code(MixtralForCausalLM, "forward"))}
+                                  _code(MixtralForCausalLM, "forward"), _code(DeepseekV3ForCausalLM, "forward"))}
 
 
 def _rms_norm_offset(cls):
@@ -409,9 +411,10 @@ def patch(model: nn.Module, rms_norm: bool = True, swiglu: bool = True, geglu: b
     so every model of that type in the process uses it), the
     causal-LM loss of each submodule with a settable `loss_function` (transformers' models) ->
     hf_causal_lm_loss, and, in causal LMs whose forward is LlamaForCausalLM's,
-    Gemma2ForCausalLM's or MixtralForCausalLM's code (Llama, Mistral, Qwen2/3, Gemma 1-3, Phi-3,
-    OLMo, ...; Gemma's final logit softcap applied in the loss; Mixtral, Qwen2/3-MoE, OLMoE,
-    gpt-oss, ... with their router's load-balancing loss added as their forward adds it), the
+    Gemma2ForCausalLM's, MixtralForCausalLM's or DeepseekV3ForCausalLM's code (Llama, Mistral,
+    Qwen2/3, Gemma 1-3, Phi-3, OLMo, ...; Gemma's final logit softcap applied in the loss; Mixtral,
+    Qwen2/3-MoE, OLMoE, gpt-oss, ... with their router's load-balancing loss added as their
+    forward adds it; DeepSeek-V2/V3, GLM-4.5 MoE, ...), the
     training loss
     (labels given, model.training) -> linear_cross_entropy of the last hidden states and
     lm_head's weight, without the logits (the output's `logits` is then None; its
