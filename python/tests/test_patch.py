@@ -238,7 +238,8 @@ OTHER_FAMILIES = ["olmo2", "bitnet", "phi3", "granite", "glm4", "stablelm", "exa
 @pytest.mark.parametrize("family", OTHER_FAMILIES)
 def test_patch_other_families_keep_their_results(monkeypatch, family):
     model, ids, ref_loss, ref_grads = tiny_family_model(monkeypatch, family)
-    ts.patch(model, verbose=False)
+    report = ts.patch(model, verbose=False)
+    assert bool(report["attention"]) == (family == "olmo2")  # OLMo 2's attention is ours
     loss, grads = loss_and_grads(model, ids)
     assert_same(loss, grads, ref_loss, ref_grads, loss_rtol=1e-6, grad_rtol=1e-4)
 
@@ -246,7 +247,7 @@ def test_patch_other_families_keep_their_results(monkeypatch, family):
 # Mixture-of-experts causal LMs. With MixtralForCausalLM's forward the fused loss adds the
 # router's load-balancing loss (weighted 0.5 here so that leaving it out shows) as the forward
 # does, in a dict and in a tuple; DeepSeek-V3's forward (its first layer dense here) has none.
-# Mixtral's (sliding window) and Qwen3-MoE's attention is ours, and so is every experts block's
+# Mixtral's (sliding window), Qwen3-MoE's and OLMoE's attention is ours, and so is every experts block's
 # SwiGLU (transformers' grouped_mm experts call its _apply_gate). Float32: the experts' grouped
 # products take no float64.
 MOE_FAMILIES = {
@@ -269,7 +270,7 @@ def test_patched_moe_models_match(monkeypatch, family, return_dict):
     model, ids, ref_loss, ref_grads = tiny_family_model(monkeypatch, family, dtype=torch.float32, **config)
     assert not router_loss or model.router_aux_loss_coef == 0.5
     report = ts.patch(model, verbose=False)
-    assert report["linear_cross_entropy"] and bool(report["attention"]) == (family in ("mixtral", "qwen3_moe"))
+    assert report["linear_cross_entropy"] and bool(report["attention"]) == (family != "deepseek_v3")
     assert report["experts_gate"] == [f"model.layers.{i}.mlp.experts" for i in expert_layers]
     assert model.config._experts_implementation == "grouped_mm"
     assert model.model.layers[expert_layers[0]].mlp.experts._apply_gate is ts.swiglu

@@ -20,7 +20,7 @@ from .selection import config
 # Llama-family models (config.model_type) whose attention goes through transformers'
 # AttentionInterface with the sdpa signature: patch(model) may route it to trainscale.
 _ATTENTION_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "mixtral", "qwen2_moe",
-                          "qwen3_moe")
+                          "qwen3_moe", "olmo2", "olmoe")
 
 
 def _dump(tree) -> str:
@@ -421,7 +421,7 @@ def patch(model: nn.Module, rms_norm: bool = True, swiglu: bool = True, geglu: b
     grad_weight_accumulation is loss_grad_weight_accumulation: the weight's dtype sums the
     weight gradient in place over chunks of at most 512 MiB of logits, as Liger-Kernel does,
     instead of all tokens' logits or a float32 buffer), and, in Llama /
-    Mistral / Qwen2 / Qwen3 / Gemma 1-3 / Mixtral / Qwen2/3-MoE models whose parameters are all on the CPU, or all on Hopper GPUs with
+    Mistral / Qwen2 / Qwen3 / Gemma 1-3 / Mixtral / Qwen2/3-MoE / OLMo 2 / OLMoE models whose parameters are all on the CPU, or all on Hopper GPUs with
     head dim 64 or 128, attention -> trainscale.hf_attention_forward
     (config._attn_implementation = "trainscale"; masks other than the causal (sliding-window)
     one and dropout fall back to sdpa per call). On other GPUs and head dims attention is left as
