@@ -284,6 +284,23 @@ def test_patched_moe_models_match(monkeypatch, family, return_dict):
         assert (out.aux_loss is not None) == router_loss and out.logits is None
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_patched_mixtral_matches(monkeypatch):
+    # On the GPU in bfloat16: the experts' SwiGLU, the fused loss with the router term and (on
+    # Hopper, head dim 64) the attention run our kernels; against the unpatched model on the
+    # GPU, bfloat16 rounding apart.
+    model, ids, _, _ = tiny_family_model(monkeypatch, "mixtral", dtype=torch.bfloat16, hidden_size=256, head_dim=64,
+                                          output_router_logits=True, router_aux_loss_coef=0.5)
+    model, ids = model.cuda(), ids.cuda()
+    ref_loss, ref_grads = loss_and_grads(copy.deepcopy(model), ids)
+    report = ts.patch(model, verbose=False)
+    assert report["experts_gate"] and report["linear_cross_entropy"]
+    loss, grads = loss_and_grads(model, ids)
+    torch.testing.assert_close(loss.float(), ref_loss.float(), rtol=2e-2, atol=0)
+    for name, g in ref_grads.items():
+        assert (grads[name].float() - g.float()).norm() <= 5e-2 * g.float().norm(), name
+
+
 def test_patch_keeps_rope_that_is_not_llamas(monkeypatch):
     # Cohere rotates interleaved pairs: its apply_rotary_pos_emb is not Llama's code, so patch()
     # leaves it (ours would rotate the wrong pairs), and the patched model computes what it did.
