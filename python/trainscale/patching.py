@@ -19,8 +19,8 @@ from .selection import config
 
 # Llama-family models (config.model_type) whose attention goes through transformers'
 # AttentionInterface with the sdpa signature: patch(model) may route it to trainscale.
-_ATTENTION_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "mixtral", "qwen2_moe",
-                          "qwen3_moe", "olmo2", "olmoe")
+_ATTENTION_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2",
+                          "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 
 def _dump(tree) -> str:
@@ -324,8 +324,8 @@ def _experts_gates(model: nn.Module, swiglu_on: bool, geglu_on: bool) -> List[st
         if getattr(type(m), "_apply_gate", None) is not _default_apply_gate or "_apply_gate" in vars(m) or \
                 not getattr(m, "is_concatenated", False) or not getattr(m, "has_gate", False):
             continue
-        form = _gelu_form(getattr(m, "act_fn", None))
-        if swiglu_on and _is_silu(getattr(m, "act_fn", None)):
+        act, form = getattr(m, "act_fn", None), _gelu_form(getattr(m, "act_fn", None))
+        if swiglu_on and _is_silu(act):
             m._apply_gate = swiglu
         elif geglu_on and form is not None:
             m._apply_gate = functools.partial(geglu, approximate=form)
@@ -420,9 +420,9 @@ def patch(model: nn.Module, rms_norm: bool = True, swiglu: bool = True, geglu: b
     lm_head's weight, without the logits (the output's `logits` is then None; its
     grad_weight_accumulation is loss_grad_weight_accumulation: the weight's dtype sums the
     weight gradient in place over chunks of at most 512 MiB of logits, as Liger-Kernel does,
-    instead of all tokens' logits or a float32 buffer), and, in Llama /
-    Mistral / Qwen2 / Qwen3 / Gemma 1-3 / Mixtral / Qwen2/3-MoE / OLMo 2 / OLMoE models whose parameters are all on the CPU, or all on Hopper GPUs with
-    head dim 64 or 128, attention -> trainscale.hf_attention_forward
+    instead of all tokens' logits or a float32 buffer), and, in Llama / Mistral / Qwen2 / Qwen3 /
+    Gemma 1-3 / OLMo 2 / Mixtral / Qwen2/3-MoE / OLMoE models whose parameters are all on the
+    CPU, or all on Hopper GPUs with head dim 64 or 128, attention -> trainscale.hf_attention_forward
     (config._attn_implementation = "trainscale"; masks other than the causal (sliding-window)
     one and dropout fall back to sdpa per call). On other GPUs and head dims attention is left as
     it is, since training through our sm_80 attention backward is slower than through PyTorch

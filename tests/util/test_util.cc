@@ -76,14 +76,11 @@ HostTensor HostTensor::from_values(DType dtype, std::vector<std::int64_t> shape,
 }
 
 // Row-major storage whose only gaps are the row padding: row (logical / row length) at the row
-// stride, one division per element where rows are padded, none where they are not (the tests
-// walk tensors of up to ~10^8 elements).
+// stride, one division per element (the tests walk tensors of up to ~10^8 elements).
 std::int64_t HostTensor::offset_of(std::int64_t logical) const {
   if (view_.ndim < 2) return logical;
   const std::int64_t row_length = view_.shape[view_.ndim - 1];
-  const std::int64_t row_stride = view_.strides[view_.ndim - 2];
-  if (row_stride == row_length) return logical;
-  return logical / row_length * row_stride + logical % row_length;
+  return logical / row_length * view_.strides[view_.ndim - 2] + logical % row_length;
 }
 
 double HostTensor::at(std::int64_t i) const {
