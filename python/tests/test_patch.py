@@ -148,6 +148,21 @@ def test_patch_leaves_attention_off_the_cpu(monkeypatch):
     assert model.config._attn_implementation == "eager"
 
 
+def test_patch_leaves_latent_attention_and_other_attention_code(monkeypatch):
+    # Multi-head latent attention with value heads narrower than the query's (DeepSeek-V3's
+    # widths) and a model whose attention does not go through transformers' interface (StableLM)
+    # keep their attention.
+    skip_reason = ts.patching._attention_skip_reason
+    dsv3 = {"num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 16, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}
+    model, *_ = tiny_family_model(monkeypatch, "deepseek_v3", dtype=torch.float32, **dsv3)
+    assert "head dim 24 and value head dim 16 differ" in skip_reason(model)
+    assert ts.patch(model, verbose=False)["attention"] == []
+    model, *_ = tiny_family_model(monkeypatch, "stablelm")
+    assert "AttentionInterface" in skip_reason(model)
+
+
 def tiny_family_model(monkeypatch, family, config_name=None, model_name=None, training=True,
                       dtype=torch.float64, **config):
     """A two-layer model of transformers' `family` (its `*Config` and `*ForCausalLM` unless named)
@@ -232,14 +247,19 @@ def test_patch_recognizes_norms_and_mlps_by_their_code():
 # Families patch() names no part of: it swaps what is Llama's code in them and leaves the rest
 # (OLMo 2's norms, BitNet's MLP, Phi-3's packed MLP and partial RoPE, GLM-4's interleaved RoPE),
 # and the model computes what it did (its loss in float32, as transformers' loss upcasts).
-OTHER_FAMILIES = ["olmo2", "bitnet", "phi3", "granite", "glm4", "stablelm", "exaone4"]
+# Attention is ours in every model whose attention goes through transformers' interface (not
+# StableLM's): Granite's scale, Ministral's and VaultGemma's sliding windows and softcap, and
+# gpt-oss's sinks falling back to eager (its sdpa lacks them) per call.
+OTHER_FAMILIES = {"olmo2": {}, "bitnet": {}, "phi3": {}, "granite": {}, "glm4": {}, "stablelm": {}, "exaone4": {},
+                  "ministral": {"head_dim": 16, "sliding_window": 5}, "vaultgemma": {"sliding_window": 5},
+                  "gpt_oss": {"sliding_window": 5, "dtype": torch.float32}}  # experts: no float64 grouped products
 
 
-@pytest.mark.parametrize("family", OTHER_FAMILIES)
+@pytest.mark.parametrize("family", sorted(OTHER_FAMILIES))
 def test_patch_other_families_keep_their_results(monkeypatch, family):
-    model, ids, ref_loss, ref_grads = tiny_family_model(monkeypatch, family)
+    model, ids, ref_loss, ref_grads = tiny_family_model(monkeypatch, family, **OTHER_FAMILIES[family])
     report = ts.patch(model, verbose=False)
-    assert bool(report["attention"]) == (family == "olmo2")  # OLMo 2's attention is ours
+    assert bool(report["attention"]) == (family != "stablelm")
     loss, grads = loss_and_grads(model, ids)
     assert_same(loss, grads, ref_loss, ref_grads, loss_rtol=1e-6, grad_rtol=1e-4)
 
@@ -247,7 +267,7 @@ def test_patch_other_families_keep_their_results(monkeypatch, family):
 # Mixture-of-experts causal LMs. With MixtralForCausalLM's forward the fused loss adds the
 # router's load-balancing loss (weighted 0.5 here so that leaving it out shows) as the forward
 # does, in a dict and in a tuple; DeepSeek-V3's forward (its first layer dense here) has none.
-# Mixtral's (sliding window), Qwen3-MoE's and OLMoE's attention is ours, and so is every experts block's
+# The attention is ours (DeepSeek-V3's with query and value heads of one width), and so is every experts block's
 # SwiGLU (transformers' grouped_mm experts call its _apply_gate). Float32: the experts' grouped
 # products take no float64.
 MOE_FAMILIES = {
@@ -270,7 +290,7 @@ def test_patched_moe_models_match(monkeypatch, family, return_dict):
     model, ids, ref_loss, ref_grads = tiny_family_model(monkeypatch, family, dtype=torch.float32, **config)
     assert not router_loss or model.router_aux_loss_coef == 0.5
     report = ts.patch(model, verbose=False)
-    assert report["linear_cross_entropy"] and bool(report["attention"]) == (family != "deepseek_v3")
+    assert report["linear_cross_entropy"] and report["attention"]  # DeepSeek-V3's heads here are one width
     assert report["experts_gate"] == [f"model.layers.{i}.mlp.experts" for i in expert_layers]
     assert model.config._experts_implementation == "grouped_mm"
     assert model.model.layers[expert_layers[0]].mlp.experts._apply_gate is ts.swiglu

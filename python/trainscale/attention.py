@@ -152,11 +152,24 @@ def _warn_once(reason: str):
     if reason not in _warned:
         _warned.add(reason)
         warnings.warn(f"trainscale attention: {reason}; falling back to transformers' sdpa attention "
-                      "(the model's eager attention for a softcap) for such calls", stacklevel=3)
+                      "(the model's eager attention for options sdpa lacks) for such calls", stacklevel=3)
+
+
+# Arguments some models pass to their attention function that change what it computes:
+# T5-style position bias, gpt-oss's and others' attention sinks, DeepSeek-V3.2's and
+# MiniMax-M3's selected key indices.
+_UNSUPPORTED_KWARGS = ("position_bias", "s_aux", "sinks", "indices", "block_indices")
 
 
 def _is_compiling() -> bool:
     return torch.compiler.is_compiling()
+
+
+def _causal_band(q_len: int, kv_len: int, window_left: int, device) -> torch.Tensor:
+    """[q_len, kv_len] boolean: query i sees the keys up to its own position bottom-right
+    aligned, and when window_left >= 0 only the window_left keys before it."""
+    band = torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)
+    return band.triu(kv_len - q_len - window_left) if window_left >= 0 else band
 
 
 def _is_causal_band(mask: torch.Tensor, q_len: int, kv_len: int, window_left: int) -> bool:
@@ -165,10 +178,7 @@ def _is_causal_band(mask: torch.Tensor, q_len: int, kv_len: int, window_left: in
     (reads the mask: not done while compiling)."""
     if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[-2:] != (q_len, kv_len):
         return False
-    band = torch.ones(q_len, kv_len, dtype=torch.bool, device=mask.device).tril(kv_len - q_len)
-    if window_left >= 0:
-        band = band.triu(kv_len - q_len - window_left)
-    return bool((mask == band).all())
+    return bool((mask == _causal_band(q_len, kv_len, window_left, mask.device)).all())
 
 
 def hf_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -181,11 +191,11 @@ def hf_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
     is exactly the causal pattern, also with a causal sliding window (Mistral, Gemma: query i sees
     the `sliding_window` keys up to its own) and a logit softcap (Gemma 2); sequences packed into a
     batch of one with transformers' FlashAttention kwargs (cu_seq_lens_q / _k, max_length_q / _k)
-    run trainscale.attention_varlen, each sequence attended alone. Anything else
-    (padding or other masks, dropout > 0, position bias, attention sinks, a different value head
-    dim, and on CUDA a dtype / head dim the kernel lacks) falls back
-    to transformers' sdpa_attention_forward (a softcap, which sdpa lacks, to the model module's
-    eager_attention_forward) with a one-time warning per reason."""
+    run trainscale.attention_varlen, each sequence attended alone. Anything else (padding or
+    other masks, dropout > 0, position bias, attention sinks, sparse key indices, a different
+    value head dim, and on CUDA a dtype / head dim the kernel lacks) falls back to
+    transformers' sdpa_attention_forward (a softcap, sinks, a position bias or key indices, which
+    sdpa lacks, to the model module's eager_attention_forward) with a one-time warning per reason."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     reason = None
@@ -201,8 +211,8 @@ def hf_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
         reason = "dropout > 0 is not supported"
     elif sliding_window is not None and not (causal and sliding_window >= 1):
         reason = "a sliding window without a causal mask is not supported"
-    elif kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None:
-        reason = "position bias / attention sinks are not supported"
+    elif any(kwargs.get(name) is not None for name in _UNSUPPORTED_KWARGS):
+        reason = "position bias, attention sinks and sparse (indexed) attention are not supported"
     elif key.shape[-1] != query.shape[-1] or value.shape[-1] != query.shape[-1]:
         reason = "query, key and value head dims differ"
     elif query.shape[1] % key.shape[1] != 0:
@@ -216,9 +226,15 @@ def hf_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
             reason = "attention masks other than the causal (sliding-window) one, e.g. padding, are not supported"
     if reason is not None:
         _warn_once(reason)
-        # sdpa cannot express a softcap: such calls go to the model's own eager attention.
+        # sdpa cannot express a softcap, sinks, a position bias or key indices: such calls go to
+        # the model's own eager attention.
         eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-        if softcap is not None and eager is not None:
+        beyond_sdpa = softcap is not None or any(kwargs.get(name) is not None for name in _UNSUPPORTED_KWARGS)
+        if beyond_sdpa and eager is not None:
+            if attention_mask is None and causal and q_len > 1:
+                # sdpa's mask function leaves out a plain causal mask (sdpa takes is_causal);
+                # eager attention needs it written, bottom-right aligned as transformers' masks.
+                attention_mask = _causal_band(q_len, kv_len, window_left, query.device)[None, None]
             if attention_mask is not None and attention_mask.dtype == torch.bool:
                 # transformers builds sdpa's boolean mask for us; eager attention adds its mask, and
                 # takes its softmax in float32: the most negative value finite in both dtypes, so that

@@ -17,12 +17,6 @@ from .linear import group_projections
 from .modules import Embedding, GeGLUMLP, RMSNorm, SwiGLUMLP
 from .selection import config
 
-# Llama-family models (config.model_type) whose attention goes through transformers'
-# AttentionInterface with the sdpa signature: patch(model) may route it to trainscale.
-_ATTENTION_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2",
-                          "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
-
-
 def _dump(tree) -> str:
     """tree dumped without docstrings, decorators, type annotations and a class's own name: the
     code transformers copies from model to model (its "Copied from" / modular classes and
@@ -336,16 +330,26 @@ def _experts_gates(model: nn.Module, swiglu_on: bool, geglu_on: bool) -> List[st
 
 
 def _attention_skip_reason(model: nn.Module):
-    """Why patch() leaves model's attention as it is, or None when it switches it to trainscale."""
+    """Why patch() leaves model's attention as it is, or None when it switches it to trainscale:
+    any Hugging Face model that declares its attention goes through transformers'
+    AttentionInterface (_supports_attention_backend); per call, hf_attention_forward falls back
+    to sdpa for what it does not run (masks, sinks, position bias, sparse indices)."""
     cfg = getattr(model, "config", None)
-    if cfg is None or getattr(cfg, "model_type", None) not in _ATTENTION_MODEL_TYPES:
-        return "not a Llama-family Hugging Face model"
+    is_compatible = getattr(type(model), "is_backend_compatible", None)
+    if cfg is None or is_compatible is None or not is_compatible():
+        return "not a Hugging Face model whose attention goes through transformers' AttentionInterface"
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    # Multi-head latent attention (DeepSeek-V3) has value heads narrower than the query's.
+    v_head_dim, qk_head_dim = getattr(text, "v_head_dim", None), getattr(text, "qk_head_dim", None)
+    if v_head_dim is not None and qk_head_dim is not None and v_head_dim != qk_head_dim:
+        return f"query / key head dim {qk_head_dim} and value head dim {v_head_dim} differ"
     devices = {p.device for p in model.parameters()}
     if all(d.type == "cpu" for d in devices):
         return None
     if any(d.type != "cuda" for d in devices):
         return "parameters neither all on the CPU nor all on CUDA"
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    heads = getattr(text, "num_attention_heads", None)
+    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
     # patch() swaps in what is faster: the Hopper backward (D 64 / 128) runs at 0.7-0.87x cuDNN's
     # and 1.3-1.5x PyTorch SDPA's flash backend; elsewhere our sm_80 backward is slower than SDPA's
     # (docs/perf/attention.md).
