@@ -163,6 +163,19 @@ def test_patch_leaves_latent_attention_and_other_attention_code(monkeypatch):
     assert "AttentionInterface" in skip_reason(model)
 
 
+def test_attention_sinks_fall_back_to_the_models_eager_attention(monkeypatch):
+    # Selected by hand, trainscale's attention function passes gpt-oss's calls (sinks; no mask on
+    # its full-attention layers, where sdpa would take is_causal) to its eager attention with the
+    # causal mask written out: the model computes what its eager attention does.
+    model, ids, ref_loss, ref_grads = tiny_family_model(monkeypatch, "gpt_oss", dtype=torch.float32,
+                                                        sliding_window=5)
+    assert "sinks" in ts.patching._attention_skip_reason(model)
+    ts.register_hf_attention()
+    model.set_attn_implementation("trainscale")
+    loss, grads = loss_and_grads(model, ids)
+    assert_same(loss, grads, ref_loss, ref_grads, loss_rtol=1e-6, grad_rtol=1e-4)
+
+
 def tiny_family_model(monkeypatch, family, config_name=None, model_name=None, training=True,
                       dtype=torch.float64, **config):
     """A two-layer model of transformers' `family` (its `*Config` and `*ForCausalLM` unless named)
@@ -248,8 +261,8 @@ def test_patch_recognizes_norms_and_mlps_by_their_code():
 # (OLMo 2's norms, BitNet's MLP, Phi-3's packed MLP and partial RoPE, GLM-4's interleaved RoPE),
 # and the model computes what it did (its loss in float32, as transformers' loss upcasts).
 # Attention is ours in every model whose attention goes through transformers' interface (not
-# StableLM's): Granite's scale, Ministral's and VaultGemma's sliding windows and softcap, and
-# gpt-oss's sinks falling back to eager (its sdpa lacks them) per call.
+# StableLM's) and has no sinks (not gpt-oss's): Granite's scale, Ministral's and VaultGemma's
+# sliding windows and softcap.
 OTHER_FAMILIES = {"olmo2": {}, "bitnet": {}, "phi3": {}, "granite": {}, "glm4": {}, "stablelm": {}, "exaone4": {},
                   "ministral": {"head_dim": 16, "sliding_window": 5}, "vaultgemma": {"sliding_window": 5},
                   "gpt_oss": {"sliding_window": 5, "dtype": torch.float32}}  # experts: no float64 grouped products
@@ -259,7 +272,7 @@ OTHER_FAMILIES = {"olmo2": {}, "bitnet": {}, "phi3": {}, "granite": {}, "glm4": 
 def test_patch_other_families_keep_their_results(monkeypatch, family):
     model, ids, ref_loss, ref_grads = tiny_family_model(monkeypatch, family, **OTHER_FAMILIES[family])
     report = ts.patch(model, verbose=False)
-    assert bool(report["attention"]) == (family != "stablelm")
+    assert bool(report["attention"]) == (family not in ("stablelm", "gpt_oss"))
     loss, grads = loss_and_grads(model, ids)
     assert_same(loss, grads, ref_loss, ref_grads, loss_rtol=1e-6, grad_rtol=1e-4)
 

@@ -343,6 +343,8 @@ def _attention_skip_reason(model: nn.Module):
     v_head_dim, qk_head_dim = getattr(text, "v_head_dim", None), getattr(text, "qk_head_dim", None)
     if v_head_dim is not None and qk_head_dim is not None and v_head_dim != qk_head_dim:
         return f"query / key head dim {qk_head_dim} and value head dim {v_head_dim} differ"
+    if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
+        return "attention sinks (every call would fall back to the model's eager attention)"
     devices = {p.device for p in model.parameters()}
     if all(d.type == "cpu" for d in devices):
         return None
