@@ -313,7 +313,7 @@ def test_hf_gemma2_window_and_softcap_match_eager():
 # is handed over additive. (Gemma 2 in float32: its own eager float64 masks turn padding rows to
 # NaN in its float32 softmax.)
 PADDING_FALLBACKS = {"llama": (lambda impl: _tiny_llama(impl, torch.float64), "sdpa", "transformers' sdpa"),
-                     "gemma2": (lambda impl: _tiny_gemma2(impl, torch.float32), "eager", "eager attention for a softcap")}
+                     "gemma2": (lambda impl: _tiny_gemma2(impl, torch.float32), "eager", "eager attention for options sdpa lacks")}
 
 
 @pytest.mark.parametrize("family", sorted(PADDING_FALLBACKS))
