@@ -5,17 +5,19 @@
 // converts dQ. The products and tiles: attention_bwd_sm90_traits.cuh.
 //
 //   producer (one warp)  K and V once; per step Q + lse and dO + delta through two TMA pipelines.
+//   dQ writer (one warp): per query block, once the consumers staged its dQ partial, one bulk
+//                         asynchronous reduce-add of it into the workspace.
 //   consumers (2 warp groups, 64 keys each), per query block:
 //     S^T, dP^T (wgmma) -> P^T = exp2(S^T scale log2e - lse log2e) -> dV += P^T dO (P^T from
 //     registers) -> dS^T = P^T (dP^T - delta) -> dS^T to shared memory (stmatrix) ->
-//     dQ = dS K, then dK += dS^T Q -> dQ's partial staged while dK runs, reduce-added into the
-//     workspace behind the next query block's S^T and dP^T.
+//     dQ = dS K, then dK += dS^T Q -> dQ's partial staged (double-buffered) while dK runs, and
+//     handed to the dQ writer.
 //
 // dQ's partials arrive in any order by default. In the deterministic mode each (query head,
 // query block) has a counter in the workspace and the key blocks add their partials in key-block
-// order: the CTA of key block n waits until every earlier key block that sees the query block
-// has added its part (CTAs start in blockIdx order, and backward_cta numbers a head's earlier key blocks first, so
-// the ones waited for are running or done).
+// order: the dQ writer of key block n waits until every earlier key block that sees the query
+// block has added its part (CTAs start in blockIdx order, and backward_cta numbers a head's
+// earlier key blocks first, so the ones waited for are running or done).
 //
 // The scores' scale and softcap enter as in the sm_80 kernels (attention_bwd_kernel.cuh): dS
 // leaves out the factor scale, which the epilogue (dK) and the postprocess (dQ) apply.
@@ -66,7 +68,6 @@ struct BackwardSm90Params {
 // Named barriers (ids after CUTLASS's reserved ones).
 enum class BackwardBarrier : uint32_t {
   kDsReady = 0,  // both consumer warp groups stored their dS^T rows
-  kDqFull = 1,   // + warp group: its dQ staging is written
 };
 
 // The query blocks that see a key of key block n_block (AttentionMask::query_blocks).
@@ -175,6 +176,46 @@ __device__ __forceinline__ void bulk_reduce_add(float* global, const float* smem
 }
 
 template <class Traits>
+struct BackwardSm90DqWriter {
+  // Runs on the 32 lanes of the dQ warp; lane 0 waits for each staged partial, reduce-adds it
+  // (the whole query block: both warp groups' halves, contiguous in the staging buffer and in
+  // the workspace) and frees the buffer once the reduce has read it.
+  template <class SharedStorage>
+  __device__ static void run(const BackwardSm90Params<Traits>& p, SharedStorage& storage,
+                             typename Traits::PipelineDq& pipeline_dq, int batch, int kv_head, int n_block,
+                             QueryBlocks blocks) {
+    if (threadIdx.x % 32 != 0) return;
+    typename Traits::PipelineDq::PipelineState read;
+    int head = kv_head * p.group, m_block = blocks.first;
+    for (int t = 0; t < blocks.count * p.group; ++t) {
+      const int64_t chunk = (static_cast<int64_t>(batch) * p.q_heads + head) * p.m_blocks + m_block;
+      int* semaphore = p.dq_semaphore != nullptr ? p.dq_semaphore + chunk : nullptr;
+      if (semaphore != nullptr) {
+        const int expected = key_blocks_before(p, n_block, m_block);
+        int seen;
+        do {
+          asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(semaphore) : "memory");
+        } while (seen < expected);
+      }
+      pipeline_dq.consumer_wait(read);
+      bulk_reduce_add(p.dq_accum + chunk * Traits::kDqFloats, storage.dq[read.index()],
+                      Traits::kDqFloats * sizeof(float));
+      cute::tma_store_arrive();
+      if (semaphore != nullptr) {
+        asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // the sums are in global memory
+        __threadfence();
+        atomicAdd(semaphore, 1);
+      } else {
+        cute::tma_store_wait<0>();  // the staging buffer is read
+      }
+      pipeline_dq.consumer_release(read);
+      ++read;
+      if (++m_block == blocks.first + blocks.count) m_block = blocks.first, ++head;
+    }
+  }
+};
+
+template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     attention_backward_sm90_kernel(const __grid_constant__ BackwardSm90Params<Traits> p) {
 #if TS_ATTENTION_BWD_SM90_BODY
@@ -203,12 +244,20 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   pipeline_params.num_consumers = kConsumerThreads;
   Pipeline pipeline_q(storage.pipeline_q, pipeline_params, Shape<_1, _1, _1>{});
   Pipeline pipeline_dout(storage.pipeline_dout, pipeline_params, Shape<_1, _1, _1>{});
+  using PipelineDq = typename Traits::PipelineDq;
+  typename PipelineDq::Params dq_params;
+  dq_params.role = warp_group == 0 ? PipelineDq::ThreadCategory::Consumer : PipelineDq::ThreadCategory::Producer;
+  dq_params.producer_arv_count = kConsumerThreads;  // every consumer thread stages part of a partial
+  dq_params.consumer_arv_count = 1;                 // the dQ warp's lane 0
+  PipelineDq pipeline_dq(storage.pipeline_dq, dq_params);
   __syncthreads();  // barriers initialized before any thread uses them
 
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
     if (threadIdx.x / 32 == 0) {
       BackwardSm90Producer<Traits>::run(p, storage, pipeline_q, pipeline_dout, batch, kv_head, n_block, blocks);
+    } else if (threadIdx.x / 32 == 1) {
+      BackwardSm90DqWriter<Traits>::run(p, storage, pipeline_dq, batch, kv_head, n_block, blocks);
     }
     return;
   }
@@ -265,15 +314,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
            p.mask.key_end(m0) >= n0 + kBlockN;
   };
 
-  // Step t's dQ partial is staged (in register order, into this warp group's half of staging
-  // buffer t % 2) as soon as its product completes, while the tensor cores run the step's dK;
-  // step t + 1 reduce-adds it into the workspace (one thread, a bulk asynchronous reduce) once
-  // its own S^T and dP^T are queued, so the fence and the barrier wait behind those products.
-  // Before that barrier the thread waits for its previous reduce to have read its buffer, so
-  // after step t + 1's barrier the buffer of step t - 1 is free for step t + 1's partial.
+  // Each step's dQ partial goes, in register order, into this warp group's half of a staging
+  // buffer as soon as its product completes (while the tensor cores run the step's dK); the dQ
+  // writer reduce-adds the buffer once both warp groups have filled it, and frees it once read.
   Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-  auto stage_dq = [&](int t) {
-    float* staging = storage.dq[t & 1] + consumer_group * Traits::kDqFloatsPerWarpGroup;
+  auto stage_dq = [&](int buffer) {
+    float* staging = storage.dq[buffer] + consumer_group * Traits::kDqFloatsPerWarpGroup;
     static_assert(decltype(size(tdQrdQ))::value % 4 == 0);
     CUTE_UNROLL
     for (int e = 0; e < size(tdQrdQ); e += 4) {
@@ -281,33 +327,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           make_float4(tdQrdQ(e), tdQrdQ(e + 1), tdQrdQ(e + 2), tdQrdQ(e + 3));
     }
   };
-  auto reduce_dq = [&](int t) {
-    const int head = kv_head * p.group + t / blocks.count;
-    const int m_block = blocks.first + t % blocks.count;
-    const float* staging = storage.dq[t & 1] + consumer_group * Traits::kDqFloatsPerWarpGroup;
-    cutlass::arch::fence_view_async_shared();
-    if (group_thread == 0) tma_store_wait<0>();
-    cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(BackwardBarrier::kDqFull) + consumer_group);
-    if (group_thread == 0) {
-      const int64_t chunk = (static_cast<int64_t>(batch) * p.q_heads + head) * p.m_blocks + m_block;
-      float* target = p.dq_accum + chunk * Traits::kDqFloats + consumer_group * Traits::kDqFloatsPerWarpGroup;
-      int* semaphore = p.dq_semaphore != nullptr ? p.dq_semaphore + chunk : nullptr;
-      if (semaphore != nullptr) {
-        const int expected = Traits::kConsumerWarpGroups * key_blocks_before(p, n_block, m_block);
-        int seen;
-        do {
-          asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(semaphore) : "memory");
-        } while (seen < expected + consumer_group);
-      }
-      bulk_reduce_add(target, staging, Traits::kDqFloatsPerWarpGroup * sizeof(float));
-      tma_store_arrive();
-      if (semaphore != nullptr) {
-        asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // the sums are in global memory
-        __threadfence();
-        atomicAdd(semaphore, 1);
-      }
-    }
-  };
+  auto write_dq = cutlass::make_producer_start_state<PipelineDq>();
 
   typename Traits::PipelineState read;
   if (tiles > 0) storage.barrier_kv.wait(0);
@@ -325,7 +345,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     detail::warpgroup_gemm</*kZeroInit=*/true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS);
     pipeline_dout.consumer_wait(read);
     detail::warpgroup_gemm</*kZeroInit=*/true, -1>(mma_sdp, tSrV, tSrdO(_, _, _, stage), tSrdP);
-    if (t > 0) reduce_dq(t - 1);
 
     const float* lse = storage.lse_log2[stage];
     const float* delta = storage.delta[stage];
@@ -420,7 +439,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         tdKrdK);
     warpgroup_wait<1>();
     warpgroup_fence_operand(tdQrdQ);
-    stage_dq(t);
+    pipeline_dq.producer_acquire(write_dq);
+    stage_dq(write_dq.index());
+    cutlass::arch::fence_view_async_shared();  // the staging stores, before the writer's bulk reduce
+    pipeline_dq.producer_commit(write_dq);
+    ++write_dq;
     warpgroup_wait<0>();
     warpgroup_fence_operand(tdVrdV);
     warpgroup_fence_operand(tdKrdK);
@@ -431,8 +454,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     ++read;
 
   }
-  if (tiles > 0) reduce_dq(tiles - 1);
-  if (group_thread == 0) tma_store_wait<0>();  // staging is read before the CTA leaves
 
   // dK (times the scale) and dV of the block's keys, straight from the registers.
   Tensor tKVcKV = thr_kv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));

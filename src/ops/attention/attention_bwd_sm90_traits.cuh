@@ -111,6 +111,8 @@ struct BackwardSm90Traits {
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename Pipeline::PipelineState;
+  // The dQ partials' staging: the consumer threads fill a buffer, the dQ warp reduce-adds it.
+  using PipelineDq = cutlass::PipelineAsync<2>;
 
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>> k;
@@ -123,6 +125,7 @@ struct BackwardSm90Traits {
     alignas(16) float delta[kStages][kBlockM];
     alignas(16) typename Pipeline::SharedStorage pipeline_q;
     alignas(16) typename Pipeline::SharedStorage pipeline_dout;
+    alignas(16) typename PipelineDq::SharedStorage pipeline_dq;
     alignas(8) cutlass::arch::ClusterTransactionBarrier barrier_kv;  // K and V landed
   };
   static constexpr int kSharedBytes = static_cast<int>(sizeof(SharedStorage));
