@@ -314,24 +314,27 @@ def test_patched_moe_models_match(monkeypatch, family, return_dict):
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     assert_same(loss.detach(), grads, ref_loss, ref_grads, loss_rtol=1e-5, grad_rtol=1e-4)
     if return_dict:
-        assert (out.aux_loss is not None) == router_loss and out.logits is None
+        assert (getattr(out, "aux_loss", None) is not None) == router_loss and out.logits is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_patched_mixtral_matches(monkeypatch):
     # On the GPU in bfloat16: the experts' SwiGLU, the fused loss with the router term and (on
-    # Hopper, head dim 64) the attention run our kernels; against the unpatched model on the
-    # GPU, bfloat16 rounding apart.
+    # Hopper, head dim 64) the attention run our kernels. Against the unpatched model in float32,
+    # the patched one is as close as the unpatched one in bfloat16 (the router's gradient moves
+    # with bfloat16 rounding: a token's top-2 experts can change).
     model, ids, _, _ = tiny_family_model(monkeypatch, "mixtral", dtype=torch.bfloat16, hidden_size=256, head_dim=64,
                                           output_router_logits=True, router_aux_loss_coef=0.5)
     model, ids = model.cuda(), ids.cuda()
+    exact_loss, exact_grads = loss_and_grads(copy.deepcopy(model).float(), ids)
     ref_loss, ref_grads = loss_and_grads(copy.deepcopy(model), ids)
     report = ts.patch(model, verbose=False)
     assert report["experts_gate"] and report["linear_cross_entropy"]
     loss, grads = loss_and_grads(model, ids)
-    torch.testing.assert_close(loss.float(), ref_loss.float(), rtol=2e-2, atol=0)
-    for name, g in ref_grads.items():
-        assert (grads[name].float() - g.float()).norm() <= 5e-2 * g.float().norm(), name
+    assert abs(loss.float() - exact_loss) <= max(2 * abs(ref_loss.float() - exact_loss), 1e-2 * exact_loss)
+    for name, g in exact_grads.items():
+        ours, theirs = (grads[name].float() - g).norm(), (ref_grads[name].float() - g).norm()
+        assert ours <= max(2 * theirs, 1e-2 * g.norm()), f"{name}: {ours} against bfloat16's {theirs}"
 
 
 def test_patch_keeps_rope_that_is_not_llamas(monkeypatch):
