@@ -352,8 +352,8 @@ def _attention_skip_reason(model: nn.Module):
         return "parameters neither all on the CPU nor all on CUDA"
     heads = getattr(text, "num_attention_heads", None)
     head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
-    # patch() swaps in what is faster: the Hopper backward (D 64 / 128) runs at 0.7-0.87x cuDNN's
-    # and 1.3-1.5x PyTorch SDPA's flash backend; elsewhere our sm_80 backward is slower than SDPA's
+    # patch() swaps in what is faster: the Hopper backward (D 64 / 128) runs at 0.84-1.00x cuDNN's
+    # (causal training shapes) and 1.3-1.5x PyTorch SDPA's flash backend; elsewhere our sm_80 backward is slower than SDPA's
     # (docs/perf/attention.md).
     if head_dim not in (64, 128):
         return f"head dim {head_dim} (the fast CUDA attention backward has head dims 64 and 128)"
