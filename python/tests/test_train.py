@@ -148,6 +148,21 @@ def test_gc_every(cache, monkeypatch):
         ts_train.parse_args(["--gc-every", "-1"])
 
 
+def test_sync_every_windows(small_run, cache, monkeypatch):
+    # Steps queued in windows of 2 (steps 1-2, 3): the same losses; each window's steps share
+    # its time per step; the host synchronizes once per window.
+    syncs = []
+    monkeypatch.setattr(ts_train, "_window_ends", lambda step, args, ends=ts_train._window_ends:
+                        ends(step, args) and (syncs.append(step) or True))
+    result = run(*SMALL, "--batch-size", 2, "--steps", 3, "--sync-every", 2, *cache)
+    assert result["run"]["sync_every"] == 2 and syncs == [2, 3]
+    assert losses(result) == losses(small_run)
+    times = [s["step_time_s"] for s in result["steps"]]
+    assert times[0] == times[1] and times[2] > 0
+    with pytest.raises(SystemExit):
+        ts_train.parse_args(["--sync-every", "0"])
+
+
 def test_grad_accumulation_same_step(small_run, cache):
     accumulated = run(*SMALL, "--batch-size", 1, "--grad-accum", 2, "--steps", 3, *cache)
     torch.testing.assert_close(torch.tensor(losses(accumulated)), torch.tensor(losses(small_run)), rtol=1e-5, atol=0)

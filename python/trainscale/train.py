@@ -146,6 +146,10 @@ def parse_args(argv=None):
     p.add_argument("--gc-every", type=int, default=0, metavar="N",
                    help="Python's automatic garbage collection off during training and a young-generation "
                         "collection at the start of every N-th step, inside its time (0: Python's own schedule)")
+    p.add_argument("--sync-every", type=int, default=1, metavar="N",
+                   help="the host waits for the GPU (reads the loss and gradient norm) after every N-th step, "
+                        "queuing the steps in between as a training loop that logs every N steps does; each "
+                        "step's time is its window's mean (1: every step timed alone from an idle GPU)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--precision", choices=("auto", "fp32", "bf16", "bf16-autocast"), default="auto",
                    help="bf16: parameters, gradients and optimizer state in bf16; bf16-autocast: fp32 "
@@ -194,6 +198,8 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')}: expected a positive integer, got {getattr(args, name)}")
     if args.warmup_steps < 0:
         p.error(f"--warmup-steps: expected 0 or more, got {args.warmup_steps}")
+    if args.sync_every < 1:
+        p.error(f"--sync-every: expected a positive step count, got {args.sync_every}")
     if args.gc_every < 0:
         p.error(f"--gc-every: expected 0 (Python's schedule) or a step count, got {args.gc_every}")
     if args.optimizer_in_backward:
@@ -503,6 +509,7 @@ def _train(args, d: Dist) -> dict:
                 else contextlib.nullcontext())
 
     run = {"preset": args.preset, "impl": args.impl, "trainscale_skip": list(args.trainscale_skip), "gc_every": args.gc_every,
+           "sync_every": args.sync_every,
            "data": args.data, "precision": precision,
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "world_size": d.world, "parallel": args.parallel if d.world > 1 else None,
@@ -520,12 +527,22 @@ def _train(args, d: Dist) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-    records = []
+    records, window = [], []
     tokens_per_step = global_batch * args.seq_len
     with _manual_gc(args.gc_every):
         for step in range(1, args.steps + 1):
-            records.append(_step(step, args, d, device, model, forward, optimizer, params, batches, autocast,
-                                 flops_per_token, tokens_per_step, log))
+            if not window:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                start = time.perf_counter()
+            window.append(_queue_step(step, args, d, device, model, forward, optimizer, params, batches, autocast))
+            if _window_ends(step, args):
+                losses = [(float(q["loss"]), float(q["grad_norm"])) for q in window]  # waits for the GPU
+                step_time = (time.perf_counter() - start) / len(window)
+                for q, (loss, grad_norm) in zip(window, losses):
+                    records.append(_record(q, loss, grad_norm, step_time, args, d, device, flops_per_token,
+                                           tokens_per_step, log))
+                window = []
     summary = summarize(records, args.warmup_steps, d.world)
     if d.main:
         log.close(summary)
@@ -549,9 +566,16 @@ def _manual_gc(every: int):
         gc.enable()
 
 
-def _step(step, args, d, device, model, forward, optimizer, params, batches, autocast, flops_per_token,
-          tokens_per_step, log) -> dict:
-    """One optimizer step (timed from the tokens' upload to the loss on the host); its record."""
+def _window_ends(step: int, args) -> bool:
+    """Whether the host waits for the GPU after this step: every --sync-every steps, at the end of
+    the warm-up and of the run, and around the profiled step (timed alone)."""
+    return (step % args.sync_every == 0 or step in (args.warmup_steps, args.steps)
+            or args.profile_step in (step, step + 1))
+
+
+def _queue_step(step, args, d, device, model, forward, optimizer, params, batches, autocast) -> dict:
+    """Queues one optimizer step on the device without waiting for it: its step, learning rate,
+    and the loss and gradient norm as tensors (or numbers) that are ready once it has run."""
     lr = args.lr * min(1.0, step / args.lr_warmup_steps) if args.lr_warmup_steps else args.lr
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -559,13 +583,12 @@ def _step(step, args, d, device, model, forward, optimizer, params, batches, aut
             group["adamw_lr"] = lr
     batch = batches.step(step - 1)
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        batch = batch.pin_memory()  # the upload then leaves the host free to queue the step
     profiler = contextlib.nullcontext()
     if step == args.profile_step and d.main:
         from .step_profile import profiled_step
         profiler = profiled_step(args.profile_prefix, device.type == "cuda")
     with profiler:
-        start = time.perf_counter()
         if args.gc_every > 0 and step % args.gc_every == 0:
             gc.collect(1)
         loss_sum = 0.0
@@ -584,15 +607,22 @@ def _step(step, args, d, device, model, forward, optimizer, params, batches, aut
                 grad_norm = grad_norm.full_tensor()
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        loss_value, grad_norm = float(loss_sum) / args.grad_accum, float(grad_norm)  # both synchronize
-        step_time = time.perf_counter() - start
+        if step == args.profile_step and device.type == "cuda":
+            torch.cuda.synchronize(device)  # the profiled step's kernels inside its trace
+    return {"step": step, "lr": lr, "loss": loss_sum / args.grad_accum, "grad_norm": grad_norm}
+
+
+def _record(queued: dict, loss_value: float, grad_norm: float, step_time: float, args, d, device, flops_per_token,
+            tokens_per_step, log) -> dict:
+    """A run step's record (step_time: its window's time per step); logged and printed."""
+    step = queued["step"]
     mem_alloc, mem_reserved = _peak_memory(device)
     (loss_value,) = [v / d.world for v in _reduce([loss_value], d, dist.ReduceOp.SUM)]
     step_time, mem_alloc_max, mem_reserved_max, rss = _reduce(
         [step_time, mem_alloc or 0.0, mem_reserved or 0.0, _peak_rss_gib()], d, dist.ReduceOp.MAX)
     tflops = flops_per_token * tokens_per_step / step_time / 1e12 / d.world  # per GPU (process)
     r = {"type": "step", "step": step, "warmup": step <= args.warmup_steps, "loss": loss_value,
-         "grad_norm": grad_norm, "lr": lr, "tokens": tokens_per_step, "step_time_s": step_time,
+         "grad_norm": grad_norm, "lr": queued["lr"], "tokens": tokens_per_step, "step_time_s": step_time,
          "tokens_per_s": tokens_per_step / step_time, "tokens_per_s_per_process": tokens_per_step / step_time / d.world,
          "tflops": tflops, "mfu": tflops / args.peak_tflops,
          "mfu_measured": tflops / args.measured_peak_tflops if args.measured_peak_tflops else None,
