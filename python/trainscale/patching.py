@@ -17,6 +17,7 @@ from .linear import group_projections
 from .modules import Embedding, GeGLUMLP, RMSNorm, SwiGLUMLP
 from .selection import config
 
+
 def _dump(tree) -> str:
     """tree dumped without docstrings, decorators, type annotations and a class's own name: the
     code transformers copies from model to model (its "Copied from" / modular classes and
@@ -353,8 +354,8 @@ def _attention_skip_reason(model: nn.Module):
     heads = getattr(text, "num_attention_heads", None)
     head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
     # patch() swaps in what is faster: the Hopper backward (D 64 / 128) runs at 0.84-1.00x cuDNN's
-    # (causal training shapes) and 1.3-1.5x PyTorch SDPA's flash backend; elsewhere our sm_80 backward is slower than SDPA's
-    # (docs/perf/attention.md).
+    # (causal training shapes) and 1.3-1.5x PyTorch SDPA's flash backend; elsewhere our sm_80
+    # backward is slower than SDPA's (docs/perf/attention.md).
     if head_dim not in (64, 128):
         return f"head dim {head_dim} (the fast CUDA attention backward has head dims 64 and 128)"
     if any(torch.cuda.get_device_capability(d) != (9, 0) for d in devices):
