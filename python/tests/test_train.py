@@ -302,17 +302,27 @@ def test_train_bench_table(cache, tmp_path, monkeypatch):
     from trainscale import train_bench
     monkeypatch.setenv("PYTHONPATH", _env()["PYTHONPATH"])  # for its trainscale.train subprocess
     out = tmp_path / "bench"
-    argv = ["--out-dir", str(out), "--impls", "eager", *map(str, SMALL), "--batch-size", "2", "--steps", "2", *cache]
+    # eager again with its initial weights perturbed (a flag of its own run): a second row, its
+    # loss off eager's.
+    argv = ["--out-dir", str(out), "--impls", "eager,eager@perturb-init=0.05", *map(str, SMALL), "--batch-size", "2",
+            "--steps", "2", *cache]
     assert train_bench.main(argv) == 0
     with open(out / "train-bench.json") as f:
         result = json.load(f)
-    assert [r["impl"] for r in result["rows"]] == ["eager"] and result["rows"][0]["status"] == "ok"
-    assert result["run"]["seq_len"] == 32 and "impl" not in result["run"]
+    assert [r["impl"] for r in result["rows"]] == ["eager", "eager@perturb-init=0.05"]
+    assert all(r["status"] == "ok" for r in result["rows"])
+    assert result["run"]["seq_len"] == 32 and "impl" not in result["run"] and result["run"]["perturb_init"] == 0
     with open(out / "train-bench.md") as f:
         table = f.read()
-    assert "| impl | tokens/s |" in table and "| eager |" in table
+    assert "| impl | tokens/s |" in table and "| eager |" in table and "| eager@perturb-init=0.05 |" in table
     assert result["rows"][0]["loss_gap_pct"] == 0.0 and result["run"]["reference_impl"] == "eager"
+    assert result["rows"][1]["loss_gap_pct"] > 0.0
     assert (out / "train-bench.png").exists() and (out / "eager.jsonl").exists()
+    assert read_jsonl(out / "eager_perturb-init-0.05.jsonl")[0]["perturb_init"] == 0.05
+    with pytest.raises(SystemExit):
+        train_bench.main(["--out-dir", str(out), "--impls", "eager,eager"])
+    with pytest.raises(SystemExit):
+        train_bench.main(["--out-dir", str(out), "--impls", "eager@perturb-init"])
 
 
 def test_loss_gap_compares_window_means():

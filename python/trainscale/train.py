@@ -135,6 +135,9 @@ def parse_args(argv=None):
                         "usual (so train_bench can pass it to all). Needs --max-grad-norm 0, --grad-accum 1, one "
                         "process")
     p.add_argument("--seed", type=int, default=0, help="model initialization and data order")
+    p.add_argument("--perturb-init", type=float, default=0.0, metavar="REL",
+                   help="each initial parameter times 1 + REL x N(0, 1) (a generator of its own): a control for "
+                        "how far a rounding-sized difference moves the loss curve (0: none)")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing of each decoder layer")
     p.add_argument("--loss-accumulation", choices=("float32", "weight"), default="float32",
                    help="--impl trainscale: the fused loss's weight-gradient sum over token chunks, in a float32 "
@@ -227,6 +230,17 @@ def build_model(preset: dict, vocab: int, seq_len: int, seed: int, device: torch
     with torch.device(device):
         model = transformers.LlamaForCausalLM(cfg)
     return model.to(dtype)
+
+
+def perturb(model, rel: float, seed: int):
+    """Multiplies each parameter by 1 + rel x N(0, 1), drawn in float32 on the parameter's device
+    from a generator seeded by `seed` (the same perturbation for every implementation)."""
+    generators = {}
+    with torch.no_grad():
+        for p in model.parameters():
+            g = generators.setdefault(p.device, torch.Generator(p.device).manual_seed(seed * 1_000_003 + 7))
+            noise = torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32)
+            p.copy_(p.float() * (1.0 + rel * noise))
 
 
 def apply_impl(model, impl: str, verbose: bool, loss_accumulation: str = "float32", skip=()):
@@ -489,6 +503,8 @@ def _train(args, d: Dist) -> dict:
 
     model = build_model(preset, vocab, args.seq_len, args.seed, device,
                         torch.bfloat16 if precision == "bf16" else torch.float32)
+    if args.perturb_init:
+        perturb(model, args.perturb_init, args.seed)
     flops_per_token = model_flops_per_token(model, preset, args.seq_len)
     n_params = sum(p.numel() for p in model.parameters())
     model = apply_impl(model, args.impl, verbose=d.main and not args.quiet, loss_accumulation=args.loss_accumulation,
@@ -509,7 +525,7 @@ def _train(args, d: Dist) -> dict:
                 else contextlib.nullcontext())
 
     run = {"preset": args.preset, "impl": args.impl, "trainscale_skip": list(args.trainscale_skip), "gc_every": args.gc_every,
-           "sync_every": args.sync_every,
+           "sync_every": args.sync_every, "perturb_init": args.perturb_init,
            "data": args.data, "precision": precision,
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "world_size": d.world, "parallel": args.parallel if d.world > 1 else None,

@@ -96,40 +96,47 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m trainscale.train_bench", description=__doc__.split("\n\n")[0],
                                 allow_abbrev=False)
     p.add_argument("--out-dir", required=True)
-    p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, of {', '.join(IMPLS)}")
+    p.add_argument("--impls", default=",".join(IMPLS),
+                   help=f"comma-separated, of {', '.join(IMPLS)}; an entry may add flags of its own run as "
+                        "@flag=value (e.g. eager@perturb-init=4e-3), so an implementation can run twice")
     p.add_argument("--nproc-per-node", type=int, default=1, help="processes (GPUs) per run, through torchrun")
     args, train_args = p.parse_known_args(argv)
     impls = [s for s in args.impls.split(",") if s]
-    unknown = [s for s in impls if s not in IMPLS]
-    if unknown or not impls:
-        p.error(f"--impls: expected some of {', '.join(IMPLS)}, got {args.impls!r}")
+    unknown = [s for s in impls if s.split("@")[0] not in IMPLS or any("=" not in f for f in s.split("@")[1:])]
+    if unknown or not impls or len(set(impls)) != len(impls):
+        p.error(f"--impls: expected distinct entries of {', '.join(IMPLS)}, each optionally with @flag=value, "
+                f"got {args.impls!r}")
     taken = [a for a in train_args if a.split("=")[0] in ("--impl", "--jsonl", "--plot")]
     if taken:
         p.error(f"{taken[0]}: set per run by train_bench; remove it")
     os.makedirs(args.out_dir, exist_ok=True)
 
     rows, run, logs = [], None, []
-    for impl in impls:
-        log = os.path.join(args.out_dir, f"{impl}.jsonl")
+    for entry in impls:
+        impl, *flags = entry.split("@")
+        own_args = [a for f in flags for a in ("--" + f.split("=", 1)[0], f.split("=", 1)[1])]
+        name = entry.replace("@", "_").replace("=", "-")  # its files
+        log = os.path.join(args.out_dir, f"{name}.jsonl")
         if os.path.exists(log):
             os.remove(log)  # a stale log must not pass for this run's
         launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc_per_node)] \
             if args.nproc_per_node > 1 else []
-        command = [sys.executable, *launcher, "-m", "trainscale.train", *train_args, "--impl", impl, "--jsonl", log]
-        print(f"[train_bench] {impl}: {' '.join(command[1:])}", flush=True)
-        with open(os.path.join(args.out_dir, f"{impl}.out"), "w") as out:
+        command = [sys.executable, *launcher, "-m", "trainscale.train", *train_args, *own_args, "--impl", impl,
+                   "--jsonl", log]
+        print(f"[train_bench] {entry}: {' '.join(command[1:])}", flush=True)
+        with open(os.path.join(args.out_dir, f"{name}.out"), "w") as out:
             rc = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT).returncode
         summary = read_log(log)[2] if os.path.exists(log) else None
         if rc != 0 or summary is None:
-            with open(os.path.join(args.out_dir, f"{impl}.out")) as f:
+            with open(os.path.join(args.out_dir, f"{name}.out")) as f:
                 tail = f.read().strip().splitlines()[-1:] or ["no output"]
-            rows.append({"impl": impl, "status": f"failed (exit {rc}): {tail[0]}"})
-            print(f"[train_bench] {impl}: {rows[-1]['status']}", flush=True)
+            rows.append({"impl": entry, "status": f"failed (exit {rc}): {tail[0]}"})
+            print(f"[train_bench] {entry}: {rows[-1]['status']}", flush=True)
             continue
         run = run or read_log(log)[0]
         logs.append(log)
-        rows.append({"impl": impl, "status": "ok", **summary})
-        print(f"[train_bench] {impl}: {summary['tokens_per_s']:,.0f} tokens/s, final loss "
+        rows.append({"impl": entry, "status": "ok", **summary})
+        print(f"[train_bench] {entry}: {summary['tokens_per_s']:,.0f} tokens/s, final loss "
               f"{summary['final_loss']:.4f}", flush=True)
     if run is None:
         raise SystemExit("[train_bench] every run failed; see the .out files in " + args.out_dir)
