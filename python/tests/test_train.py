@@ -163,6 +163,11 @@ def test_sync_every_windows(small_run, cache, monkeypatch):
         ts_train.parse_args(["--sync-every", "0"])
 
 
+def test_sync_windows_end_at_the_warm_up_the_profiled_step_and_the_end():
+    args = ts_train.parse_args(["--sync-every", "3", "--warmup-steps", "1", "--profile-step", "5", "--steps", "7"])
+    assert [s for s in range(1, 8) if ts_train._window_ends(s, args)] == [1, 3, 4, 5, 6, 7]
+
+
 def test_grad_accumulation_same_step(small_run, cache):
     accumulated = run(*SMALL, "--batch-size", 1, "--grad-accum", 2, "--steps", 3, *cache)
     torch.testing.assert_close(torch.tensor(losses(accumulated)), torch.tensor(losses(small_run)), rtol=1e-5, atol=0)
