@@ -207,11 +207,12 @@ def hf_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
     # DataCollatorWithFlattening(return_flash_attn_kwargs=True)) pack sequences into one row.
     packing = tuple(kwargs.get(n) for n in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"))
     packed = all(x is not None for x in packing)
+    beyond_sdpa = any(kwargs.get(name) is not None for name in _UNSUPPORTED_KWARGS)  # neither ours nor sdpa runs them
     if dropout:
         reason = "dropout > 0 is not supported"
     elif sliding_window is not None and not (causal and sliding_window >= 1):
         reason = "a sliding window without a causal mask is not supported"
-    elif any(kwargs.get(name) is not None for name in _UNSUPPORTED_KWARGS):
+    elif beyond_sdpa:
         reason = "position bias, attention sinks and sparse (indexed) attention are not supported"
     elif key.shape[-1] != query.shape[-1] or value.shape[-1] != query.shape[-1]:
         reason = "query, key and value head dims differ"
@@ -229,8 +230,7 @@ def hf_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
         # sdpa cannot express a softcap, sinks, a position bias or key indices: such calls go to
         # the model's own eager attention.
         eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-        beyond_sdpa = softcap is not None or any(kwargs.get(name) is not None for name in _UNSUPPORTED_KWARGS)
-        if beyond_sdpa and eager is not None:
+        if (beyond_sdpa or softcap is not None) and eager is not None:
             if attention_mask is None and causal and q_len > 1:
                 # sdpa's mask function leaves out a plain causal mask (sdpa takes is_causal);
                 # eager attention needs it written, bottom-right aligned as transformers' masks.

@@ -427,9 +427,10 @@ def patch(model: nn.Module, rms_norm: bool = True, swiglu: bool = True, geglu: b
     lm_head's weight, without the logits (the output's `logits` is then None; its
     grad_weight_accumulation is loss_grad_weight_accumulation: the weight's dtype sums the
     weight gradient in place over chunks of at most 512 MiB of logits, as Liger-Kernel does,
-    instead of all tokens' logits or a float32 buffer), and, in Llama / Mistral / Qwen2 / Qwen3 /
-    Gemma 1-3 / OLMo 2 / Mixtral / Qwen2/3-MoE / OLMoE models whose parameters are all on the
-    CPU, or all on Hopper GPUs with head dim 64 or 128, attention -> trainscale.hf_attention_forward
+    instead of all tokens' logits or a float32 buffer), and, in models whose attention goes
+    through transformers' AttentionInterface (_attention_skip_reason: not latent attention with
+    narrower value heads, no sinks) and whose parameters are all on the CPU, or all on Hopper
+    GPUs with head dim 64 or 128, attention -> trainscale.hf_attention_forward
     (config._attn_implementation = "trainscale"; masks other than the causal (sliding-window)
     one and dropout fall back to sdpa per call). On other GPUs and head dims attention is left as
     it is, since training through our sm_80 attention backward is slower than through PyTorch
