@@ -207,7 +207,8 @@ def hf_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
     # DataCollatorWithFlattening(return_flash_attn_kwargs=True)) pack sequences into one row.
     packing = tuple(kwargs.get(n) for n in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"))
     packed = all(x is not None for x in packing)
-    beyond_sdpa = any(kwargs.get(name) is not None for name in _UNSUPPORTED_KWARGS)  # neither ours nor sdpa runs them
+    # Arguments neither ours nor sdpa runs: such calls go to the model's eager attention.
+    beyond_sdpa = any(kwargs.get(name) is not None for name in _UNSUPPORTED_KWARGS)
     if dropout:
         reason = "dropout > 0 is not supported"
     elif sliding_window is not None and not (causal and sliding_window >= 1):
