@@ -143,10 +143,11 @@ TEST(NewtonSchulzCuda, BatchEqualsOneCallPerMatrix) {
   }
 }
 
-// The Gram products by blocks (only the lower block triangle computed, then mirrored), forced
-// at sizes whose fp64 reference is cheap (newton_schulz takes them only from p = 4096,
-// gram_blocks): against the reference, wide and tall, and a batch (a call per block over the
-// matrices) bit-identical to one call per matrix (a call per band of blocks).
+// The Gram products by blocks (only the lower block triangle computed, then mirrored) and by
+// the tile triangle in one launch (bf16), forced at sizes whose fp64 reference is cheap
+// (newton_schulz takes them only from p = 4096, gram_split): against the reference, wide and
+// tall, and a batch (blocks: a call per block over the matrices; the triangle: the GEMM's batch
+// mode) bit-identical to one call per matrix.
 TEST(NewtonSchulzCuda, BlockedGramProductsMatchReferenceAndBatchBits) {
   TS_REQUIRE_GPU();
   const auto run_blocked = [](DType dt, std::int64_t count, const Layout& l, const Values& x, int k) {
@@ -174,11 +175,20 @@ TEST(NewtonSchulzCuda, BlockedGramProductsMatchReferenceAndBatchBits) {
     std::int64_t count;
     Layout l;
   };
+  using ops::newton_schulz::kGramTriangle;
   for (DType dt : {DType::kBFloat16, DType::kFloat32}) {
     for (const Case& c : {Case{2, 1, {64, 96, 0, false}}, Case{4, 1, {256, 384, 0, false}},
                           Case{4, 1, {384, 256, 3, false}}, Case{2, 1, {192, 192, 0, false}},
-                          Case{4, 3, {128, 160, 0, false}}, Case{2, 2, {160, 64, 0, false}}}) {
+                          Case{4, 3, {128, 160, 0, false}}, Case{2, 2, {160, 64, 0, false}},
+                          Case{kGramTriangle, 1, {256, 384, 0, false}}, Case{kGramTriangle, 1, {520, 512, 0, false}},
+                          Case{kGramTriangle, 3, {256, 264, 0, false}}, Case{kGramTriangle, 2, {512, 768, 0, false}}}) {
       const Layout& l = c.l;
+      if (c.k == kGramTriangle) {
+        if (dt != DType::kBFloat16) continue;
+        // Else newton_schulz_cuda would fall back to the blocks, and this case test them again.
+        ASSERT_TRUE(ops::newton_schulz::gram_triangle_applies(dt, std::min(l.rows, l.cols), std::max(l.rows, l.cols)))
+            << "the tile triangle needs a Hopper GPU and a build with CUTLASS and sm_90a";
+      }
       SCOPED_TRACE(test::describe(dt, l) + " x " + std::to_string(c.count) + " blocks " + std::to_string(c.k));
       const Values x = test::random_inputs(dt, c.count * l.rows * l.cols, 0, -1, 1, false);
       const Values got = run_blocked(dt, c.count, l, x, c.k);

@@ -89,7 +89,8 @@ Case newton_schulz_batched_case(std::span<const std::int64_t> shape, DType dtype
 
 #if TRAINSCALE_HAVE_CUDA
 // Opt-in: the CUDA path with its symmetric products split into k x k blocks whatever
-// gram_blocks(p) picks (1: dense products), so one run compares the splits.
+// gram_split(p) picks (1: dense products; from p = 4096 the default is the tile triangle), so
+// one run compares the splits.
 BaselineFactory with_gram_blocks(int k) {
   return [k](const Case& c) {
     const auto [g, out, workspace] = c.ids("g", "out", "workspace");

@@ -5,8 +5,8 @@
 // (common/gemm.h, float32 accumulation; X, A and B stored in the input's dtype, as Muon
 // implementations keep them):
 //   A = X X^T;   B = c A A + b A;   X' = B X + a X   (B and X' written beside A and X).
-// The two symmetric products compute only their lower block triangle and mirror it
-// (symmetric_product, gram_blocks in newton_schulz_internal.h).
+// The two symmetric products compute only their lower triangle of tiles (gram_triangle.cu) or
+// of blocks and mirror it (symmetric_product, gram_split in newton_schulz_internal.h).
 // Muon adds one pass before (momentum and Nesterov: the new buffer and u, Newton-Schulz's
 // input) and puts the parameter update (weight decay and the scaled orthogonal step) in the
 // tiled pass that copies X back out.
@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <array>
 #include <string>
+#include <type_traits>
 
 #include "common/cuda_check.h"
 #include "common/dtype.cuh"
@@ -133,6 +134,18 @@ __global__ void mirror_upper_blocks_kernel(T* m, std::int64_t p, std::int64_t b,
   }
 }
 
+// The upper block triangle of out (blocks of b rows) from its lower, for each matrix.
+template <class T>
+void mirror_upper_blocks(const char* op, const detail::GemmResult& out, std::int64_t b,
+                         const detail::GemmBatch& matrices, cudaStream_t stream) {
+  const std::int64_t p = out.rows;
+  const dim3 grid(static_cast<unsigned>((p + 31) / 32), static_cast<unsigned>((p + 31) / 32),
+                  static_cast<unsigned>(matrices.count));
+  mirror_upper_blocks_kernel<T><<<grid, dim3(32, 8), 0, stream>>>(static_cast<T*>(out.data), p, b,
+                                                                   matrices.stride_out);
+  detail::check_launch(op);
+}
+
 // `m` with its data `offset` elements on and the logical shape [rows, cols].
 detail::GemmOperand block_of(detail::GemmOperand m, std::int64_t offset, std::int64_t rows, std::int64_t cols) {
   m.data = static_cast<const char*>(m.data) + offset * static_cast<std::int64_t>(dtype_size(m.dtype));
@@ -143,7 +156,9 @@ detail::GemmOperand block_of(detail::GemmOperand m, std::int64_t offset, std::in
 
 // out = alpha lhs @ rhs + beta addend for `matrices` (batch strides as gemm takes them) of a
 // symmetric [p, p] result (ld p): lhs [p, K] in row blocks of b = p / k rows lhs_step elements
-// apart, rhs [K, p] in column blocks of b columns rhs_step apart. k == 1: one dense product.
+// apart, rhs [K, p] in column blocks of b columns rhs_step apart. k == kGramTriangle (bf16,
+// where gram_triangle_applies): the lower tile triangle in one launch from lhs's rows (rhs is
+// lhs^T), then mirrored. k == 1: one dense product.
 // Else only the lower block triangle's k (k + 1) / 2 blocks are computed, then mirrored. One
 // matrix: a call per diagonal band of blocks, batched along the band; several: a call per
 // block, batched over the matrices. Every block is a product of one shape whose algorithm is
@@ -153,6 +168,16 @@ void symmetric_product(const char* op, int k, const detail::GemmOperand& lhs, st
                        const detail::GemmOperand& rhs, std::int64_t rhs_step, const detail::GemmResult& out,
                        const detail::GemmScalars& scalars, void* gemm_ws, const detail::GemmBatch& matrices,
                        cudaStream_t stream) {
+  if (k == kGramTriangle) {
+    if constexpr (!std::is_same_v<T, __nv_bfloat16>) {
+      detail::throw_op_error(op, "the Gram product's tile triangle takes bfloat16 matrices");
+    } else {
+      gram_triangle_bf16(op, lhs.data, matrices.stride_a, out.rows, lhs.cols, out.data, out.addend,
+                         matrices.stride_out, *scalars.alpha, *scalars.beta, matrices.count, stream);
+      mirror_upper_blocks<T>(op, out, kGramTriangleTile, matrices, stream);
+    }
+    return;
+  }
   if (k == 1) {
     detail::gemm(op, lhs, rhs, out, scalars, gemm_ws, kGemmWorkspaceBytes, stream, matrices);
     return;
@@ -174,11 +199,7 @@ void symmetric_product(const char* op, int k, const detail::GemmOperand& lhs, st
       for (std::int64_t i = 0; i + d < k; ++i) product(i + d, i, matrices);
     }
   }
-  const dim3 grid(static_cast<unsigned>((p + 31) / 32), static_cast<unsigned>((p + 31) / 32),
-                  static_cast<unsigned>(matrices.count));
-  mirror_upper_blocks_kernel<T><<<grid, dim3(32, 8), 0, stream>>>(static_cast<T*>(out.data), p, b,
-                                                                   matrices.stride_out);
-  detail::check_launch(op);
+  mirror_upper_blocks<T>(op, out, b, matrices, stream);
 }
 
 template <class T, class Store>
@@ -269,16 +290,18 @@ void check_workspace(const char* op, const TensorView& workspace, std::size_t by
 // Newton-Schulz of `count` matrices [rows, cols] of T read from `src` (which may be the
 // workspace's x_next region); returns the workspace region holding the result X [p, q] per
 // matrix (x_stride apart): the transpose of the input's orientation when rows > cols.
-// gram_blocks: A = X X^T and A A by symmetric_product's blocks (1 where they would not divide p
-// into blocks of a multiple of 32 rows).
+// gram_split: A = X X^T and A A by symmetric_product's tile triangle (gram_blocks(p) where it
+// does not apply) or blocks (1 where they would not divide p into blocks of a multiple of 32 rows).
 template <class T>
 void* orthogonalize(const char* op, DType dt, const Layout& l, char* base, Strided<const T> src, std::int64_t count,
-                    std::int64_t rows, std::int64_t cols, const NewtonSchulzOptions& options, int gram_blocks,
+                    std::int64_t rows, std::int64_t cols, const NewtonSchulzOptions& options, int gram_split,
                     cudaStream_t stream) {
   const bool transpose = rows > cols;
   const std::int64_t p = std::min(rows, cols), q = std::max(rows, cols);
-  const int k = gram_blocks > 1 && p % (32 * gram_blocks) == 0 ? gram_blocks : 1;
-  const std::int64_t block = p / k;
+  int k = gram_split;
+  if (k == kGramTriangle && !gram_triangle_applies(dt, p, q)) k = gram_blocks(p);
+  if (k > 1 && p % (32 * k) != 0) k = 1;
+  const std::int64_t block = k == kGramTriangle ? p : p / k;
   void* x = base + l.x;
   void* x_next = base + l.x_next;
   void* a = base + l.a;
@@ -319,7 +342,7 @@ std::size_t newton_schulz_workspace_bytes_cuda(std::int64_t count, std::int64_t 
 }
 
 void newton_schulz_cuda(const TensorView& g, TensorView out, const NewtonSchulzOptions& options,
-                        const TensorView& workspace, cudaStream_t stream, int gram_blocks) {
+                        const TensorView& workspace, cudaStream_t stream, int gram_split) {
   constexpr const char* kOp = "newton_schulz";
   const detail::Rows rg = detail::row_layout(g), ro = detail::row_layout(out);
   const std::int64_t count = g.ndim == 3 ? g.size(0) : 1, rows = g.size(-2), cols = g.size(-1);
@@ -330,7 +353,7 @@ void newton_schulz_cuda(const TensorView& g, TensorView out, const NewtonSchulzO
     using T = typename decltype(tag)::type;
     const Strided<const T> src{g.ptr<const T>(), rg.row_stride, rows * rg.row_stride};
     void* x = orthogonalize<T>(kOp, g.dtype, l, static_cast<char*>(workspace.data), src, count, rows, cols, options,
-                               gram_blocks, stream);
+                               gram_split, stream);
     const std::int64_t p = std::min(rows, cols), q = std::max(rows, cols);
     copy_tiles<T>(kOp, {static_cast<const T*>(x), q, l.x_stride}, count, p, q, rows > cols, nullptr,
                   StoreTo<T>{{out.ptr<T>(), ro.row_stride, rows * ro.row_stride}}, stream);
@@ -390,7 +413,7 @@ void muon_step_cuda(std::span<const TensorView> params, std::span<const TensorVi
         detail::check_launch(kOp);
         const Strided<const T> u{m.u, cols, l.x_stride};
         void* x = orthogonalize<T>(kOp, dt, l, base, u, count, rows, cols, options.newton_schulz,
-                                   gram_blocks(std::min(rows, cols)), stream);
+                                   gram_split(std::min(rows, cols)), stream);
         update.decay = decay;
         update.step = step;
         const std::int64_t p = std::min(rows, cols), q = std::max(rows, cols);

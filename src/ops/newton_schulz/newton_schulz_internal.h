@@ -39,13 +39,32 @@ inline int gram_blocks(std::int64_t p) {
   return k;
 }
 
+// gram_triangle.cu: the lower triangle of tiles of kGramTriangleTile rows of
+//   out = alpha rows @ rows^T + beta addend
+// for `count` bf16 matrices in one CUTLASS launch, each diagonal tile whole; the caller mirrors
+// the tiles above. rows [p, k] row-major (ld k), matrix n rows_stride elements on; out and
+// addend [p, p] (ld p), out_stride apart; addend null: beta 0. Only where gram_triangle_applies:
+// bf16, p a multiple of two tiles, k of 8, a compute capability 9.0 device and an sm_90a build.
+inline constexpr std::int64_t kGramTriangleTile = 128;
+bool gram_triangle_applies(DType dtype, std::int64_t p, std::int64_t k);
+void gram_triangle_bf16(const char* op, const void* rows, std::int64_t rows_stride, std::int64_t p, std::int64_t k,
+                        void* out, const void* addend, std::int64_t out_stride, float alpha, float beta,
+                        std::int64_t count, cudaStream_t stream);
+
+// The Gram products' split for p as newton_schulz_cuda takes it: from p = 4096 the tile
+// triangle where it applies (kGramTriangle; else gram_blocks(p)), below that gram_blocks(p).
+// A function of p alone (the dtype and device are one per call), so a batch keeps a single call's bits.
+inline constexpr int kGramTriangle = 0;
+inline int gram_split(std::int64_t p) { return p >= 4096 ? kGramTriangle : gram_blocks(p); }
+
 // newton_schulz.cu: workspace of at least the bytes the *_workspace_bytes_cuda functions give
-// (checked there). count: matrices of rows x cols. gram_blocks: as the function above gives
-// for p (another k that divides p into blocks of a multiple of 32 rows runs too, for tests).
+// (checked there). count: matrices of rows x cols. gram_split: as gram_split gives for p
+// (kGramTriangle, or another k that divides p into blocks of a multiple of 32 rows, runs too,
+// for tests and the bench).
 std::size_t newton_schulz_workspace_bytes_cuda(std::int64_t count, std::int64_t rows, std::int64_t cols,
                                                DType dtype);
 void newton_schulz_cuda(const TensorView& g, TensorView out, const NewtonSchulzOptions& options,
-                        const TensorView& workspace, cudaStream_t stream, int gram_blocks);
+                        const TensorView& workspace, cudaStream_t stream, int gram_split);
 std::size_t muon_step_workspace_bytes_cuda(std::int64_t count, std::int64_t rows, std::int64_t cols,
                                            DType dtype);
 void muon_step_cuda(std::span<const TensorView> params, std::span<const TensorView> grads,
