@@ -531,6 +531,23 @@ TEST(NewtonSchulz, GramBlocksKeepBlocksOfAtLeast2048Rows) {
   EXPECT_EQ(gram_blocks(16384), 4);
 }
 
+// The tile triangle's folded schedule visits every tile (m, n) with n <= m of a t x t grid once.
+TEST(NewtonSchulz, FoldedTriangleVisitsEveryLowerTileOnce) {
+  for (std::int64_t t = 2; t <= 96; t += 2) {
+    std::vector<int> seen(static_cast<std::size_t>(t * t), 0);
+    for (std::int64_t r = 0; r < t / 2; ++r) {
+      for (std::int64_t c = 0; c <= t; ++c) {
+        const auto [m, n] = ops::newton_schulz::folded_triangle_tile(r, c, t);
+        ASSERT_TRUE(0 <= n && n <= m && m < t) << "t " << t << " cell " << r << ", " << c;
+        ++seen[static_cast<std::size_t>(m * t + n)];
+      }
+    }
+    for (std::int64_t m = 0; m < t; ++m) {
+      for (std::int64_t n = 0; n <= m; ++n) EXPECT_EQ(seen[static_cast<std::size_t>(m * t + n)], 1) << t;
+    }
+  }
+}
+
 // From p = 4096 the CUDA path asks for the tile triangle (it falls back to the blocks where the
 // triangle does not apply); below, the blocks.
 TEST(NewtonSchulz, GramSplitTakesTheTileTriangleFrom4096) {

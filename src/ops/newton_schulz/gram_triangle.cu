@@ -28,9 +28,9 @@ struct LowerTriangleTiles {};
 namespace cutlass::gemm::kernel::detail {
 
 // PersistentTileSchedulerSm90 over the lower triangle of a T x T tile grid (T even), folded into
-// a T / 2 x (T + 1) rectangle per matrix: rectangle row r holds tile row T - 1 - r (T - r
-// tiles) followed by tile row r (r + 1 tiles). Consecutive work walks along a rectangle row, so
-// a wave of CTAs shares a few row panels of `rows` and streams the others through L2.
+// a T / 2 x (T + 1) rectangle per matrix (folded_triangle_tile). Consecutive work walks along a
+// rectangle row, so a wave of CTAs shares a few row panels of `rows` and streams the others
+// through L2.
 class LowerTriangleTileScheduler : public StaticPersistentTileScheduler<LowerTriangleTileScheduler> {
   using Base = StaticPersistentTileScheduler<LowerTriangleTileScheduler>;
 
@@ -72,10 +72,9 @@ class LowerTriangleTileScheduler : public StaticPersistentTileScheduler<LowerTri
       int32_t, RasterOrder) {
     uint64_t r, c;
     divmod_row(r, c, blk);
-    const auto t = static_cast<int64_t>(divmod_row.divisor) - 1, rr = static_cast<int64_t>(r),
-               cc = static_cast<int64_t>(c);
-    if (cc < t - rr) return {static_cast<int32_t>(t - 1 - rr), static_cast<int32_t>(cc)};
-    return {static_cast<int32_t>(rr), static_cast<int32_t>(cc - (t - rr))};
+    const auto tile = trainscale::ops::newton_schulz::folded_triangle_tile(
+        static_cast<int64_t>(r), static_cast<int64_t>(c), static_cast<int64_t>(divmod_row.divisor) - 1);
+    return {static_cast<int32_t>(tile.m), static_cast<int32_t>(tile.n)};
   }
 
   template <class ProblemShape, class ElementAccumulator>

@@ -46,6 +46,19 @@ inline int gram_blocks(std::int64_t p) {
 // addend [p, p] (ld p), out_stride apart; addend null: beta 0. Only where gram_triangle_applies:
 // bf16, p a multiple of two tiles, k of 8, a compute capability 9.0 device and an sm_90a build.
 inline constexpr std::int64_t kGramTriangleTile = 128;
+
+// The tile triangle's schedule: the lower triangle (n <= m) of a t x t tile grid, t even,
+// folded into a t / 2 x (t + 1) rectangle whose row r holds tile row t - 1 - r (t - r tiles)
+// and then tile row r (r + 1 tiles). Returns (m, n) of rectangle cell (r, c).
+struct TileMN {
+  std::int64_t m, n;
+};
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+inline constexpr TileMN folded_triangle_tile(std::int64_t r, std::int64_t c, std::int64_t t) {
+  return c < t - r ? TileMN{t - 1 - r, c} : TileMN{r, c - (t - r)};
+}
 bool gram_triangle_applies(DType dtype, std::int64_t p, std::int64_t k);
 void gram_triangle_bf16(const char* op, const void* rows, std::int64_t rows_stride, std::int64_t p, std::int64_t k,
                         void* out, const void* addend, std::int64_t out_stride, float alpha, float beta,
