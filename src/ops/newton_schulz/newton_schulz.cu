@@ -172,6 +172,10 @@ void symmetric_product(const char* op, int k, const detail::GemmOperand& lhs, st
     if constexpr (!std::is_same_v<T, __nv_bfloat16>) {
       detail::throw_op_error(op, "the Gram product's tile triangle takes bfloat16 matrices");
     } else {
+      // Packed rows (ld == cols) and host scalars, as orthogonalize passes them.
+      if (lhs.ld != lhs.cols || scalars.on_device) {
+        detail::throw_op_error(op, "the Gram product's tile triangle takes packed rows and host scalars");
+      }
       gram_triangle_bf16(op, lhs.data, matrices.stride_a, out.rows, lhs.cols, out.data, out.addend,
                          matrices.stride_out, *scalars.alpha, *scalars.beta, matrices.count, stream);
       mirror_upper_blocks<T>(op, out, kGramTriangleTile, matrices, stream);
