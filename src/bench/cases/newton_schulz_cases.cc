@@ -88,9 +88,9 @@ Case newton_schulz_batched_case(std::span<const std::int64_t> shape, DType dtype
 }
 
 #if TRAINSCALE_HAVE_CUDA
-// Opt-in: the CUDA path with its symmetric products split into k x k blocks whatever
-// gram_split(p) picks (1: dense products; from p = 4096 the default is the tile triangle), so
-// one run compares the splits.
+// Opt-in: the CUDA path with its symmetric products split into k x k blocks, or by the tile
+// triangle (kGramTriangle, where it applies), whatever gram_split(p) picks (1: dense products),
+// so one run compares the splits.
 BaselineFactory with_gram_blocks(int k) {
   return [k](const Case& c) {
     const auto [g, out, workspace] = c.ids("g", "out", "workspace");
@@ -151,6 +151,7 @@ const Registrar kRegister([](Registry& r) {
   r.add_opt_in("newton_schulz", "trainscale-dense", with_gram_blocks(1));
   r.add_opt_in("newton_schulz", "trainscale-blocks-2", with_gram_blocks(2));
   r.add_opt_in("newton_schulz", "trainscale-blocks-4", with_gram_blocks(4));
+  r.add_opt_in("newton_schulz", "trainscale-triangle", with_gram_blocks(ops::newton_schulz::kGramTriangle));
 #endif
   r.add_op({"newton_schulz_batched", "newton_schulz", "N x R x C", newton_schulz_batched_case});
   r.add_baseline("newton_schulz_batched", "per-matrix", per_matrix_baseline);
