@@ -548,18 +548,12 @@ TEST(NewtonSchulz, FoldedTriangleVisitsEveryLowerTileOnce) {
   }
 }
 
-// From p = 4096 the CUDA path asks for the tile triangle (it falls back to the blocks where the
-// triangle does not apply); below, the blocks.
-TEST(NewtonSchulz, GramSplitTakesTheTileTriangleFrom4096) {
-  using ops::newton_schulz::gram_split;
-  using ops::newton_schulz::kGramTriangle;
-  EXPECT_EQ(gram_split(1024), 1);
-  EXPECT_EQ(gram_split(2048), 1);
-  EXPECT_EQ(gram_split(4095), 1);
-  EXPECT_EQ(gram_split(4096), kGramTriangle);
-  EXPECT_EQ(gram_split(8192), kGramTriangle);
-  // Without a Hopper GPU, CUTLASS or a bf16 input the triangle does not apply.
+// Without a Hopper GPU, CUTLASS or a bf16 input the tile triangle does not apply (newton_schulz_cuda
+// then runs the blocks).
+TEST(NewtonSchulz, TileTriangleAppliesToBf16OnHopperOnly) {
   EXPECT_FALSE(ops::newton_schulz::gram_triangle_applies(DType::kFloat32, 4096, 4096));
+  EXPECT_FALSE(ops::newton_schulz::gram_triangle_applies(DType::kBFloat16, 4096 + 128, 4096));  // odd tiles
+  EXPECT_FALSE(ops::newton_schulz::gram_triangle_applies(DType::kBFloat16, 4096, 4100));        // K not of 8
 #if !TRAINSCALE_HAVE_CUTLASS
   EXPECT_FALSE(ops::newton_schulz::gram_triangle_applies(DType::kBFloat16, 4096, 4096));
 #endif

@@ -89,7 +89,7 @@ Case newton_schulz_batched_case(std::span<const std::int64_t> shape, DType dtype
 
 #if TRAINSCALE_HAVE_CUDA
 // Opt-in: the CUDA path with its symmetric products split into k x k blocks, or by the tile
-// triangle (kGramTriangle, where it applies), whatever gram_split(p) picks (1: dense products),
+// triangle (kGramTriangle, where it applies), whatever gram_blocks(p) picks (1: dense products),
 // so one run compares the splits.
 BaselineFactory with_gram_blocks(int k) {
   return [k](const Case& c) {

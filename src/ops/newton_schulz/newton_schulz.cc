@@ -58,7 +58,7 @@ void newton_schulz(const TensorView& g, TensorView out, const NewtonSchulzOption
   if (detail::ran_on_cuda(c, [&] {
         ops::newton_schulz::newton_schulz_cuda(
             g, out, options, workspace, stream,
-            ops::newton_schulz::gram_split(std::min(g.size(-2), g.size(-1))));
+            ops::newton_schulz::gram_blocks(std::min(g.size(-2), g.size(-1))));
       })) {
     return;
   }

@@ -5,8 +5,9 @@
 // (common/gemm.h, float32 accumulation; X, A and B stored in the input's dtype, as Muon
 // implementations keep them):
 //   A = X X^T;   B = c A A + b A;   X' = B X + a X   (B and X' written beside A and X).
-// The two symmetric products compute only their lower triangle of tiles (gram_triangle.cu) or
-// of blocks and mirror it (symmetric_product, gram_split in newton_schulz_internal.h).
+// The two symmetric products compute only their lower block triangle (or, asked for, their
+// lower triangle of tiles: gram_triangle.cu) and mirror it (symmetric_product, gram_blocks in
+// newton_schulz_internal.h).
 // Muon adds one pass before (momentum and Nesterov: the new buffer and u, Newton-Schulz's
 // input) and puts the parameter update (weight decay and the scaled orthogonal step) in the
 // tiled pass that copies X back out.
@@ -417,7 +418,7 @@ void muon_step_cuda(std::span<const TensorView> params, std::span<const TensorVi
         detail::check_launch(kOp);
         const Strided<const T> u{m.u, cols, l.x_stride};
         void* x = orthogonalize<T>(kOp, dt, l, base, u, count, rows, cols, options.newton_schulz,
-                                   gram_split(std::min(rows, cols)), stream);
+                                   gram_blocks(std::min(rows, cols)), stream);
         update.decay = decay;
         update.step = step;
         const std::int64_t p = std::min(rows, cols), q = std::max(rows, cols);

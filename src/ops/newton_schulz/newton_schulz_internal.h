@@ -64,14 +64,12 @@ void gram_triangle_bf16(const char* op, const void* rows, std::int64_t rows_stri
                         void* out, const void* addend, std::int64_t out_stride, float alpha, float beta,
                         std::int64_t count, cudaStream_t stream);
 
-// The Gram products' split for p as newton_schulz_cuda takes it: from p = 4096 the tile
-// triangle where it applies (kGramTriangle; else gram_blocks(p)), below that gram_blocks(p).
-// A function of p alone (the dtype and device are one per call), so a batch keeps a single call's bits.
+// newton_schulz_cuda's gram_split for the tile triangle (where gram_triangle_applies; else
+// gram_blocks(p)). Asked for by the bench and tests until measured against the blocks.
 inline constexpr int kGramTriangle = 0;
-inline int gram_split(std::int64_t p) { return p >= 4096 ? kGramTriangle : gram_blocks(p); }
 
 // newton_schulz.cu: workspace of at least the bytes the *_workspace_bytes_cuda functions give
-// (checked there). count: matrices of rows x cols. gram_split: as gram_split gives for p
+// (checked there). count: matrices of rows x cols. gram_split: as gram_blocks gives for p
 // (kGramTriangle, or another k that divides p into blocks of a multiple of 32 rows, runs too,
 // for tests and the bench).
 std::size_t newton_schulz_workspace_bytes_cuda(std::int64_t count, std::int64_t rows, std::int64_t cols,
