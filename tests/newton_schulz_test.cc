@@ -550,6 +550,7 @@ TEST(NewtonSchulz, FoldedTriangleVisitsEveryLowerTileOnce) {
 
 // Without a Hopper GPU, CUTLASS or a bf16 input the tile triangle does not apply (newton_schulz_cuda
 // then runs the blocks).
+#if TRAINSCALE_HAVE_CUDA
 TEST(NewtonSchulz, TileTriangleAppliesToBf16OnHopperOnly) {
   EXPECT_FALSE(ops::newton_schulz::gram_triangle_applies(DType::kFloat32, 4096, 4096));
   EXPECT_FALSE(ops::newton_schulz::gram_triangle_applies(DType::kBFloat16, 4096 + 128, 4096));  // odd tiles
@@ -558,6 +559,7 @@ TEST(NewtonSchulz, TileTriangleAppliesToBf16OnHopperOnly) {
   EXPECT_FALSE(ops::newton_schulz::gram_triangle_applies(DType::kBFloat16, 4096, 4096));
 #endif
 }
+#endif
 
 }  // namespace
 }  // namespace trainscale
