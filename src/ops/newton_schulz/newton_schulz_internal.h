@@ -39,12 +39,7 @@ inline int gram_blocks(std::int64_t p) {
   return k;
 }
 
-// gram_triangle.cu: the lower triangle of tiles of kGramTriangleTile rows of
-//   out = alpha rows @ rows^T + beta addend
-// for `count` bf16 matrices in one CUTLASS launch, each diagonal tile whole; the caller mirrors
-// the tiles above. rows [p, k] row-major (ld k), matrix n rows_stride elements on; out and
-// addend [p, p] (ld p), out_stride apart; addend null: beta 0. Only where gram_triangle_applies:
-// bf16, p a multiple of two tiles, k of 8, a compute capability 9.0 device and an sm_90a build.
+// The tile triangle's tiles: kGramTriangleTile x kGramTriangleTile.
 inline constexpr std::int64_t kGramTriangleTile = 128;
 
 // The tile triangle's schedule: the lower triangle (n <= m) of a t x t tile grid, t even,
@@ -59,6 +54,13 @@ __host__ __device__
 inline constexpr TileMN folded_triangle_tile(std::int64_t r, std::int64_t c, std::int64_t t) {
   return c < t - r ? TileMN{t - 1 - r, c} : TileMN{r, c - (t - r)};
 }
+
+// gram_triangle.cu: the lower triangle of tiles of
+//   out = alpha rows @ rows^T + beta addend
+// for `count` bf16 matrices in one CUTLASS launch, each diagonal tile whole; the caller mirrors
+// the tiles above. rows [p, k] row-major (ld k), matrix n rows_stride elements on; out and
+// addend [p, p] (ld p), out_stride apart; addend null: beta 0. Only where gram_triangle_applies:
+// bf16, p a multiple of two tiles, k of 8, a compute capability 9.0 device and an sm_90a build.
 bool gram_triangle_applies(DType dtype, std::int64_t p, std::int64_t k);
 void gram_triangle_bf16(const char* op, const void* rows, std::int64_t rows_stride, std::int64_t p, std::int64_t k,
                         void* out, const void* addend, std::int64_t out_stride, float alpha, float beta,
