@@ -145,9 +145,9 @@ TEST(NewtonSchulzCuda, BatchEqualsOneCallPerMatrix) {
 
 // The Gram products by blocks (only the lower block triangle computed, then mirrored) and by
 // the tile triangle in one launch (bf16), forced at sizes whose fp64 reference is cheap
-// (newton_schulz takes the blocks only from p = 4096, gram_blocks): against the reference, wide and
-// tall, and a batch (blocks: a call per block over the matrices; the triangle: the GEMM's batch
-// mode) bit-identical to one call per matrix.
+// (newton_schulz takes the blocks only from p = 4096, gram_blocks): against the reference,
+// wide and tall, and a batch (blocks: a call per block over the matrices; the triangle: the
+// GEMM's batch mode) bit-identical to one call per matrix.
 TEST(NewtonSchulzCuda, BlockedGramProductsMatchReferenceAndBatchBits) {
   TS_REQUIRE_GPU();
   const auto run_blocked = [](DType dt, std::int64_t count, const Layout& l, const Values& x, int k) {
