@@ -150,10 +150,13 @@ TEST(AttentionHeuristics, BackwardWorkspaceParts) {
   EXPECT_EQ(w.dq_accum, 6144u + 256u);          // 12 counters, aligned
   EXPECT_EQ(w.bytes, 6400u + 6u * 128 * 128 * 4);
   for (std::size_t offset : {w.lse_log2, w.dq_semaphore, w.dq_accum, w.bytes}) EXPECT_EQ(offset % 256, 0u);
-  const BackwardWorkspace d256 = backward_workspace(2, 3, 65, 256);  // sm_80 kernels only: delta
-  EXPECT_FALSE(backward_sm90_plan(256).supported());
-  EXPECT_EQ(d256.stats_len, 65);
-  EXPECT_EQ(d256.bytes, 1792u);  // 6 * 65 floats, to a multiple of 256
+  const BackwardWorkspace d256 = backward_workspace(2, 3, 65, 256);  // the same blocks of 64 queries
+  EXPECT_EQ(d256.stats_len, 128);
+  EXPECT_EQ(d256.bytes, 6400u + 6u * 128 * 256 * 4);
+  EXPECT_FALSE(backward_sm90_plan(96).supported());
+  const BackwardWorkspace d96 = backward_workspace(2, 3, 65, 96);  // no Hopper kernel: delta only
+  EXPECT_EQ(d96.stats_len, 65);
+  EXPECT_EQ(d96.bytes, 1792u);  // 6 * 65 floats, to a multiple of 256
   EXPECT_EQ(backward_workspace(1, 1, 0, 64).bytes, 0u);
 }
 

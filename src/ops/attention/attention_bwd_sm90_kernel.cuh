@@ -12,8 +12,13 @@
 //     registers) -> dS^T = P^T (dP^T - delta) -> dS^T to shared memory (stmatrix) ->
 //     dQ = dS K, then dK += dS^T Q -> dQ's partial staged (double-buffered) while dK runs, and
 //     handed to the dQ writer.
+//   With kSplitHeadDim (D 256; attention_bwd_sm90_traits.cuh) the two warp groups take 32
+//   queries each of S^T and dP^T and half the head dim of dV, dK and dQ: P^T goes to shared
+//   memory too (both warp groups' halves before dV), and each thread adds its dQ partial to the
+//   workspace by float4 atomics while dK runs; no dQ writer.
 //
-// dQ's partials arrive in any order by default. In the deterministic mode each (query head,
+// dQ's partials arrive in any order by default. In the deterministic mode (not with
+// kSplitHeadDim, whose launcher refuses it) each (query head,
 // query block) has a counter in the workspace and the key blocks add their partials in key-block
 // order: the dQ writer of key block n waits until every earlier key block that sees the query
 // block has added its part (CTAs start in blockIdx order, and backward_cta numbers a head's
@@ -68,6 +73,7 @@ struct BackwardSm90Params {
 // Named barriers (ids after CUTLASS's reserved ones).
 enum class BackwardBarrier : uint32_t {
   kDsReady = 0,  // both consumer warp groups stored their dS^T rows
+  kPReady = 1,   // kSplitHeadDim: both consumer warp groups stored their P^T rows
 };
 
 // The query blocks that see a key of key block n_block (AttentionMask::query_blocks).
@@ -198,7 +204,7 @@ struct BackwardSm90DqWriter {
         } while (seen < expected);
       }
       pipeline_dq.consumer_wait(read);
-      bulk_reduce_add(p.dq_accum + chunk * Traits::kDqFloats, storage.dq[read.index()],
+      bulk_reduce_add(p.dq_accum + chunk * Traits::kDqFloats, storage.dq.buffer[read.index()],
                       Traits::kDqFloats * sizeof(float));
       cute::tma_store_arrive();
       if (semaphore != nullptr) {
@@ -257,7 +263,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (threadIdx.x / 32 == 0) {
       BackwardSm90Producer<Traits>::run(p, storage, pipeline_q, pipeline_dout, batch, kv_head, n_block, blocks);
     } else if (threadIdx.x / 32 == 1) {
-      BackwardSm90DqWriter<Traits>::run(p, storage, pipeline_dq, batch, kv_head, n_block, blocks);
+      if constexpr (!Traits::kSplitHeadDim) {
+        BackwardSm90DqWriter<Traits>::run(p, storage, pipeline_dq, batch, kv_head, n_block, blocks);
+      }
     }
     return;
   }
@@ -281,6 +289,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor sdOt = make_tensor(make_smem_ptr(storage.dout.data()), typename Traits::SmemLayoutQt{});
   Tensor sDS = make_tensor(make_smem_ptr(storage.ds.data()), typename Traits::SmemLayoutDS{});
   Tensor sDSt = make_tensor(make_smem_ptr(storage.ds.data()), typename Traits::SmemLayoutDSt{});
+  constexpr bool kSplit = Traits::kSplitHeadDim;
+  // kSplitHeadDim: P^T's buffers, laid out as dS's.
+  auto sPt = [&] {
+    if constexpr (kSplit) return make_tensor(make_smem_ptr(storage.p.data()), typename Traits::SmemLayoutDSt{});
+    else return 0;
+  }();
 
   Tensor tSrK = thr_sdp.partition_fragment_A(sK);     // (MMA, MMA_M, MMA_K)
   Tensor tSrV = thr_sdp.partition_fragment_A(sV);
@@ -294,6 +308,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto ds_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
   auto ds_copy_thread = ds_copy.get_thread_slice(thread);
   Tensor tDSsDSt = ds_copy_thread.partition_D(as_position_independent_swizzle_tensor(sDSt));  // (CPY, M, N, buffer)
+  // kSplitHeadDim: P^T's stores, and dV's and dK's A operands from shared memory.
+  auto [tPsPt, tKVsPt, tKVsDSt] = [&] {
+    if constexpr (kSplit) {
+      return cute::make_tuple(ds_copy_thread.partition_D(as_position_independent_swizzle_tensor(sPt)),
+                              thr_kv.partition_fragment_A(sPt),  // (MMA, MMA_M, MMA_K, buffer)
+                              thr_kv.partition_fragment_A(sDSt));
+    } else {
+      return cute::make_tuple(0, 0, 0);
+    }
+  }();
 
   // (key, query) within the tile of every score the thread holds, as (rows, cols).
   Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
@@ -317,14 +341,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // Each step's dQ partial goes, in register order, into this warp group's half of a staging
   // buffer as soon as its product completes (while the tensor cores run the step's dK); the dQ
   // writer reduce-adds the buffer once both warp groups have filled it, and frees it once read.
+  // With kSplitHeadDim the threads add it, in the same order, into the workspace themselves.
   Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-  auto stage_dq = [&](int buffer) {
-    float* staging = storage.dq[buffer] + consumer_group * Traits::kDqFloatsPerWarpGroup;
+  auto hand_on_dq = [&](float* partial, auto store) {  // partial: this warp group's half
     static_assert(decltype(size(tdQrdQ))::value % 4 == 0);
+    partial += consumer_group * Traits::kDqFloatsPerWarpGroup;
     CUTE_UNROLL
     for (int e = 0; e < size(tdQrdQ); e += 4) {
-      *reinterpret_cast<float4*>(staging + (e / 4 * 128 + group_thread) * 4) =
-          make_float4(tdQrdQ(e), tdQrdQ(e + 1), tdQrdQ(e + 2), tdQrdQ(e + 3));
+      store(reinterpret_cast<float4*>(partial + (e / 4 * 128 + group_thread) * 4),
+            make_float4(tdQrdQ(e), tdQrdQ(e + 1), tdQrdQ(e + 2), tdQrdQ(e + 3)));
     }
   };
   auto write_dq = cutlass::make_producer_start_state<PipelineDq>();
@@ -416,15 +441,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       if (interior) probabilities(cute::false_type{}, cute::true_type{});
       else probabilities(cute::true_type{}, cute::true_type{});
     }
-    detail::warpgroup_gemm</*kZeroInit=*/false, -1>(
-        mma_kv, make_tensor(p_regs.data(), accumulator_as_a_operand(tSrS.layout())), tKVrdOt(_, _, _, stage),
-        tdVrdV);
+    if constexpr (kSplit) {
+      copy(ds_copy, ds_copy_thread.retile_S(p_regs), tPsPt(_, _, _, buffer));
+      cutlass::arch::fence_view_async_shared();
+      cutlass::arch::NamedBarrier::sync(kConsumerThreads, static_cast<uint32_t>(BackwardBarrier::kPReady));
+      detail::warpgroup_gemm</*kZeroInit=*/false, -1>(mma_kv, tKVsPt(_, _, _, buffer), tKVrdOt(_, _, _, stage),
+                                                     tdVrdV);
+    } else {
+      detail::warpgroup_gemm</*kZeroInit=*/false, -1>(
+          mma_kv, make_tensor(p_regs.data(), accumulator_as_a_operand(tSrS.layout())), tKVrdOt(_, _, _, stage),
+          tdVrdV);
+    }
     warpgroup_wait<1>();
     warpgroup_fence_operand(tSrdP);
     if (interior) score_gradients(cute::false_type{});
     else score_gradients(cute::true_type{});
 
-    // dS^T: to registers for dK, to shared memory (as dS) for dQ. Each 8 x 8 block of the
+    // dS^T: to registers for dK, to shared memory (as dS) for dQ (and dK). Each 8 x 8 block of the
     // accumulator is 8 keys x 8 adjacent queries, and a key's queries are contiguous in dS's
     // rows: stmatrix writes four such blocks per instruction.
     ds_regs = convert_fragment<Element>(tSrdP);
@@ -434,21 +467,33 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
     // dQ before dK: the products complete in order, so dQ's partial is staged while dK runs.
     detail::warpgroup_gemm</*kZeroInit=*/true, -1>(mma_dq, tQrdS(_, _, _, buffer), tQrKt, tdQrdQ);
-    detail::warpgroup_gemm</*kZeroInit=*/false, -1>(
-        mma_kv, make_tensor(ds_regs.data(), accumulator_as_a_operand(tSrdP.layout())), tKVrQt(_, _, _, stage),
-        tdKrdK);
+    if constexpr (kSplit) {
+      detail::warpgroup_gemm</*kZeroInit=*/false, -1>(mma_kv, tKVsDSt(_, _, _, buffer), tKVrQt(_, _, _, stage),
+                                                     tdKrdK);
+    } else {
+      detail::warpgroup_gemm</*kZeroInit=*/false, -1>(
+          mma_kv, make_tensor(ds_regs.data(), accumulator_as_a_operand(tSrdP.layout())), tKVrQt(_, _, _, stage),
+          tdKrdK);
+    }
     warpgroup_wait<1>();
     warpgroup_fence_operand(tdQrdQ);
-    pipeline_dq.producer_acquire(write_dq);
-    stage_dq(write_dq.index());
-    cutlass::arch::fence_view_async_shared();  // the staging stores, before the writer's bulk reduce
-    pipeline_dq.producer_commit(write_dq);
-    ++write_dq;
+    if constexpr (kSplit) {
+      const int64_t chunk = (static_cast<int64_t>(batch) * p.q_heads + head) * p.m_blocks + m_block;
+      hand_on_dq(p.dq_accum + chunk * Traits::kDqFloats, [](float4* sum, float4 v) { atomicAdd(sum, v); });
+    } else {
+      pipeline_dq.producer_acquire(write_dq);
+      hand_on_dq(storage.dq.buffer[write_dq.index()], [](float4* staged, float4 v) { *staged = v; });
+      cutlass::arch::fence_view_async_shared();  // the staging stores, before the writer's bulk reduce
+      pipeline_dq.producer_commit(write_dq);
+      ++write_dq;
+    }
     warpgroup_wait<0>();
     warpgroup_fence_operand(tdVrdV);
     warpgroup_fence_operand(tdKrdK);
-    warpgroup_fence_operand(p_regs);
-    warpgroup_fence_operand(ds_regs);
+    if constexpr (!kSplit) {
+      warpgroup_fence_operand(p_regs);
+      warpgroup_fence_operand(ds_regs);
+    }
     pipeline_q.consumer_release(read);
     pipeline_dout.consumer_release(read);
     ++read;

@@ -41,6 +41,10 @@ void launch_backward_sm90(const AttentionBackwardArgs& args, const AttentionOpti
   const int64_t batch = q.size(0), q_len = q.size(1), q_heads = q.size(2);
   const int64_t kv_len = args.k.size(1), kv_heads = args.k.size(2);
   if (batch == 0 || q_heads == 0) return;
+  // attention_backward_hdim256 sends the deterministic mode to the sm_80 kernels.
+  if (Traits::kSplitHeadDim && options.deterministic) {
+    detail::throw_op_error(kBackwardOp, "internal: the Hopper kernel for head dim 256 has no deterministic mode");
+  }
   const BackwardWorkspace layout = backward_workspace(batch, q_heads, q_len, kHeadDim);
   char* workspace = static_cast<char*>(args.workspace.data);
 

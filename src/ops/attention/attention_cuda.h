@@ -1,5 +1,5 @@
 // CUDA launchers of the attention family, defined in attention_fwd_hdim{64,128,256}.cu and
-// attention_bwd_hdim{64,128,256}.cu and attention_bwd_sm90_hdim{64,128}.cu (built when the CUTLASS headers are found:
+// attention_bwd_hdim{64,128,256}.cu and attention_bwd_sm90_hdim{64,128,256}.cu (built when the CUTLASS headers are found:
 // TRAINSCALE_HAVE_CUTLASS). Arguments arrive validated by attention.cc, including the CUDA
 // kernels' own requirements (check_cuda_forward / check_cuda_backward there): bf16 or fp16, a
 // supported head dim, 16-byte aligned tensors and strides, and for the backward a workspace of
@@ -48,11 +48,13 @@ void attention_backward_hdim128(const AttentionBackwardArgs& args, const Attenti
                                 cudaStream_t stream);
 void attention_backward_hdim256(const AttentionBackwardArgs& args, const AttentionOptions& options,
                                 cudaStream_t stream);
-// The Hopper backward (attention_bwd_sm90_hdim*.cu), which attention_backward_hdim64/128 call on a
+// The Hopper backward (attention_bwd_sm90_hdim*.cu), which attention_backward_hdim* call on a
 // Hopper GPU.
 void attention_backward_sm90_hdim64(const AttentionBackwardArgs& args, const AttentionOptions& options,
                                     cudaStream_t stream);
 void attention_backward_sm90_hdim128(const AttentionBackwardArgs& args, const AttentionOptions& options,
+                                     cudaStream_t stream);
+void attention_backward_sm90_hdim256(const AttentionBackwardArgs& args, const AttentionOptions& options,
                                      cudaStream_t stream);
 
 }  // namespace trainscale::ops::attention

@@ -97,9 +97,10 @@ constexpr BackwardPlan backward_plan(std::int64_t head_dim) {
 }
 
 // The Hopper backward (attention_bwd_sm90_*): a CTA of 2 consumer warp groups owns block_n keys
-// (64 each) and walks block_m queries at a time with `stages` Q / dO buffers in flight; dK and dV
-// (2 x 64 x D fp32 per warp group) stay in registers, which holds D to 128. D = 256 runs the sm_80
-// kernels on every GPU.
+// and walks block_m queries at a time with `stages` Q / dO buffers in flight; dK and dV stay in
+// registers. Up to D = 128 each warp group owns 64 keys (2 x 64 x D fp32 accumulators); at D = 256
+// the CTA owns 64 keys and the warp groups split the head dim. The deterministic mode at D = 256
+// runs the sm_80 kernels (the Hopper kernel adds dQ by atomics).
 struct BackwardSm90Plan {
   int head_dim = 0;  // 0: no Hopper kernel for this head dim
   int block_m = 0;
@@ -113,6 +114,7 @@ constexpr BackwardSm90Plan backward_sm90_plan(std::int64_t head_dim) {
   switch (head_dim) {
     case 64: return {64, 64, 128, 2};
     case 128: return {128, 64, 128, 2};
+    case 256: return {256, 64, 64, 2};
     default: return {};
   }
 }
