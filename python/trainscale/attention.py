@@ -6,9 +6,9 @@ implementations and autograd formula of its ops in torch.ops.trainscale
 Layout is BSHD: q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D] with Hq % Hkv == 0 (grouped-query
 heads are read in place, never repeated). The forward runs the CUDA kernel (bf16 / fp16, D 64,
 128 or 256, sm_90a) or the CPU reference (any dtype, float64 included); the backward runs its
-CUDA kernels (bf16 / fp16, D 64, 128 or 256, sm_80+; a Hopper kernel at D 64 / 128 whose dQ order
-is fixed only under torch.use_deterministic_algorithms(True); the workspace is allocated by the
-op) or the CPU reference. Packed sequences (attention_varlen) run on CUDA as the same kernels
+CUDA kernels (bf16 / fp16, D 64, 128 or 256, sm_80+; a Hopper kernel at D 64, 128 and 256 whose
+dQ order is fixed only under torch.use_deterministic_algorithms(True), which at D 256 runs the
+sm_80 kernels instead; the workspace is allocated by the op) or the CPU reference. Packed sequences (attention_varlen) run on CUDA as the same kernels
 once per sequence, after reading cu_seqlens back to the host (a synchronization of the stream)."""
 import sys
 import warnings

@@ -353,11 +353,11 @@ def _attention_skip_reason(model: nn.Module):
         return "parameters neither all on the CPU nor all on CUDA"
     heads = getattr(text, "num_attention_heads", None)
     head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
-    # patch() swaps in what is faster: the Hopper backward (D 64 / 128) runs at 0.84-1.00x cuDNN's
-    # (causal training shapes) and 1.3-1.5x PyTorch SDPA's flash backend; elsewhere our sm_80
-    # backward is slower than SDPA's (docs/perf/attention.md).
-    if head_dim not in (64, 128):
-        return f"head dim {head_dim} (the fast CUDA attention backward has head dims 64 and 128)"
+    # patch() swaps in what is faster: the Hopper backward (D 64 / 128 / 256) runs at 0.84-1.12x
+    # cuDNN's and faster than PyTorch SDPA's flash backend; elsewhere our sm_80 backward is slower
+    # than SDPA's (docs/perf/attention.md).
+    if head_dim not in (64, 128, 256):
+        return f"head dim {head_dim} (the fast CUDA attention backward has head dims 64, 128 and 256)"
     if any(torch.cuda.get_device_capability(d) != (9, 0) for d in devices):
         return "not a Hopper GPU (the fast CUDA attention backward needs compute capability 9.0)"
     return None
@@ -430,7 +430,7 @@ def patch(model: nn.Module, rms_norm: bool = True, swiglu: bool = True, geglu: b
     instead of all tokens' logits or a float32 buffer), and, in models whose attention goes
     through transformers' AttentionInterface (_attention_skip_reason: not latent attention with
     narrower value heads, no sinks) and whose parameters are all on the CPU, or all on Hopper
-    GPUs with head dim 64 or 128, attention -> trainscale.hf_attention_forward
+    GPUs with head dim 64, 128 or 256, attention -> trainscale.hf_attention_forward
     (config._attn_implementation = "trainscale"; masks other than the causal (sliding-window)
     one and dropout fall back to sdpa per call). On other GPUs and head dims attention is left as
     it is, since training through our sm_80 attention backward is slower than through PyTorch

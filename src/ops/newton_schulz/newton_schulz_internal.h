@@ -67,7 +67,8 @@ void gram_triangle_bf16(const char* op, const void* rows, std::int64_t rows_stri
                         std::int64_t count, cudaStream_t stream);
 
 // newton_schulz_cuda's gram_split for the tile triangle (where gram_triangle_applies; else
-// gram_blocks(p)). Asked for by the bench and tests until measured against the blocks.
+// gram_blocks(p)). Measured no faster than the blocks (docs/perf/newton_schulz.md), so only the
+// bench and tests ask for it.
 inline constexpr int kGramTriangle = 0;
 
 // newton_schulz.cu: workspace of at least the bytes the *_workspace_bytes_cuda functions give
