@@ -95,10 +95,24 @@ Case attention_forward_case(std::span<const std::int64_t> shape, DType dtype) {
   return c;
 }
 
+// Our backward on a case's tensors with the case's options, deterministic or not.
+std::function<void(CaseTensors, cudaStream_t)> backward_entry(const Case& c, bool deterministic) {
+  const Dims d = dims_of(c);
+  AttentionOptions options = options_of(d);
+  options.deterministic = deterministic;
+  const auto [dout, q, k, v, out, lse, dq, dk, dv, workspace] =
+      c.ids("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "workspace");
+  return [=, dtype = c.dtype](CaseTensors t, cudaStream_t s) {
+    require_cuda_kernel(t[q], dtype, d, "backward");
+    attention_backward({.dout = t[dout], .q = t[q], .k = t[k], .v = t[v], .out = t[out], .lse = t[lse],
+                        .dq = t[dq], .dk = t[dk], .dv = t[dv], .workspace = t[workspace]},
+                       options, s);
+  };
+}
+
 Case attention_backward_case(std::span<const std::int64_t> shape, DType dtype) {
   Case c = begin_case("attention_backward", "attention", shape, dtype, 6, kDoc);
   const Dims d = dims_of(c);
-  const AttentionOptions options = options_of(d);
   const Shape q_shape = {d.b, d.s, d.hq, d.d}, kv_shape = {d.b, d.s, d.hkv, d.d};
   c.tensors = {input("dout", dtype, q_shape), input("q", dtype, q_shape),    input("k", dtype, kv_shape),
                input("v", dtype, kv_shape),   input("out", dtype, q_shape),  saved_lse(d),
@@ -110,14 +124,7 @@ Case attention_backward_case(std::span<const std::int64_t> shape, DType dtype) {
   c.flops = 2.5 * forward_flops(d);  // 5 GEMMs to the forward's 2
   c.bound = Bound::kCompute;
   group_by_kv_head(c, d);
-  const auto [dout, q, k, v, out, lse, dq, dk, dv, workspace] =
-      c.ids("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "workspace");
-  c.entry = [=](CaseTensors t, cudaStream_t s) {
-    require_cuda_kernel(t[q], dtype, d, "backward");
-    attention_backward({.dout = t[dout], .q = t[q], .k = t[k], .v = t[v], .out = t[out], .lse = t[lse],
-                        .dq = t[dq], .dk = t[dk], .dv = t[dv], .workspace = t[workspace]},
-                       options, s);
-  };
+  c.entry = backward_entry(c, /*deterministic=*/false);
   c.reference = on_cpu(c.entry);
   return c;
 }
@@ -164,6 +171,12 @@ const Registrar kRegister([](Registry& r) {
       return std::optional<Implementation>(std::move(forced));
     });
   }
+  // The backward's deterministic mode (AttentionOptions::deterministic).
+  r.add_opt_in("attention_backward", "trainscale-deterministic", [](const Case& c) {
+    Implementation forced;
+    forced.run = backward_entry(c, /*deterministic=*/true);
+    return std::optional<Implementation>(std::move(forced));
+  });
   // A shape the CUDA forward runs (head dim 64, a sequence off its tiles), so smoke reaches it.
   r.add_configs("smoke", "attention_forward", {{1, 4, 2, 100, 64, 1}}, bf16);
 
