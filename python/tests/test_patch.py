@@ -318,21 +318,23 @@ def test_patched_moe_models_match(monkeypatch, family, return_dict):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_patched_mixtral_matches(monkeypatch):
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_cuda_patched_mixtral_matches(monkeypatch, head_dim):
     # On the GPU in bfloat16: the experts' SwiGLU, the fused loss with the router term and (on
-    # Hopper, head dim 64) the attention run our kernels. Against the unpatched model in float32,
+    # Hopper) the attention run our kernels. Against the unpatched model in float32,
     # the patched one is as close as the unpatched one in bfloat16. Every token takes every expert:
     # with a top-2 of 8, rounding alone can move a token to another expert, whose gradients then
     # differ by far more than rounding (one token of the second layer did so here, in our
     # rounding and not in the unpatched model's). The CPU tests cover sparse routing exactly.
-    model, ids, _, _ = tiny_family_model(monkeypatch, "mixtral", dtype=torch.bfloat16, hidden_size=256, head_dim=64,
-                                          num_local_experts=4, num_experts_per_tok=4,
+    model, ids, _, _ = tiny_family_model(monkeypatch, "mixtral", dtype=torch.bfloat16, hidden_size=256,
+                                          head_dim=head_dim, num_local_experts=4, num_experts_per_tok=4,
                                           output_router_logits=True, router_aux_loss_coef=0.5)
     model, ids = model.cuda(), ids.cuda()
     exact_loss, exact_grads = loss_and_grads(copy.deepcopy(model).float(), ids)
     ref_loss, ref_grads = loss_and_grads(copy.deepcopy(model), ids)
     report = ts.patch(model, verbose=False)
     assert report["experts_gate"] and report["linear_cross_entropy"]
+    assert bool(report["attention"]) == (torch.cuda.get_device_capability() == (9, 0))
     loss, grads = loss_and_grads(model, ids)
     assert abs(loss.float() - exact_loss) <= max(2 * abs(ref_loss.float() - exact_loss), 1e-2 * exact_loss)
     for name, g in exact_grads.items():
