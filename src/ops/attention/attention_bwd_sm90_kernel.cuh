@@ -18,11 +18,11 @@
 //   workspace by float4 atomics while dK runs; no dQ writer.
 //
 // dQ's partials arrive in any order by default. In the deterministic mode (not with
-// kSplitHeadDim, whose launcher refuses it) each (query head,
-// query block) has a counter in the workspace and the key blocks add their partials in key-block
-// order: the dQ writer of key block n waits until every earlier key block that sees the query
-// block has added its part (CTAs start in blockIdx order, and backward_cta numbers a head's
-// earlier key blocks first, so the ones waited for are running or done).
+// kSplitHeadDim, whose launcher refuses it) each (query head, query block) has a counter in the
+// workspace and the key blocks add their partials in key-block order: the dQ writer of key block
+// n waits until every earlier key block that sees the query block has added its part (CTAs
+// start in blockIdx order, and backward_cta numbers a head's earlier key blocks first, so the
+// ones waited for are running or done).
 //
 // The scores' scale and softcap enter as in the sm_80 kernels (attention_bwd_kernel.cuh): dS
 // leaves out the factor scale, which the epilogue (dK) and the postprocess (dQ) apply.
@@ -457,9 +457,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (interior) score_gradients(cute::false_type{});
     else score_gradients(cute::true_type{});
 
-    // dS^T: to registers for dK, to shared memory (as dS) for dQ (and dK). Each 8 x 8 block of the
-    // accumulator is 8 keys x 8 adjacent queries, and a key's queries are contiguous in dS's
-    // rows: stmatrix writes four such blocks per instruction.
+    // dS^T: to registers for dK, to shared memory (as dS) for dQ (with kSplitHeadDim for dK as
+    // well). Each 8 x 8 block of the accumulator is 8 keys x 8 adjacent queries, and a key's
+    // queries are contiguous in dS's rows: stmatrix writes four such blocks per instruction.
     ds_regs = convert_fragment<Element>(tSrdP);
     copy(ds_copy, ds_copy_thread.retile_S(ds_regs), tDSsDSt(_, _, _, buffer));
     cutlass::arch::fence_view_async_shared();
