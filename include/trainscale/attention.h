@@ -28,9 +28,9 @@ struct AttentionOptions {
   std::int64_t window_right = -1;
   // Logit softcap: scores s = scale * q.k become softcap * tanh(s / softcap); 0 = off, else > 0.
   double softcap = 0.0;
-  // Backward only: the same bits every run. The Hopper kernel (D 64 / 128) then adds the dQ
-  // partials of the key blocks in a fixed order instead of as they arrive; every other path is
-  // deterministic either way.
+  // Backward only: the same bits every run. The Hopper kernel then adds the dQ partials of the
+  // key blocks in a fixed order instead of as they arrive (at D 64 / 128; at D 256 the sm_80+
+  // kernels run instead); every other path is deterministic either way.
   bool deterministic = false;
   // Forward only, CUDA only (the CPU reference and the backward ignore it).
   AttentionSchedule schedule = AttentionSchedule::kAuto;
@@ -60,10 +60,10 @@ void attention_forward(const TensorView& q, const TensorView& k, const TensorVie
 // accumulator), at least attention_backward_workspace_bytes(q) bytes, contiguous and 256-byte
 // aligned, disjoint from every other argument, contents ignored; required on CUDA, ignored on
 // the CPU and may be absent there.
-// On a Hopper GPU (sm_90a build) with D 64 or 128, dQ is summed over key blocks in fp32 as the
-// blocks finish, so its last bits may differ between runs unless options.deterministic; dK and dV
-// are always summed in one order. Elsewhere (sm_80+, D 256) every output element is written by
-// one thread block in one fixed order. The CUDA path takes bf16 / fp16 with D in {64, 128, 256},
+// On a Hopper GPU (sm_90a build), dQ is summed over key blocks in fp32 as the blocks finish, so
+// its last bits may differ between runs unless options.deterministic; dK and dV are always summed
+// in one order. Elsewhere (sm_80+, and D 256 when deterministic) every output element is written
+// by one thread block in one fixed order. The CUDA path takes bf16 / fp16 with D in {64, 128, 256},
 // and every [B, S, H, D] tensor 16-byte aligned with strides of 16-byte multiples (dims of size 1
 // excepted); it needs compute capability 8.0+.
 struct AttentionBackwardArgs {
@@ -81,8 +81,8 @@ struct AttentionBackwardArgs {
 void attention_backward(const AttentionBackwardArgs& args, const AttentionOptions& options = {},
                         cudaStream_t stream = nullptr);
 // Bytes of workspace attention_backward's CUDA path needs for q's shape (only the shape is
-// read): fp32 [B, Hq, Sq'] row terms, and for D 64 / 128 also fp32 [B, Hq, Sq', D] for dQ and
-// [B, Hq, Sq' / 64] counters, Sq' being Sq rounded up to a multiple of 64.
+// read): fp32 [B, Hq, Sq'] row terms, fp32 [B, Hq, Sq', D] for dQ and [B, Hq, Sq' / 64]
+// counters, Sq' being Sq rounded up to a multiple of 64 (D 64, 128 and 256).
 std::size_t attention_backward_workspace_bytes(const TensorView& q);
 
 // Variable-length (packed) sequences, FlashAttention's varlen layout: q [Tq, Hq, D] and k / v
