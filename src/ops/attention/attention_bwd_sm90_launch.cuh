@@ -1,8 +1,8 @@
 // Host side of the Hopper attention backward for one head dim: the workspace's parts, the TMA
 // descriptors, and four launches on the caller's stream: the preprocess (delta and lse * log2(e),
-// attention_bwd_kernel.cuh), zeroing dQ's accumulator and counters, the dK/dV/dQ kernel and the
-// dQ postprocess (attention_bwd_sm90_kernel.cuh). Included by attention_bwd_sm90_hdim*.cu, each of
-// which instantiates its head dim's two dtypes.
+// attention_bwd_kernel.cuh), zeroing dQ's accumulator and counters, the dK/dV/dQ kernel
+// (attention_bwd_sm90_kernel.cuh) and the dQ postprocess (attention_bwd_sm90_epilogue.cuh).
+// Included by attention_bwd_sm90_hdim*.cu, each of which instantiates its head dim's two dtypes.
 #pragma once
 
 #ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
