@@ -48,7 +48,8 @@ struct BackwardSm90Traits {
   static_assert(kConsumerWarpGroups == 2, "the register split above is for two consumer warp groups");
   static_assert(kProducerRegisters + kConsumerWarpGroups * kConsumerRegisters <=
                 kLaunchRegisters * (kConsumerWarpGroups + 1));
-  static_assert(kHeadDim % 64 == 0 && kBlockM == 64, "128-byte swizzle rows; one MN-major atom of queries");
+  static_assert(kHeadDim % 64 == 0 && (kBlockM == 64 || (!kSplitHeadDim && kBlockM == 64 * kConsumerWarpGroups)),
+                "128-byte swizzle rows; 64 queries per step, or 64 per consumer warp group");
   static_assert(!kSplitHeadDim || kBlockN == 64, "split head dim: one block of 64 keys");
   static_assert(sizeof(Element) == 2);
 
@@ -74,14 +75,16 @@ struct BackwardSm90Traits {
                                           cute::Shape<cute::_64, cute::Int<kKvColumns>, cute::Int<kBlockM>>,
                                           cute::GMMA::Major::K, cute::GMMA::Major::MN>())>;
   using TiledMmaKV = decltype(cute::make_tiled_mma(KvAtom{}, KeysOrColumns{}));
-  // dQ: (queries, D, keys); dS stored queries-contiguous (MN-major), K^T MN-major; each warp
-  // group takes D / kConsumerWarpGroups columns.
-  static constexpr int kDqColumns = kHeadDim / kConsumerWarpGroups;
+  // dQ: (queries, D, keys); dS stored queries-contiguous (MN-major), K^T MN-major. With 64
+  // queries per step each warp group takes D / kConsumerWarpGroups columns; with 64 per warp
+  // group, its own 64 queries and every column (a product kConsumerWarpGroups times wider).
+  static constexpr bool kDqSplitsQueries = kBlockM == 64 * kConsumerWarpGroups;
+  static constexpr int kDqColumns = kDqSplitsQueries ? kHeadDim : kHeadDim / kConsumerWarpGroups;
   using TiledMmaDQ = decltype(cute::make_tiled_mma(
       cute::GMMA::ss_op_selector<Element, Element, float,
                                  cute::Shape<cute::_64, cute::Int<kDqColumns>, cute::Int<kBlockN>>,
                                  cute::GMMA::Major::MN, cute::GMMA::Major::MN>(),
-      Columns{}));
+      std::conditional_t<kDqSplitsQueries, Keys, Columns>{}));
   static_assert(decltype(cute::size<1>(typename TiledMmaSdP::AtomShape_MNK{}))::value == kSdPColumns);
   static_assert(decltype(cute::size<1>(typename TiledMmaKV::AtomShape_MNK{}))::value == kKvColumns);
   static_assert(decltype(cute::size<1>(typename TiledMmaDQ::AtomShape_MNK{}))::value == kDqColumns);

@@ -98,7 +98,9 @@ constexpr BackwardPlan backward_plan(std::int64_t head_dim) {
 
 // The Hopper backward (attention_bwd_sm90_*): a CTA of 2 consumer warp groups owns block_n keys
 // and walks block_m queries at a time with `stages` Q / dO buffers in flight; dK and dV stay in
-// registers. Up to D = 128 each warp group owns 64 keys (2 x 64 x D fp32 accumulators); at D = 256
+// registers. Up to D = 128 each warp group owns 64 keys (2 x 64 x D fp32 accumulators); D = 64
+// takes 128 queries a step (its score tiles fit; half the steps, and each warp group's dQ product
+// covers its own 64 queries and every column: 13.8 % faster causal at 2x32x8192x64); at D = 256
 // the CTA owns 64 keys and the warp groups split the head dim. The deterministic mode at D = 256
 // runs the sm_80 kernels (the Hopper kernel adds dQ by atomics).
 struct BackwardSm90Plan {
@@ -112,7 +114,7 @@ struct BackwardSm90Plan {
 
 constexpr BackwardSm90Plan backward_sm90_plan(std::int64_t head_dim) {
   switch (head_dim) {
-    case 64: return {64, 64, 128, 2};
+    case 64: return {64, 128, 128, 2};
     case 128: return {128, 64, 128, 2};
     case 256: return {256, 64, 64, 2};
     default: return {};
