@@ -956,9 +956,9 @@ TEST(Attention, CudaBackwardRejectsWhatItsKernelCannotTake) {
   HostTensor dq(DType::kBFloat16, in.q.shape()), dk(DType::kBFloat16, in.k.shape()),
       dv(DType::kBFloat16, in.v.shape());
   const std::size_t bytes = attention_backward_workspace_bytes(in.q.view());
-  // Sq 8 -> one 64-row query block of 2 x 2 heads: delta and lse * log2(e) (1024 bytes each), 4
-  // counters (256 after alignment) and dQ's 4 * 64 * 64 floats.
-  EXPECT_EQ(bytes, 1024u + 1024u + 256u + 65536u);
+  // Sq 8 -> one 128-row query block (head dim 64) of 2 x 2 heads: delta and lse * log2(e) (2048
+  // bytes each), 4 counters (256 after alignment) and dQ's 4 * 128 * 64 floats.
+  EXPECT_EQ(bytes, 2048u + 2048u + 256u + 131072u);
   HostTensor small(DType::kFloat32, {16});
   auto call = [&](TensorView workspace, TensorView dq_view) {
     attention_backward({.dout = on_cuda(dout.view()), .q = on_cuda(in.q.view()), .k = on_cuda(in.k.view()),
@@ -967,9 +967,9 @@ TEST(Attention, CudaBackwardRejectsWhatItsKernelCannotTake) {
                         .workspace = workspace.defined() ? on_cuda(workspace) : workspace});
   };
   const char* op = "attention_backward";
-  TS_EXPECT_ERROR(call(TensorView{}, dq.view()), op, "'workspace'", "at least 67840 bytes",
+  TS_EXPECT_ERROR(call(TensorView{}, dq.view()), op, "'workspace'", "at least 135424 bytes",
                   "attention_backward_workspace_bytes", "0 bytes");
-  TS_EXPECT_ERROR(call(small.view(), dq.view()), op, "'workspace'", "at least 67840 bytes", "64 bytes");
+  TS_EXPECT_ERROR(call(small.view(), dq.view()), op, "'workspace'", "at least 135424 bytes", "64 bytes");
   TensorView dq_shifted = dq.view();
   dq_shifted.data = static_cast<char*>(dq_shifted.data) + 2;
   TS_EXPECT_ERROR(call(TensorView{}, dq_shifted), op, "'dq'", "16-byte aligned");
