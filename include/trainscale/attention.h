@@ -81,8 +81,9 @@ struct AttentionBackwardArgs {
 void attention_backward(const AttentionBackwardArgs& args, const AttentionOptions& options = {},
                         cudaStream_t stream = nullptr);
 // Bytes of workspace attention_backward's CUDA path needs for q's shape (only the shape is
-// read): fp32 [B, Hq, Sq'] row terms, fp32 [B, Hq, Sq', D] for dQ and [B, Hq, Sq' / 64]
-// counters, Sq' being Sq rounded up to a multiple of 64 (D 64, 128 and 256).
+// read): fp32 [B, Hq, Sq'] row terms, fp32 [B, Hq, Sq', D] for dQ and one counter per query
+// block of each head, Sq' being Sq rounded up to the Hopper kernel's query block (128 rows at
+// D 64, 64 at D 128 and 256).
 std::size_t attention_backward_workspace_bytes(const TensorView& q);
 
 // Variable-length (packed) sequences, FlashAttention's varlen layout: q [Tq, Hq, D] and k / v
