@@ -280,8 +280,9 @@ TEST_P(AttentionCuda, GroupedAndMultiQuery) {
   }
 }
 
-// q, k, v as head slices of one packed qkv tensor (strided heads); out in a padded buffer
-// (odd strides: no paired stores), no lse; a negative scale.
+// q, k, v as head slices of one packed qkv tensor (strided heads); out in padded buffers (odd
+// strides: single stores; strides of 2 mod 8: paired stores, no 16-byte ones), no lse; a
+// negative scale.
 TEST_P(AttentionCuda, StridedHeadsPaddedOutputNegativeScale) {
   TS_REQUIRE_GPU();
   const Variant p = GetParam();
@@ -289,6 +290,8 @@ TEST_P(AttentionCuda, StridedHeadsPaddedOutputNegativeScale) {
          .head_dim = p.head_dim, .causal = p.causal, .packed = true});
   check({.dtype = p.dtype, .batch = 1, .q_len = 150, .kv_len = 150, .q_heads = 2, .kv_heads = 2,
          .head_dim = p.head_dim, .causal = p.causal, .with_lse = false, .out_pad = 1});
+  check({.dtype = p.dtype, .batch = 1, .q_len = 150, .kv_len = 150, .q_heads = 2, .kv_heads = 2,
+         .head_dim = p.head_dim, .causal = p.causal, .out_pad = 2});
   check({.dtype = p.dtype, .batch = 1, .q_len = 130, .kv_len = 130, .q_heads = 2, .kv_heads = 1,
          .head_dim = p.head_dim, .causal = p.causal, .scale = -0.3});
 }

@@ -4,9 +4,11 @@
 // accumulator from `partition_fragment_C`.
 #pragma once
 
+#include <cstdint>
 #include <type_traits>
 
 #include <cute/tensor.hpp>
+#include <cutlass/numeric_conversion.h>
 
 namespace trainscale::detail {
 
@@ -33,6 +35,72 @@ __device__ __forceinline__ void warpgroup_gemm(TiledMma& mma, const TensorA& a, 
   if constexpr (kWait >= 0) warpgroup_wait<kWait>();
   warpgroup_fence_operand(c);
   if constexpr (kARegisters) warpgroup_fence_operand(const_cast<TensorA&>(a));
+}
+
+// w[k] of quad lane q, its value for group k (of four), becomes lane k's value for group q: a 4 x 4
+// transpose across the quad's lanes, swapping lane and index bit 0, then bit 1. Every lane of the
+// warp calls it.
+__device__ __forceinline__ void transpose_quad(std::uint32_t (&w)[4], int quad_lane) {
+  {  // bit 0: odd lanes trade indices 0 and 2 for their partner's 1 and 3
+    const bool odd = quad_lane & 1;
+    const std::uint32_t a = __shfl_xor_sync(0xffffffffu, odd ? w[0] : w[1], 1);
+    const std::uint32_t b = __shfl_xor_sync(0xffffffffu, odd ? w[2] : w[3], 1);
+    if (odd) {
+      w[0] = a;
+      w[2] = b;
+    } else {
+      w[1] = a;
+      w[3] = b;
+    }
+  }
+  {  // bit 1: lanes 2 and 3 trade indices 0 and 1 for their partner's 2 and 3
+    const bool high = quad_lane & 2;
+    const std::uint32_t a = __shfl_xor_sync(0xffffffffu, high ? w[0] : w[2], 2);
+    const std::uint32_t b = __shfl_xor_sync(0xffffffffu, high ? w[1] : w[3], 2);
+    if (high) {
+      w[0] = a;
+      w[1] = b;
+    } else {
+      w[2] = a;
+      w[3] = b;
+    }
+  }
+}
+
+// Row r of a wgmma accumulator in its (rows, cols) view, times `scale`, rounded to Element and
+// written with 16-byte stores. In that view a thread holds pairs of adjacent columns, (r, 2c) and
+// (r, 2c + 1), one pair in each group of 8 columns, and the four threads of a quad (lanes 4i to
+// 4i + 3) hold one row's four pairs of a group. The quad transposes its pairs of 4 groups
+// (transpose_quad), so that each thread holds one group's 8 columns and stores them at once: a
+// quarter of the store instructions of one store per pair, and a warp's store covers 64
+// contiguous bytes of each of its 8 rows instead of 16. row: the address of the row's column 0,
+// with every 8th column 16-byte aligned; column_of(c): the column of element (r, c). Every lane of
+// the warp calls it (the shuffles); `write` false only skips the store.
+template <class Element, class Fragment, class ColumnOf>
+__device__ __forceinline__ void store_accumulator_row(Element* row, const Fragment& o, int r, ColumnOf column_of,
+                                                      float scale, bool write) {
+  using namespace cute;
+  constexpr int kCols = decltype(size<1>(o))::value;
+  static_assert(kCols % 8 == 0, "a quad's 16-byte stores take 4 groups of 8 columns at a time");
+  static_assert(sizeof(Element) == 2);
+  cutlass::NumericArrayConverter<Element, float, 2> convert;
+  const int quad_lane = threadIdx.x % 4;
+  CUTE_UNROLL
+  for (int c = 0; c < kCols; c += 8) {
+    std::uint32_t w[4];
+    CUTE_UNROLL
+    for (int k = 0; k < 4; ++k) {
+      cutlass::Array<float, 2> pair;
+      pair[0] = o(r, c + 2 * k) * scale;
+      pair[1] = o(r, c + 2 * k + 1) * scale;
+      const cutlass::Array<Element, 2> packed = convert(pair);
+      w[k] = reinterpret_cast<const std::uint32_t&>(packed);
+    }
+    transpose_quad(w, quad_lane);
+    // This lane's pair of the first group starts 2 * quad_lane columns into it; after the
+    // transpose it holds the group quad_lane groups further on.
+    if (write) *reinterpret_cast<uint4*>(row + column_of(c) + 6 * quad_lane) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
 }
 
 }  // namespace trainscale::detail

@@ -8,6 +8,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_conversion.h>
 
+#include "common/wgmma.cuh"
 #include "ops/attention/attention_bwd_sm90_mainloop.cuh"
 
 namespace trainscale::ops::attention {
@@ -22,7 +23,9 @@ __device__ __forceinline__ void store_pair(Element* dst, float a, float b) {
   *reinterpret_cast<cutlass::Array<Element, 2>*>(dst) = convert(pair);
 }
 
-// dK (times the scale) and dV of the CTA's keys, straight from the consumers' registers.
+// dK (times the scale) and dV of the CTA's keys, from the consumers' registers in 16-byte stores
+// (detail::store_accumulator_row; dk and dv have 16-byte aligned starts and strides:
+// check_cuda_backward).
 template <class Traits>
 struct BackwardSm90Epilogue {
   template <class Accumulator>
@@ -41,15 +44,12 @@ struct BackwardSm90Epilogue {
     CUTE_UNROLL
     for (int r = 0; r < size<0>(dv); ++r) {
       const int key = n0 + get<0>(kv_coords(r, 0));
-      if (key >= p.kv_len) continue;
-      Element* dv_row = p.dv.template row<Element>(batch, key, kv_head);
-      Element* dk_row = p.dk.template row<Element>(batch, key, kv_head);
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(dv); c += 2) {
-        const int col = get<1>(kv_coords(r, c));
-        store_pair(dv_row + col, dv(r, c), dv(r, c + 1));
-        store_pair(dk_row + col, dk(r, c) * p.scale, dk(r, c + 1) * p.scale);
-      }
+      const bool inside = key < p.kv_len;  // rows past Sk still take part in the shuffles
+      auto column_of = [&](int c) { return get<1>(kv_coords(r, c)); };
+      detail::store_accumulator_row(p.dv.template row<Element>(batch, inside ? key : 0, kv_head), dv, r, column_of,
+                                    1.f, inside);
+      detail::store_accumulator_row(p.dk.template row<Element>(batch, inside ? key : 0, kv_head), dk, r, column_of,
+                                    p.scale, inside);
     }
   }
 };

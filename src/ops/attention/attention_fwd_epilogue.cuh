@@ -1,14 +1,14 @@
-// Epilogue of the attention forward: the normalized output rows straight from the accumulator
-// registers to global memory (each thread holds pairs of adjacent columns: one 32-bit store per
-// pair where the output's alignment allows, two 16-bit stores otherwise), and the lse of each row
-// by the thread that holds its first columns. Rows past Sq are not written. Writing through
-// shared memory with a TMA store is the faster alternative for short sequences; this form accepts
-// any output strides.
+// Epilogue of the attention forward: the normalized output rows from the accumulator registers to
+// global memory, and the lse of each row by the thread that holds its first columns. Rows past Sq
+// are not written. 16-byte stores where the output's alignment allows (detail::
+// store_accumulator_row: the quad's pairs transposed by shuffles); otherwise one 32-bit store
+// per pair of adjacent columns, or two 16-bit stores. This form accepts any output strides.
 #pragma once
 
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_conversion.h>
 
+#include "common/wgmma.cuh"
 #include "ops/attention/attention_fwd_mainloop.cuh"
 
 namespace trainscale::ops::attention {
@@ -25,27 +25,41 @@ struct ForwardEpilogue {
                                                const float (&lse)[kRows]) {
     using namespace cute;
     static_assert(decltype(size<0>(o))::value == kRows);
+    constexpr int kCols = decltype(size<1>(o))::value;
     Element* out = static_cast<Element*>(p.out) + tile.batch * p.out_stride_b +
                    static_cast<int64_t>(tile.head) * p.out_stride_h;
     const int row0 = tile.m_block * Traits::kBlockM;
     cutlass::NumericArrayConverter<Element, float, 2> convert;
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      const int row = row0 + get<0>(coords(r, 0));
-      if (row >= p.q_len) continue;
-      Element* row_out = out + static_cast<int64_t>(row) * p.out_stride_s;
+    auto pair_of = [&](int r, int c) {
+      cutlass::Array<float, 2> pair;
+      pair[0] = o(r, c);
+      pair[1] = o(r, c + 1);
+      return convert(pair);
+    };
+    if (p.out_vector == 8) {
       CUTE_UNROLL
-      for (int c = 0; c < size<1>(o); c += 2) {
-        const int col = get<1>(coords(r, c));
-        cutlass::Array<float, 2> pair;
-        pair[0] = o(r, c);
-        pair[1] = o(r, c + 1);
-        const cutlass::Array<Element, 2> packed = convert(pair);
-        if (p.out_pairs_aligned) {
-          *reinterpret_cast<cutlass::Array<Element, 2>*>(row_out + col) = packed;
-        } else {
-          row_out[col] = packed[0];
-          row_out[col + 1] = packed[1];
+      for (int r = 0; r < kRows; ++r) {
+        const int row = row0 + get<0>(coords(r, 0));
+        const bool inside = row < p.q_len;  // rows past Sq still take part in the shuffles
+        detail::store_accumulator_row(out + static_cast<int64_t>(inside ? row : 0) * p.out_stride_s, o, r,
+                                      [&](int c) { return get<1>(coords(r, c)); }, 1.f, inside);
+      }
+    } else {
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        const int row = row0 + get<0>(coords(r, 0));
+        if (row >= p.q_len) continue;
+        Element* row_out = out + static_cast<int64_t>(row) * p.out_stride_s;
+        CUTE_UNROLL
+        for (int c = 0; c < kCols; c += 2) {
+          const int col = get<1>(coords(r, c));
+          const cutlass::Array<Element, 2> packed = pair_of(r, c);
+          if (p.out_vector == 2) {
+            *reinterpret_cast<cutlass::Array<Element, 2>*>(row_out + col) = packed;
+          } else {
+            row_out[col] = packed[0];
+            row_out[col + 1] = packed[1];
+          }
         }
       }
     }

@@ -95,8 +95,11 @@ void launch_forward(const TensorView& q, const TensorView& k, const TensorView& 
   p.out_stride_b = out.strides[0];
   p.out_stride_s = out.strides[1];
   p.out_stride_h = out.strides[2];
-  p.out_pairs_aligned = reinterpret_cast<std::uintptr_t>(out.data) % 4 == 0 &&
-                        out.strides[0] % 2 == 0 && out.strides[1] % 2 == 0 && out.strides[2] % 2 == 0;
+  auto out_aligned_to = [&](std::int64_t elements) {
+    return reinterpret_cast<std::uintptr_t>(out.data) % (2 * elements) == 0 && out.strides[0] % elements == 0 &&
+           out.strides[1] % elements == 0 && out.strides[2] % elements == 0;
+  };
+  p.out_vector = out_aligned_to(8) ? 8 : out_aligned_to(2) ? 2 : 1;
   p.lse = lse_data;
   p.q_len = static_cast<int>(q_len);
   p.kv_len = static_cast<int>(kv_len);

@@ -42,7 +42,7 @@ struct ForwardParams {
   typename Traits::ShapeQKV shape_kv;  // (Sk, D, Hkv, B)
   void* out;                           // [B, Sq, Hq, D], D contiguous
   int64_t out_stride_b, out_stride_s, out_stride_h;
-  bool out_pairs_aligned;  // two adjacent output elements can be stored as one 32-bit word
+  int out_vector;  // adjacent output elements one store may write: 8 (16 bytes), 2 or 1, as the output's alignment allows
   float* lse;              // [B, Hq, Sq] or null
   int q_len, kv_len, q_heads, group;
   float scale_log2;      // |scale| * log2(e)
