@@ -37,34 +37,30 @@ __device__ __forceinline__ void warpgroup_gemm(TiledMma& mma, const TensorA& a, 
   if constexpr (kARegisters) warpgroup_fence_operand(const_cast<TensorA&>(a));
 }
 
+// One round of transpose_quad: lanes that differ in bit kBit of their quad lane trade the
+// entries whose index differs in that bit (the lane with the bit set gives its entry with the bit
+// clear, and takes its partner's entry with the bit set into the same place).
+template <int kBit>
+__device__ __forceinline__ void exchange_quad_entries(std::uint32_t (&w)[4], int quad_lane) {
+  const bool high = quad_lane & kBit;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if (i & kBit) continue;
+    const std::uint32_t taken = __shfl_xor_sync(0xffffffffu, high ? w[i] : w[i | kBit], kBit);
+    if (high) {
+      w[i] = taken;
+    } else {
+      w[i | kBit] = taken;
+    }
+  }
+}
+
 // w[k] of quad lane q, its value for group k (of four), becomes lane k's value for group q: a 4 x 4
 // transpose across the quad's lanes, swapping lane and index bit 0, then bit 1. Every lane of the
 // warp calls it.
 __device__ __forceinline__ void transpose_quad(std::uint32_t (&w)[4], int quad_lane) {
-  {  // bit 0: odd lanes trade indices 0 and 2 for their partner's 1 and 3
-    const bool odd = quad_lane & 1;
-    const std::uint32_t a = __shfl_xor_sync(0xffffffffu, odd ? w[0] : w[1], 1);
-    const std::uint32_t b = __shfl_xor_sync(0xffffffffu, odd ? w[2] : w[3], 1);
-    if (odd) {
-      w[0] = a;
-      w[2] = b;
-    } else {
-      w[1] = a;
-      w[3] = b;
-    }
-  }
-  {  // bit 1: lanes 2 and 3 trade indices 0 and 1 for their partner's 2 and 3
-    const bool high = quad_lane & 2;
-    const std::uint32_t a = __shfl_xor_sync(0xffffffffu, high ? w[0] : w[2], 2);
-    const std::uint32_t b = __shfl_xor_sync(0xffffffffu, high ? w[1] : w[3], 2);
-    if (high) {
-      w[0] = a;
-      w[1] = b;
-    } else {
-      w[2] = a;
-      w[3] = b;
-    }
-  }
+  exchange_quad_entries<1>(w, quad_lane);
+  exchange_quad_entries<2>(w, quad_lane);
 }
 
 // Row r of a wgmma accumulator in its (rows, cols) view, times `scale`, rounded to Element and
