@@ -291,10 +291,30 @@ TEST(NormCuda, FusedAddRMSNormMatchesReference) {
           DeviceTensor d_dx(HostTensor(dt, {s.rows, s.cols}, s.pad), false);
           DeviceTensor d_dw(HostTensor(dt, {s.cols}), false);
           DeviceTensor d_ws(byte_buffer(workspace_bytes(s.rows, s.cols, dt)), false);
-          ops::norm::fused_add_rmsnorm_forward_cuda(d_x.view(), d_r.view(), d_w.view(),
-                                                    d_rstd.view(),
-                                                    rms_options(forward_variant(s, dt, variant,
-                                                                                false, rdt)),
+          const RMSNormOptions forward_options =
+              rms_options(forward_variant(s, dt, variant, false, rdt));
+          {
+            // Out of place first, into poisoned outputs: x and r must stay as they are.
+            DeviceTensor d_x_in(x), d_r_in(r);
+            DeviceTensor d_y(HostTensor(dt, {s.rows, s.cols}, s.pad), false);
+            DeviceTensor d_sum(HostTensor(rdt, {s.rows, s.cols}), false);
+            DeviceTensor d_rstd_out(HostTensor(DType::kFloat32, {s.rows}), false);
+            d_y.poison();
+            d_sum.poison();
+            d_rstd_out.poison();
+            ops::norm::fused_add_rmsnorm_forward_cuda(d_x_in.view(), d_r_in.view(), d_w.view(),
+                                                      d_y.view(), d_sum.view(), d_rstd_out.view(),
+                                                      forward_options, nullptr);
+            EXPECT_TRUE(test::matches_reference(d_sum.to_host().values(), sum.values(), 1e-6))
+                << "residual_out";
+            EXPECT_TRUE(test::matches_reference(d_y.to_host().values(), y64.values(), tol)) << "y";
+            EXPECT_TRUE(test::matches_reference(d_rstd_out.to_host().values(), rstd64.values(), 1e-5))
+                << "rstd";
+            EXPECT_TRUE(identical(d_x_in.to_host(), x)) << "x changed";
+            EXPECT_TRUE(identical(d_r_in.to_host(), r)) << "residual changed";
+          }
+          ops::norm::fused_add_rmsnorm_forward_cuda(d_x.view(), d_r.view(), d_w.view(), d_x.view(),
+                                                    d_r.view(), d_rstd.view(), forward_options,
                                                     nullptr);
           ops::norm::fused_add_rmsnorm_backward_cuda(d_dy.view(), d_dres.view(), d_r.view(),
                                                      d_w.view(), d_rstd.view(), d_dx.view(),
@@ -743,7 +763,8 @@ void check_long_row_forward(int which) {  // 0 RMSNorm, 1 LayerNorm, 2 fused add
           } else {
             rmsnorm_forward(in64.view(), w64.view(), y64.view(), rstd64.view(), opt);
             ops::norm::fused_add_rmsnorm_forward_cuda(d_x.view(), d_r.view(), d_w.view(),
-                                                      d_rstd.view(), opt, nullptr);
+                                                      d_x.view(), d_r.view(), d_rstd.view(), opt,
+                                                      nullptr);
           }
           const auto& out = which == 2 ? d_x : d_y;
           EXPECT_TRUE(test::matches_reference(out.to_host().values(), y64.values(), tol)) << "y";
@@ -977,8 +998,8 @@ TEST(NormCuda, PipelinedMatchesRegistersOverManyRowGroups) {
                                               layer_options(variant), nullptr);
           } else {
             ops::norm::fused_add_rmsnorm_forward_cuda(d_x.view(), d_r.view(), d_w.view(),
-                                                      d_rstd.view(), rms_options(variant, 0.25),
-                                                      nullptr);
+                                                      d_x.view(), d_r.view(), d_rstd.view(),
+                                                      rms_options(variant, 0.25), nullptr);
           }
           outputs[k] = {(which >= 2 ? d_x : d_y).to_host(), d_rstd.to_host(), d_mean.to_host(),
                         d_r.to_host()};

@@ -250,6 +250,36 @@ TEST(FusedAddRMSNorm, EqualsAddThenRMSNormAndUpdatesResidual) {
   }
 }
 
+TEST(FusedAddRMSNorm, OutOfPlaceMatchesInPlaceAndKeepsItsInputs) {
+  for (auto [x_dt, residual_dt] : {std::pair{DType::kBFloat16, DType::kBFloat16},
+                                   std::pair{DType::kFloat16, DType::kFloat32},
+                                   std::pair{DType::kFloat32, DType::kFloat32}}) {
+    SCOPED_TRACE(std::string(dtype_name(x_dt)) + " + " + dtype_name(residual_dt));
+    const std::vector<std::int64_t> shape{6, 37};
+    const auto x = HostTensor::random(x_dt, shape, -2, 2, /*row_pad=*/3);
+    const auto residual = HostTensor::random(residual_dt, shape, -2, 2);
+    const auto w = HostTensor::random(x_dt, {37}, 0.5, 1.5);
+    const RMSNormOptions options{.eps = 1e-5, .weight_offset = 0.5};
+    HostTensor y(x_dt, shape), sum(residual_dt, shape, /*row_pad=*/5), rstd(stat_dtype(x_dt), {6});
+    for (HostTensor* out : {&y, &sum, &rstd}) {
+      for (std::int64_t i = 0; i < out->numel(); ++i) out->set(i, NAN);
+    }
+    const auto x_before = x.values(), residual_before = residual.values();
+    fused_add_rmsnorm_forward(x.view(), residual.view(), w.view(), y.view(), sum.view(), rstd.view(),
+                              options);
+    EXPECT_EQ(x.values(), x_before);
+    EXPECT_EQ(residual.values(), residual_before);
+
+    auto x_in_place = x, residual_in_place = residual;
+    HostTensor rstd_in_place(stat_dtype(x_dt), {6});
+    fused_add_rmsnorm_forward(x_in_place.view(), residual_in_place.view(), w.view(),
+                              rstd_in_place.view(), options);
+    EXPECT_EQ(y.values(), x_in_place.values());
+    EXPECT_EQ(sum.values(), residual_in_place.values());
+    EXPECT_TRUE(bitwise_equal(rstd, rstd_in_place));
+  }
+}
+
 // ---------------------------------------------------------------------------------------
 // Backward passes: float64 against central finite differences of loss = sum(g * y).
 
@@ -808,6 +838,23 @@ TEST_F(ErrorFixture, FusedAddRMSNormForward) {
   TS_EXPECT_ERROR(fused_add_rmsnorm_forward(x.view(), residual.view(), w.view(),
                                             TensorView(residual.data(), DType::kFloat32, {4})),
                   "fused_add_rmsnorm_forward", "argument 'rstd'", "disjoint from 'residual'");
+  // Out of place: the outputs are checked like the inputs and written only where nothing is read.
+  HostTensor sum{DType::kFloat32, {kRows, kCols}};
+  TS_EXPECT_ERROR(fused_add_rmsnorm_forward(x.view(), residual.view(), w.view(), x.view(), sum.view(),
+                                            rstd.view()),
+                  "fused_add_rmsnorm_forward", "argument 'y'", "disjoint from 'x'");
+  TS_EXPECT_ERROR(fused_add_rmsnorm_forward(x.view(), residual.view(), w.view(), y.view(),
+                                            residual.view(), rstd.view()),
+                  "fused_add_rmsnorm_forward", "argument 'residual_out'", "disjoint from 'residual'");
+  TS_EXPECT_ERROR(fused_add_rmsnorm_forward(x.view(), residual.view(), w.view(), y.view(), x16.view(),
+                                            rstd.view()),
+                  "fused_add_rmsnorm_forward", "argument 'residual_out'", "float32", "float16");
+  TS_EXPECT_ERROR(fused_add_rmsnorm_forward(x.view(), residual.view(), w.view(), slice(0, 4, 7),
+                                            sum.view(), rstd.view()),
+                  "fused_add_rmsnorm_forward", "argument 'y'", "shape [4, 8]");
+  TS_EXPECT_ERROR(fused_add_rmsnorm_forward(x.view(), residual.view(), w.view(), y.view(), TensorView{},
+                                            rstd.view()),
+                  "fused_add_rmsnorm_forward", "argument 'residual_out'", "a tensor");
   // Host memory labelled as CUDA: only safe to pass where no GPU can run it.
   if (!test::cuda_available()) {
     TS_EXPECT_ERROR(fused_add_rmsnorm_forward(on_cuda(x.view()), on_cuda(residual.view()),

@@ -73,6 +73,15 @@ void fused_add_rmsnorm_forward(TensorView x, TensorView residual, const TensorVi
                                TensorView rstd, const RMSNormOptions& options = {},
                                cudaStream_t stream = nullptr);
 
+// The same out of place, for training (where the residual is kept for an earlier norm's
+// backward): residual_out <- x + residual (rounded to residual's dtype), y <- rmsnorm of the
+// sum as stored; x and residual are only read. residual_out: residual's shape and dtype. y: x's
+// shape and dtype. y, residual_out and rstd (optional) disjoint from every other argument.
+void fused_add_rmsnorm_forward(const TensorView& x, const TensorView& residual,
+                               const TensorView& weight, TensorView y, TensorView residual_out,
+                               TensorView rstd, const RMSNormOptions& options = {},
+                               cudaStream_t stream = nullptr);
+
 // dy: gradient w.r.t. the normalized output (x after the forward pass), x's dtype.
 // residual: the saved sum (residual after the forward pass). d_residual: gradient w.r.t. the
 // residual output, residual's shape and dtype, or absent. dx: the gradient for both inputs x

@@ -79,6 +79,23 @@ Tensor fused_add_rmsnorm_forward(Tensor& x, Tensor& residual, const OptTensor& w
   return rstd;
 }
 
+// Out of place: (y, x + residual, rstd), x and residual unchanged.
+std::tuple<Tensor, Tensor, Tensor> fused_add_rmsnorm_forward_out_of_place(const Tensor& x, const Tensor& residual,
+                                                                     const OptTensor& weight, double eps,
+                                                                     double weight_offset) {
+  const char* op = "fused_add_rmsnorm_forward";
+  Ctx ctx(x, op, "x");
+  Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  Tensor sum = at::empty_like(residual, at::MemoryFormat::Contiguous);
+  Tensor rstd = stat_empty(x);
+  guarded([&] {
+    ts::fused_add_rmsnorm_forward(view(x, op, "x"), view(residual, op, "residual"), view(weight, op, "weight"),
+                                  view(y, op, "y"), view(sum, op, "residual_out"), view(rstd, op, "rstd"),
+                                  {.eps = eps, .weight_offset = weight_offset}, ctx.stream);
+  });
+  return {y, sum, rstd};
+}
+
 std::tuple<Tensor, Tensor> fused_add_rmsnorm_backward(const Tensor& dy, const OptTensor& d_residual,
                                                  const Tensor& residual, const OptTensor& weight,
                                                  const Tensor& rstd, double eps,
@@ -147,6 +164,9 @@ TORCH_LIBRARY_FRAGMENT(trainscale, m) {
   def_op(m, "fused_add_rmsnorm_forward(Tensor(a!) x, Tensor(b!) residual, Tensor? weight, float eps, "
             "float weight_offset) -> Tensor",
          &fused_add_rmsnorm_forward);
+  def_op(m, "fused_add_rmsnorm_forward_out_of_place(Tensor x, Tensor residual, Tensor? weight, float eps, "
+            "float weight_offset) -> (Tensor, Tensor, Tensor)",
+         &fused_add_rmsnorm_forward_out_of_place);
   def_op(m, "fused_add_rmsnorm_backward(Tensor dy, Tensor? d_residual, Tensor residual, Tensor? weight, "
             "Tensor rstd, float eps, float weight_offset) -> (Tensor, Tensor)",
          &fused_add_rmsnorm_backward);

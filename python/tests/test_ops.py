@@ -72,7 +72,9 @@ def test_forward_values(dtype):
         close(ts.geglu(ab, approximate=approximate), want, dtype)
         close(ts.GeGLU(approximate)(a, g), want, dtype)
     r = torch.randn_like(x)
+    x0, r0 = x.clone(), r.clone()
     out, res = ts.fused_add_rms_norm(x, r, w)
+    assert torch.equal(x, x0) and torch.equal(r, r0)  # out of place
     s = (x.float() + r.float()).to(dtype)
     close(res, s, dtype)
     close(out, ref_rms(s, w), dtype)
@@ -206,6 +208,7 @@ def test_opcheck():
     opcheck(torch.ops.trainscale.rmsnorm_forward, (x, w, 1e-6, 0.0))
     opcheck(torch.ops.trainscale.layernorm_forward, (x, w, w, 1e-5))
     opcheck(torch.ops.trainscale.fused_add_rmsnorm_forward, (x.clone(), x.clone(), w, 1e-6, 0.0))
+    opcheck(torch.ops.trainscale.fused_add_rmsnorm_forward_out_of_place, (x, x * 0.5, w, 1e-6, 0.0))
     opcheck(torch.ops.trainscale.swiglu_forward_packed, (x,))
     opcheck(torch.ops.trainscale.geglu_forward, (x, x.clone(), "tanh"))
     opcheck(torch.ops.trainscale.geglu_forward_packed, (x, "none"))

@@ -39,6 +39,11 @@ def _(x, residual, weight, eps, weight_offset):
     return _stat(x)
 
 
+@register_fake("trainscale::fused_add_rmsnorm_forward_out_of_place")
+def _(x, residual, weight, eps, weight_offset):
+    return _like(x), _like(residual), _stat(x)
+
+
 @register_fake("trainscale::fused_add_rmsnorm_backward")
 def _(dy, d_residual, residual, weight, rstd, eps, weight_offset):
     return _like(dy), _grad_like(weight, dy)
@@ -155,9 +160,8 @@ def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None,
 class _FusedAddRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, eps, weight_offset):
-        out = x.clone(memory_format=torch.contiguous_format)
-        res = residual.clone(memory_format=torch.contiguous_format)
-        rstd = ops.fused_add_rmsnorm_forward(out, res, weight, eps, weight_offset)
+        out, res, rstd = ops.fused_add_rmsnorm_forward_out_of_place(contiguous_rows(x), contiguous_rows(residual),
+                                                                     weight, eps, weight_offset)
         ctx.save_for_backward(res, weight, rstd)
         ctx.eps, ctx.weight_offset = eps, weight_offset
         return out, res

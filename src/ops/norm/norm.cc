@@ -129,11 +129,34 @@ void fused_add_rmsnorm_forward(TensorView x, TensorView residual, const TensorVi
   check_options(c, options);
   c.outputs_disjoint({{x, "x"}, {residual, "residual"}, {rstd, "rstd"}}, {{weight, "weight"}});
   if (detail::ran_on_cuda(c, [&] {
-      ops::norm::fused_add_rmsnorm_forward_cuda(x, residual, weight, rstd, options, stream);
+      ops::norm::fused_add_rmsnorm_forward_cuda(x, residual, weight, x, residual, rstd, options, stream);
       })) {
     return;
   }
-  ops::norm::fused_add_rmsnorm_forward_cpu(x, residual, weight, rstd, options);
+  ops::norm::fused_add_rmsnorm_forward_cpu(x, residual, weight, x, residual, rstd, options);
+}
+
+void fused_add_rmsnorm_forward(const TensorView& x, const TensorView& residual,
+                               const TensorView& weight, TensorView y, TensorView residual_out,
+                               TensorView rstd, const RMSNormOptions& options,
+                               cudaStream_t stream) {
+  OpChecker c("fused_add_rmsnorm_forward");
+  const auto rows = c.float_rows(x, "x");
+  check_residual(c, residual, "residual", x, "x");
+  check_param(c, weight, "weight", x, "x", rows.cols);
+  c.like(y, "y", x, "x");
+  c.like(residual_out, "residual_out", residual, "residual");
+  check_optional_stat(c, rstd, "rstd", x, rows.rows);
+  check_options(c, options);
+  c.outputs_disjoint({{y, "y"}, {residual_out, "residual_out"}, {rstd, "rstd"}},
+                     {{x, "x"}, {residual, "residual"}, {weight, "weight"}});
+  if (detail::ran_on_cuda(c, [&] {
+      ops::norm::fused_add_rmsnorm_forward_cuda(x, residual, weight, y, residual_out, rstd, options,
+                                                stream);
+      })) {
+    return;
+  }
+  ops::norm::fused_add_rmsnorm_forward_cpu(x, residual, weight, y, residual_out, rstd, options);
 }
 
 void fused_add_rmsnorm_backward(const TensorView& dy, const TensorView& d_residual,

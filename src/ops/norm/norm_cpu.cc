@@ -157,22 +157,23 @@ void rmsnorm_backward_cpu(const TensorView& dy, const TensorView& x, const Tenso
   rmsnorm_backward_rows(dy, TensorView{}, x, weight, rstd, dx, dw, options.weight_offset);
 }
 
-void fused_add_rmsnorm_forward_cpu(TensorView x, TensorView residual, const TensorView& weight,
+void fused_add_rmsnorm_forward_cpu(const TensorView& x, const TensorView& residual,
+                                   const TensorView& weight, TensorView y, TensorView residual_out,
                                    TensorView rstd, const RMSNormOptions& options) {
-  const RowAccess input(x), sum(residual);
+  const RowAccess input(x), addend(residual), sum(residual_out), output(y);
   const std::int64_t M = input.rows(), N = input.cols();
   const std::vector<double> w = load_param(weight, N, 1.0, options.weight_offset);
   detail::parallel_for(M, row_grain(N), [&](std::int64_t lo, std::int64_t hi) {
     std::vector<double> v, r;
     for (std::int64_t i = lo; i < hi; ++i) {
       input.load(i, v);
-      sum.load(i, r);
+      addend.load(i, r);
       // Normalize the sum as stored, so the backward pass (which gets the stored residual)
       // and an add followed by rmsnorm_forward see the same values.
       for (std::int64_t j = 0; j < N; ++j) v[j] = detail::round_to(residual.dtype, v[j] + r[j]);
       sum.store(i, v);
       store_stat(rstd, i, rmsnorm_row(v, w, options.eps));
-      input.store(i, v);
+      output.store(i, v);
     }
   });
 }

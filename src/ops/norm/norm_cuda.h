@@ -12,7 +12,9 @@ namespace trainscale::ops::norm {
 
 void rmsnorm_forward_cuda(const TensorView& x, const TensorView& weight, TensorView y,
                           TensorView rstd, const RMSNormOptions& options, cudaStream_t stream);
-void fused_add_rmsnorm_forward_cuda(TensorView x, TensorView residual, const TensorView& weight,
+// y and residual_out may be exactly x and residual (the in-place entry point).
+void fused_add_rmsnorm_forward_cuda(const TensorView& x, const TensorView& residual,
+                                    const TensorView& weight, TensorView y, TensorView residual_out,
                                     TensorView rstd, const RMSNormOptions& options,
                                     cudaStream_t stream);
 void layernorm_forward_cuda(const TensorView& x, const TensorView& weight, const TensorView& bias,

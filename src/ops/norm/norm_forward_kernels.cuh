@@ -22,8 +22,10 @@ constexpr int kBlockFor = block_threads(kVariant, kThreads);
 struct ForwardArgs {
   const void* x;
   std::int64_t x_stride;
-  void* residual;  // fused add: read, then overwritten with x + residual
+  const void* residual;  // fused add: read
   std::int64_t residual_stride;
+  void* residual_out;  // fused add: x + residual (the residual itself, in place)
+  std::int64_t residual_out_stride;
   const void* weight;
   bool weight_f32;
   const void* bias;
@@ -49,19 +51,20 @@ __device__ __forceinline__ float load_shift(const ForwardArgs& a, std::int64_t c
 template <class T, class R>
 using Held = std::conditional_t<std::is_void_v<R>, T, R>;
 
-// x + residual rounded to the residual's dtype, written back to the residual at r_ptr.
+// x + residual rounded to the residual's dtype, written to residual_out at (row, col).
 template <class T, class R, int V>
-__device__ __forceinline__ Vec<R, V> add_residual(R* r_ptr, const Vec<T, V>& x,
+__device__ __forceinline__ Vec<R, V> add_residual(const ForwardArgs& a, std::int64_t row,
+                                                  std::int64_t col, const Vec<T, V>& x,
                                                   const Vec<R, V>& r) {
   Vec<R, V> sum;
 #pragma unroll
   for (int j = 0; j < V; ++j) sum.v[j] = from_float<R>(to_float(x.v[j]) + to_float(r.v[j]));
-  detail::store_raw(r_ptr, sum);
+  detail::store_raw(static_cast<R*>(a.residual_out) + row * a.residual_out_stride + col, sum);
   return sum;
 }
 
-// x (+ residual, rounded to the residual's dtype and written back) for V elements at col, in
-// its storage type: bf16 rows then take half the registers of floats.
+// x (+ residual, rounded to the residual's dtype and written to residual_out) for V elements
+// at col, in its storage type: bf16 rows then take half the registers of floats.
 template <class T, class R, int V>
 __device__ __forceinline__ Vec<Held<T, R>, V> load_input_raw(const ForwardArgs& a,
                                                              std::int64_t row, std::int64_t col) {
@@ -69,8 +72,8 @@ __device__ __forceinline__ Vec<Held<T, R>, V> load_input_raw(const ForwardArgs& 
   if constexpr (std::is_void_v<R>) {
     return detail::load_raw<T, V>(x_ptr);
   } else {
-    R* r_ptr = static_cast<R*>(a.residual) + row * a.residual_stride + col;
-    return add_residual<T, R, V>(r_ptr, detail::load_raw<T, V>(x_ptr),
+    const R* r_ptr = static_cast<const R*>(a.residual) + row * a.residual_stride + col;
+    return add_residual<T, R, V>(a, row, col, detail::load_raw<T, V>(x_ptr),
                                  detail::load_raw<R, V>(r_ptr));
   }
 }
@@ -127,7 +130,7 @@ struct RowRing {
   }
 
   // The thread's vector u of `row` from `stage`, as held: x, or with the fused add the rounded
-  // sum, written back to the residual.
+  // sum, written to residual_out.
   __device__ __forceinline__ Vec<Held<T, R>, V> take(const ForwardArgs& a, std::int64_t row,
                                                      int slot, int stage, int u) const {
     Vec<T, V> x;
@@ -141,9 +144,7 @@ struct RowRing {
       for (int c = 0; c < kResidualChunks; ++c) r_raw[c] = *chunk(stage, slot, 1 + c, u);
       Vec<R, V> r;
       memcpy(&r, r_raw, sizeof(r));
-      return add_residual<T, R, V>(
-          static_cast<R*>(a.residual) + row * a.residual_stride + static_cast<std::int64_t>(u) * V,
-          x, r);
+      return add_residual<T, R, V>(a, row, static_cast<std::int64_t>(u) * V, x, r);
     }
   }
 };
@@ -533,7 +534,7 @@ __global__ void __launch_bounds__(kTwoPassThreads) forward_two_pass_kernel(Forwa
       load_input<T, R, V>(a, row, col, v);
       accumulate<kKind, V>(v, pivot, sums);
     }
-    // The reduction's barriers also publish the residual to pass 2.
+    // The reduction's barriers also publish the sum in residual_out to pass 2.
     row_sum<kTwoPassThreads, kSums<kKind>>(sums, scratch);
     const RowStats st = row_stats<kKind>(sums, n, a.eps);
     T* y_row = static_cast<T*>(a.y) + row * a.y_stride;
@@ -542,7 +543,7 @@ __global__ void __launch_bounds__(kTwoPassThreads) forward_two_pass_kernel(Forwa
       if constexpr (std::is_void_v<R>) {
         load_floats<T, V>(static_cast<const T*>(a.x) + row * a.x_stride + col, v);
       } else {
-        load_floats<R, V>(static_cast<const R*>(a.residual) + row * a.residual_stride + col, v);
+        load_floats<R, V>(static_cast<const R*>(a.residual_out) + row * a.residual_out_stride + col, v);
       }
 #pragma unroll
       for (int j = 0; j < V; ++j) {

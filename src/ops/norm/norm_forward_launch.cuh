@@ -59,7 +59,8 @@ ForwardProblem problem_of(const ForwardArgs& a) {
   bool aligned = a.cols % V == 0 && rows_vectorizable(a.x, a.x_stride, sizeof(T)) &&
                  rows_vectorizable(a.y, a.y_stride, sizeof(T));
   if constexpr (!std::is_void_v<R>) {
-    aligned = aligned && rows_vectorizable(a.residual, a.residual_stride, sizeof(R));
+    aligned = aligned && rows_vectorizable(a.residual, a.residual_stride, sizeof(R)) &&
+              rows_vectorizable(a.residual_out, a.residual_out_stride, sizeof(R));
   }
   return {.kind = kKind,
           .rows = a.rows,

@@ -12,7 +12,9 @@ void rmsnorm_forward_cpu(const TensorView& x, const TensorView& weight, TensorVi
 void rmsnorm_backward_cpu(const TensorView& dy, const TensorView& x, const TensorView& weight,
                           const TensorView& rstd, TensorView dx, TensorView dw,
                           const RMSNormOptions& options);
-void fused_add_rmsnorm_forward_cpu(TensorView x, TensorView residual, const TensorView& weight,
+// y and residual_out may be exactly x and residual (the in-place entry point).
+void fused_add_rmsnorm_forward_cpu(const TensorView& x, const TensorView& residual,
+                                   const TensorView& weight, TensorView y, TensorView residual_out,
                                    TensorView rstd, const RMSNormOptions& options);
 void fused_add_rmsnorm_backward_cpu(const TensorView& dy, const TensorView& d_residual,
                                     const TensorView& residual, const TensorView& weight,
