@@ -118,38 +118,22 @@ void rmsnorm_backward(const TensorView& dy, const TensorView& x, const TensorVie
   ops::norm::rmsnorm_backward_cpu(dy, x, weight, rstd, dx, dw, options);
 }
 
-void fused_add_rmsnorm_forward(TensorView x, TensorView residual, const TensorView& weight,
-                               TensorView rstd, const RMSNormOptions& options,
-                               cudaStream_t stream) {
-  OpChecker c("fused_add_rmsnorm_forward");
-  const auto rows = c.float_rows(x, "x");
-  check_residual(c, residual, "residual", x, "x");
-  check_param(c, weight, "weight", x, "x", rows.cols);
-  check_optional_stat(c, rstd, "rstd", x, rows.rows);
-  check_options(c, options);
-  c.outputs_disjoint({{x, "x"}, {residual, "residual"}, {rstd, "rstd"}}, {{weight, "weight"}});
-  if (detail::ran_on_cuda(c, [&] {
-      ops::norm::fused_add_rmsnorm_forward_cuda(x, residual, weight, x, residual, rstd, options, stream);
-      })) {
-    return;
-  }
-  ops::norm::fused_add_rmsnorm_forward_cpu(x, residual, weight, x, residual, rstd, options);
-}
+namespace {
 
-void fused_add_rmsnorm_forward(const TensorView& x, const TensorView& residual,
-                               const TensorView& weight, TensorView y, TensorView residual_out,
-                               TensorView rstd, const RMSNormOptions& options,
-                               cudaStream_t stream) {
+// Both fused add forwards: the inputs, rstd and the options checked, then the outputs
+// (check_outputs), then the CUDA kernels or the CPU reference.
+template <class CheckOutputs>
+void run_fused_add_rmsnorm_forward(const TensorView& x, const TensorView& residual,
+                                   const TensorView& weight, TensorView y, TensorView residual_out,
+                                   TensorView rstd, const RMSNormOptions& options,
+                                   cudaStream_t stream, CheckOutputs&& check_outputs) {
   OpChecker c("fused_add_rmsnorm_forward");
   const auto rows = c.float_rows(x, "x");
   check_residual(c, residual, "residual", x, "x");
   check_param(c, weight, "weight", x, "x", rows.cols);
-  c.like(y, "y", x, "x");
-  c.like(residual_out, "residual_out", residual, "residual");
   check_optional_stat(c, rstd, "rstd", x, rows.rows);
   check_options(c, options);
-  c.outputs_disjoint({{y, "y"}, {residual_out, "residual_out"}, {rstd, "rstd"}},
-                     {{x, "x"}, {residual, "residual"}, {weight, "weight"}});
+  check_outputs(c);
   if (detail::ran_on_cuda(c, [&] {
       ops::norm::fused_add_rmsnorm_forward_cuda(x, residual, weight, y, residual_out, rstd, options,
                                                 stream);
@@ -157,6 +141,28 @@ void fused_add_rmsnorm_forward(const TensorView& x, const TensorView& residual,
     return;
   }
   ops::norm::fused_add_rmsnorm_forward_cpu(x, residual, weight, y, residual_out, rstd, options);
+}
+
+}  // namespace
+
+void fused_add_rmsnorm_forward(TensorView x, TensorView residual, const TensorView& weight,
+                               TensorView rstd, const RMSNormOptions& options,
+                               cudaStream_t stream) {
+  run_fused_add_rmsnorm_forward(x, residual, weight, x, residual, rstd, options, stream, [&](OpChecker& c) {
+    c.outputs_disjoint({{x, "x"}, {residual, "residual"}, {rstd, "rstd"}}, {{weight, "weight"}});
+  });
+}
+
+void fused_add_rmsnorm_forward(const TensorView& x, const TensorView& residual,
+                               const TensorView& weight, TensorView y, TensorView residual_out,
+                               TensorView rstd, const RMSNormOptions& options,
+                               cudaStream_t stream) {
+  run_fused_add_rmsnorm_forward(x, residual, weight, y, residual_out, rstd, options, stream, [&](OpChecker& c) {
+    c.like(y, "y", x, "x");
+    c.like(residual_out, "residual_out", residual, "residual");
+    c.outputs_disjoint({{y, "y"}, {residual_out, "residual_out"}, {rstd, "rstd"}},
+                       {{x, "x"}, {residual, "residual"}, {weight, "weight"}});
+  });
 }
 
 void fused_add_rmsnorm_backward(const TensorView& dy, const TensorView& d_residual,
