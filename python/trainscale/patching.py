@@ -353,9 +353,9 @@ def _attention_skip_reason(model: nn.Module):
         return "parameters neither all on the CPU nor all on CUDA"
     heads = getattr(text, "num_attention_heads", None)
     head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
-    # patch() swaps in what is faster: the Hopper backward (D 64 / 128 / 256) runs at 0.79-1.11x
-    # cuDNN's over the attention suite (0.98x at D 128) and faster than PyTorch SDPA's flash
-    # backend; elsewhere our sm_80 backward is slower than SDPA's (docs/perf/attention.md).
+    # patch() swaps in what is faster: the Hopper backward (D 64 / 128 / 256) is near cuDNN's and
+    # faster than PyTorch SDPA's flash backend; elsewhere our sm_80 backward is slower than SDPA's
+    # (docs/perf/attention.md has the figures).
     if head_dim not in (64, 128, 256):
         return f"head dim {head_dim} (the fast CUDA attention backward has head dims 64, 128 and 256)"
     if any(torch.cuda.get_device_capability(d) != (9, 0) for d in devices):

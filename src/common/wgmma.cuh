@@ -37,6 +37,16 @@ __device__ __forceinline__ void warpgroup_gemm(TiledMma& mma, const TensorA& a, 
   if constexpr (kARegisters) warpgroup_fence_operand(const_cast<TensorA&>(a));
 }
 
+// Two floats rounded to a pair of adjacent elements (one 32-bit word for 16-bit Element).
+template <class Element>
+__device__ __forceinline__ cutlass::Array<Element, 2> round_pair(float a, float b) {
+  cutlass::NumericArrayConverter<Element, float, 2> convert;
+  cutlass::Array<float, 2> pair;
+  pair[0] = a;
+  pair[1] = b;
+  return convert(pair);
+}
+
 // One round of transpose_quad: lanes that differ in bit kBit of their quad lane trade the
 // entries whose index differs in that bit (the lane with the bit set gives its entry with the bit
 // clear, and takes its partner's entry with the bit set into the same place).
@@ -79,17 +89,13 @@ __device__ __forceinline__ void store_accumulator_row(Element* row, const Fragme
   constexpr int kCols = decltype(size<1>(o))::value;
   static_assert(kCols % 8 == 0, "a quad's 16-byte stores take 4 groups of 8 columns at a time");
   static_assert(sizeof(Element) == 2);
-  cutlass::NumericArrayConverter<Element, float, 2> convert;
   const int quad_lane = threadIdx.x % 4;
   CUTE_UNROLL
   for (int c = 0; c < kCols; c += 8) {
     std::uint32_t w[4];
     CUTE_UNROLL
     for (int k = 0; k < 4; ++k) {
-      cutlass::Array<float, 2> pair;
-      pair[0] = o(r, c + 2 * k) * scale;
-      pair[1] = o(r, c + 2 * k + 1) * scale;
-      const cutlass::Array<Element, 2> packed = convert(pair);
+      const cutlass::Array<Element, 2> packed = round_pair<Element>(o(r, c + 2 * k) * scale, o(r, c + 2 * k + 1) * scale);
       w[k] = reinterpret_cast<const std::uint32_t&>(packed);
     }
     transpose_quad(w, quad_lane);

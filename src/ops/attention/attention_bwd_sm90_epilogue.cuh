@@ -6,22 +6,11 @@
 #include <cstdint>
 
 #include <cute/tensor.hpp>
-#include <cutlass/numeric_conversion.h>
 
 #include "common/wgmma.cuh"
 #include "ops/attention/attention_bwd_sm90_mainloop.cuh"
 
 namespace trainscale::ops::attention {
-
-// Two floats rounded to a pair of adjacent (4-byte aligned) elements.
-template <class Element>
-__device__ __forceinline__ void store_pair(Element* dst, float a, float b) {
-  cutlass::NumericArrayConverter<Element, float, 2> convert;
-  cutlass::Array<float, 2> pair;
-  pair[0] = a;
-  pair[1] = b;
-  *reinterpret_cast<cutlass::Array<Element, 2>*>(dst) = convert(pair);
-}
 
 // dK (times the scale) and dV of the CTA's keys, from the consumers' registers in 16-byte stores
 // (detail::store_accumulator_row; dk and dv have 16-byte aligned starts and strides:
@@ -90,8 +79,8 @@ __global__ void __launch_bounds__(Traits::kConsumerThreads)
     CUTE_UNROLL
     for (int pair_start = 0; pair_start < 4; pair_start += 2) {
       const auto coord = coords(4 * u + pair_start);
-      store_pair(tile + get<0>(coord) * kPitch + get<1>(coord), values[pair_start] * p.scale,
-                 values[pair_start + 1] * p.scale);
+      *reinterpret_cast<cutlass::Array<Element, 2>*>(tile + get<0>(coord) * kPitch + get<1>(coord)) =
+          detail::round_pair<Element>(values[pair_start] * p.scale, values[pair_start + 1] * p.scale);
     }
   }
   __syncthreads();

@@ -6,7 +6,6 @@
 #pragma once
 
 #include <cute/tensor.hpp>
-#include <cutlass/numeric_conversion.h>
 
 #include "common/wgmma.cuh"
 #include "ops/attention/attention_fwd_mainloop.cuh"
@@ -29,13 +28,6 @@ struct ForwardEpilogue {
     Element* out = static_cast<Element*>(p.out) + tile.batch * p.out_stride_b +
                    static_cast<int64_t>(tile.head) * p.out_stride_h;
     const int row0 = tile.m_block * Traits::kBlockM;
-    cutlass::NumericArrayConverter<Element, float, 2> convert;
-    auto pair_of = [&](int r, int c) {
-      cutlass::Array<float, 2> pair;
-      pair[0] = o(r, c);
-      pair[1] = o(r, c + 1);
-      return convert(pair);
-    };
     if (p.out_vector == 8) {
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
@@ -53,7 +45,7 @@ struct ForwardEpilogue {
         CUTE_UNROLL
         for (int c = 0; c < kCols; c += 2) {
           const int col = get<1>(coords(r, c));
-          const cutlass::Array<Element, 2> packed = pair_of(r, c);
+          const cutlass::Array<Element, 2> packed = detail::round_pair<Element>(o(r, c), o(r, c + 1));
           if (p.out_vector == 2) {
             *reinterpret_cast<cutlass::Array<Element, 2>*>(row_out + col) = packed;
           } else {

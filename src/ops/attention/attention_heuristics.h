@@ -100,7 +100,7 @@ constexpr BackwardPlan backward_plan(std::int64_t head_dim) {
 // and walks block_m queries at a time with `stages` Q / dO buffers in flight; dK and dV stay in
 // registers. Up to D = 128 each warp group owns 64 keys (2 x 64 x D fp32 accumulators); D = 64
 // takes 128 queries a step (its score tiles fit; half the steps, and each warp group's dQ product
-// covers its own 64 queries and every column: 13.8 % faster causal at 2x32x8192x64); at D = 256
+// covers its own 64 queries and every column); at D = 256
 // the CTA owns 64 keys and the warp groups split the head dim. The deterministic mode at D = 256
 // runs the sm_80 kernels (the Hopper kernel adds dQ by atomics).
 struct BackwardSm90Plan {
