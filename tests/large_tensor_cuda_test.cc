@@ -110,6 +110,35 @@ TEST(LargeTensorCuda, RmsNormForwardAndBackward) {
   EXPECT_TRUE(test::matches_reference(host_values(d_dw), row_of(dw64, 0, cols, kBf16), kBf16Tol));
 }
 
+// Out of place: the sum goes to residual_out and the normalized rows to y, four tensors past 2^31
+// elements; x and the residual stay as they were.
+TEST(LargeTensorCuda, FusedAddRmsNormOutOfPlace) {
+  TS_REQUIRE_GPU();
+  const std::int64_t cols = 4096, rows = test::rows_past_int32(cols);
+  TS_REQUIRE_DEVICE_MEMORY(4 * rows * cols * 2);
+  const Values xp = patterns(kBf16, cols), rp = patterns(kBf16, cols);
+  const HostTensor w = HostTensor::random(kBf16, {cols}, 0.5, 1.5);
+  DeviceTensor d_w(w), d_rstd(HostTensor(DType::kFloat32, {rows}), false);
+  RepeatedRows x(kBf16, rows, cols, xp), residual(kBf16, rows, cols, rp);
+  RepeatedRows y(kBf16, rows, cols), residual_out(kBf16, rows, cols);
+  fused_add_rmsnorm_forward(x.view(), residual.view(), d_w.view(), y.view(), residual_out.view(),
+                            d_rstd.view());
+
+  // The sum as stored (rounded to bf16), then its RMSNorm in fp64.
+  Values sum(xp.size());
+  for (std::size_t e = 0; e < sum.size(); ++e) sum[e] = detail::round_to(kBf16, xp[e] + rp[e]);
+  const HostTensor sum64 = f64(sum, {kPatternRows, cols}), w64 = f64(w.values(), {cols});
+  HostTensor y64(DType::kFloat64, {kPatternRows, cols}), rstd64(DType::kFloat64, {kPatternRows});
+  rmsnorm_forward(sum64.view(), w64.view(), y64.view(), rstd64.view());
+  expect_probed_rows(residual_out, sum64, "residual_out");
+  expect_probed_rows(y, y64, "y");
+  expect_probed_rows(x, f64(xp, {kPatternRows, cols}), "x (unchanged)");
+  expect_probed_rows(residual, f64(rp, {kPatternRows, cols}), "residual (unchanged)");
+  const Values rstd = host_values(d_rstd);
+  for (const std::int64_t r : test::probe_rows(rows, cols, 2)) {
+    EXPECT_TRUE(close(rstd[r], rstd64.at(r % kPatternRows), 1e-5)) << "rstd row " << r;
+  }
+}
 TEST(LargeTensorCuda, SoftmaxForwardAndBackward) {
   TS_REQUIRE_GPU();
   const std::int64_t cols = 4096, rows = test::rows_past_int32(cols);
