@@ -1,7 +1,7 @@
 // Newton-Schulz on the GPU against the fp64 CPU reference on float64 copies of the same rounded
 // input: every dtype, wide and tall (transposed) matrices, odd and tiny shapes, padded rows,
 // 0, 1 and 5 steps and per-step coefficients, NaN input, bit-identical results run to run,
-// batches bit-identical to one call per matrix, and the workspace's errors. The CUDA path stores X and the Gram products in the input's dtype
+// batches bit-identical to one call per matrix, the Gram method, and the workspace's errors. The CUDA path stores X and the Gram products in the input's dtype
 // between its products, so its error is that of several roundings per step (kTolerance).
 #include <cuda_runtime.h>
 
@@ -143,6 +143,30 @@ TEST(NewtonSchulzCuda, BatchEqualsOneCallPerMatrix) {
   }
 }
 
+// `count` matrices [l.rows, l.cols] (one call; a batch when count > 1) through newton_schulz_cuda
+// with gram_split k.
+Values run_split(DType dt, std::int64_t count, const Layout& l, const Values& x, int k,
+                 const NewtonSchulzOptions& o = {}) {
+  const Layout all{count * l.rows, l.cols, l.pad, false};
+  StridedDeviceBuffer d_g(dt, all, &x), d_out(dt, all);
+  const auto batch = [&](const StridedDeviceBuffer& b) {
+    TensorView v = b.view();
+    if (count > 1) {
+      v.ndim = 3;
+      v.shape = {count, l.rows, l.cols};
+      v.strides = {l.rows * (l.cols + l.pad), l.cols + l.pad, 1};
+    }
+    return v;
+  };
+  const std::size_t bytes = newton_schulz_workspace_bytes(batch(d_g));
+  DeviceTensor ws(HostTensor(DType::kInt64, {static_cast<std::int64_t>(bytes / 8 + 1)}), false);
+  ws.poison();
+  ops::newton_schulz::newton_schulz_cuda(batch(d_g), batch(d_out), o, ws.view(), nullptr, k);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_TRUE(d_out.padding_untouched());
+  return d_out.values();
+}
+
 // The Gram products by blocks (only the lower block triangle computed, then mirrored) and by
 // the tile triangle in one launch (bf16), forced at sizes whose fp64 reference is cheap
 // (newton_schulz takes the blocks only from p = 4096, gram_blocks): against the reference,
@@ -150,26 +174,6 @@ TEST(NewtonSchulzCuda, BatchEqualsOneCallPerMatrix) {
 // GEMM's batch mode) bit-identical to one call per matrix.
 TEST(NewtonSchulzCuda, BlockedGramProductsMatchReferenceAndBatchBits) {
   TS_REQUIRE_GPU();
-  const auto run_blocked = [](DType dt, std::int64_t count, const Layout& l, const Values& x, int k) {
-    const Layout all{count * l.rows, l.cols, l.pad, false};
-    StridedDeviceBuffer d_g(dt, all, &x), d_out(dt, all);
-    const auto batch = [&](const StridedDeviceBuffer& b) {
-      TensorView v = b.view();
-      if (count > 1) {
-        v.ndim = 3;
-        v.shape = {count, l.rows, l.cols};
-        v.strides = {l.rows * (l.cols + l.pad), l.cols + l.pad, 1};
-      }
-      return v;
-    };
-    const std::size_t bytes = newton_schulz_workspace_bytes(batch(d_g));
-    DeviceTensor ws(HostTensor(DType::kInt64, {static_cast<std::int64_t>(bytes / 8 + 1)}), false);
-    ws.poison();
-    ops::newton_schulz::newton_schulz_cuda(batch(d_g), batch(d_out), {}, ws.view(), nullptr, k);
-    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    EXPECT_TRUE(d_out.padding_untouched());
-    return d_out.values();
-  };
   struct Case {
     int k;
     std::int64_t count;
@@ -194,7 +198,7 @@ TEST(NewtonSchulzCuda, BlockedGramProductsMatchReferenceAndBatchBits) {
       }
       SCOPED_TRACE(test::describe(dt, l) + " x " + std::to_string(c.count) + " blocks " + std::to_string(c.k));
       const Values x = test::random_inputs(dt, c.count * l.rows * l.cols, 0, -1, 1, false);
-      const Values got = run_blocked(dt, c.count, l, x, c.k);
+      const Values got = run_split(dt, c.count, l, x, c.k);
       const std::int64_t n_elems = l.rows * l.cols;
       for (std::int64_t n = 0; n < c.count; ++n) {
         const Values one(x.begin() + n * n_elems, x.begin() + (n + 1) * n_elems);
@@ -204,11 +208,61 @@ TEST(NewtonSchulzCuda, BlockedGramProductsMatchReferenceAndBatchBits) {
                   << '\n';
         EXPECT_TRUE(test::matches_reference(mine, ref, tolerance(dt))) << "matrix " << n;
         if (c.count > 1) {
-          EXPECT_EQ(run_blocked(dt, 1, l, one, c.k), mine) << "matrix " << n;
+          EXPECT_EQ(run_split(dt, 1, l, one, c.k), mine) << "matrix " << n;
         }
       }
     }
   }
+}
+
+// NewtonSchulzMethod::kGram (the steps on [p, p] matrices, restarted after the second): against
+// the fp64 reference of the standard iteration (equal in exact arithmetic) in every dtype, wide
+// and tall, 1 to 5 steps (one phase, the restart, a phase of three), the products dense, by
+// blocks and (bf16 on Hopper) by the tile triangle; a batch bit-identical to one call per
+// matrix; and where q < 3 p the standard steps' bits.
+TEST(NewtonSchulzCuda, GramMethodMatchesReferenceAndBatchBits) {
+  TS_REQUIRE_GPU();
+  struct Case {
+    int k;
+    std::int64_t count;
+    Layout l;
+  };
+  using ops::newton_schulz::kGramTriangle;
+  for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+    for (const Case& c : {Case{1, 1, {64, 200, 0, false}}, Case{1, 1, {200, 64, 3, false}}, Case{2, 1, {128, 384, 0, false}},
+                          Case{4, 3, {128, 512, 0, false}}, Case{1, 2, {96, 300, 5, false}},
+                          Case{kGramTriangle, 2, {256, 768, 0, false}}}) {
+      const Layout& l = c.l;
+      const int k = c.k == kGramTriangle && !ops::newton_schulz::gram_triangle_applies(
+                                                dt, std::min(l.rows, l.cols), std::max(l.rows, l.cols))
+                        ? 2
+                        : c.k;
+      for (int steps : {5, 1, 2, 3}) {
+        SCOPED_TRACE(test::describe(dt, l) + " x " + std::to_string(c.count) + " blocks " + std::to_string(k) +
+                     " steps " + std::to_string(steps));
+        const NewtonSchulzOptions gram{.steps = steps, .method = NewtonSchulzMethod::kGram};
+        const Values x = test::random_inputs(dt, c.count * l.rows * l.cols, 0, -1, 1, false);
+        const Values got = run_split(dt, c.count, l, x, k, gram);
+        const std::int64_t n_elems = l.rows * l.cols;
+        for (std::int64_t n = 0; n < c.count; ++n) {
+          const Values one(x.begin() + n * n_elems, x.begin() + (n + 1) * n_elems);
+          const Values ref = run_reference(dt, l, one, {.steps = steps});
+          const Values mine(got.begin() + n * n_elems, got.begin() + (n + 1) * n_elems);
+          std::cout << "[newton_schulz gram] matrix " << n << ": relative L2 error " << test::rel_l2(mine, ref)
+                    << '\n';
+          EXPECT_TRUE(test::matches_reference(mine, ref, tolerance(dt))) << "matrix " << n;
+          if (c.count > 1) {
+            EXPECT_EQ(run_split(dt, 1, l, one, k, gram), mine) << "matrix " << n;
+          }
+        }
+      }
+    }
+  }
+  // q < 3 p: the standard steps.
+  const Layout square{96, 160, 0, false};
+  const Values x = test::random_inputs(DType::kBFloat16, square.rows * square.cols, 0, -1, 1, false);
+  EXPECT_EQ(run_split(DType::kBFloat16, 1, square, x, 1, {.method = NewtonSchulzMethod::kGram}),
+            run_split(DType::kBFloat16, 1, square, x, 1));
 }
 
 TEST(NewtonSchulzCuda, WorkspaceErrors) {

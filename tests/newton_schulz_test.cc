@@ -153,6 +153,12 @@ TEST(NewtonSchulz, PerStepDefaultsEqualTheDefaults) {
   EXPECT_EQ(run_newton_schulz(g, per_step).values(), run_newton_schulz(g).values());
 }
 
+// The method picks how the CUDA path runs the steps; the CPU path computes the standard iteration.
+TEST(NewtonSchulz, GramMethodOnTheCpuIsTheStandardIteration) {
+  auto g = HostTensor::random(DType::kFloat32, {5, 19});
+  EXPECT_EQ(run_newton_schulz(g, {.method = NewtonSchulzMethod::kGram}).values(), run_newton_schulz(g).values());
+}
+
 // A Householder reflection: orthogonal, symmetric, and far from the identity.
 HostTensor householder(std::int64_t n) {
   const auto v = test::random_values(n);
@@ -300,6 +306,8 @@ TEST(NewtonSchulz, ArgumentErrors) {
       "'options.per_step[1]'", "finite");
   TS_EXPECT_ERROR(ns(g.view(), out.view(), {.eps = -1e-7}), op, "'options.eps'", ">= 0");
   TS_EXPECT_ERROR(ns(g.view(), out.view(), {.eps = NAN}), op, "'options.eps'", "finite");
+  TS_EXPECT_ERROR(ns(g.view(), out.view(), {.method = static_cast<NewtonSchulzMethod>(7)}), op,
+                  "'options.method'", "kStandard or kGram", "7");
   TensorView cuda_g = g.view();
   cuda_g.device = Device::cuda(0);
   // CUDA views take the CUDA path (tests/newton_schulz_cuda_test.cc), which here throws: no

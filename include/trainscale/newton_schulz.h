@@ -11,6 +11,18 @@
 
 namespace trainscale {
 
+// How the CUDA path runs the steps (the CPU path computes the standard iteration for both: in
+// exact arithmetic they give the same X).
+enum class NewtonSchulzMethod : std::uint8_t {
+  kStandard,  // per step A = X X^T, B = b A + c A A, X = a X + B X on the [p, q] X
+  // Gram Newton-Schulz: X_k = Q_k X_0 with Q_k a polynomial in X_0 X_0^T, so the steps run on
+  // [p, p] matrices and X is formed only after the second step (a restart that recomputes the
+  // Gram matrix from it) and the last. Fewer FLOPs than kStandard where q >= 1.5 p; used where
+  // q >= 3 p (the [p, p] iterates then fit in the workspace X's next value takes), the standard
+  // steps elsewhere.
+  kGram,
+};
+
 struct NewtonSchulzOptions {
   int steps = 5;  // >= 0
   // The quintic X <- a X + b (X X^T) X + c (X X^T)^2 X; every coefficient finite.
@@ -18,6 +30,7 @@ struct NewtonSchulzOptions {
   // Optional per-step (a, b, c) replacing the three above; its size must equal `steps`.
   std::vector<std::array<double, 3>> per_step;
   double eps = 1e-7;  // finite, >= 0
+  NewtonSchulzMethod method = NewtonSchulzMethod::kStandard;
 };
 
 // g [R, C], or a batch [N, R, C] of matrices of one shape (N <= 65535)

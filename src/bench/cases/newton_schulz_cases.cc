@@ -4,6 +4,7 @@
 // (muon_step, N x R x C, one list call).
 #include <algorithm>
 #include <cstddef>
+#include <functional>
 #include <optional>
 #include <vector>
 
@@ -113,7 +114,24 @@ std::optional<Implementation> per_matrix_baseline(const Case& c) {
   return impl;
 }
 
-// N parameters [R, C] stacked in [N, R, C] tensors, passed as a list (the optimizer's call).
+// The muon_step cases' options.
+const MuonOptions kMuonOptions{.weight_decay = 0.1};
+
+// muon_step with `options` on the N parameters [R, C] of a muon_step case, stacked in
+// [N, R, C] tensors and passed as a list (the optimizer's call).
+std::function<void(CaseTensors, cudaStream_t)> muon_step_stacked(const Case& c, const MuonOptions& options) {
+  const auto [param, grad, buffer, workspace] = c.ids("param", "grad", "momentum_buffer", "workspace");
+  return [=](CaseTensors t, cudaStream_t s) {
+    std::vector<TensorView> p, g, b;
+    for (std::int64_t n = 0; n < t[param].size(0); ++n) {
+      p.push_back(matrix(t[param], n));
+      g.push_back(matrix(t[grad], n));
+      b.push_back(matrix(t[buffer], n));
+    }
+    muon_step(p, g, b, options, t[workspace], s);
+  };
+}
+
 Case muon_step_case(std::span<const std::int64_t> shape, DType dtype) {
   Case c = begin_case("muon_step", "newton_schulz", shape, dtype, 3, "NxRxC");
   const std::int64_t count = c.shape[0], rows = c.shape[1], cols = c.shape[2];
@@ -127,18 +145,25 @@ Case muon_step_case(std::span<const std::int64_t> shape, DType dtype) {
   c.flops = static_cast<double>(count) * ns_flops(rows, cols);
   c.flops_of_rows = [cols](std::int64_t rows_) { return ns_flops(rows_, cols); };  // one parameter
   c.bound = Bound::kCompute;
-  const auto [param, grad, buffer, workspace] = c.ids("param", "grad", "momentum_buffer", "workspace");
-  c.entry = [=](CaseTensors t, cudaStream_t s) {
-    std::vector<TensorView> p, g, b;
-    for (std::int64_t n = 0; n < t[param].size(0); ++n) {
-      p.push_back(matrix(t[param], n));
-      g.push_back(matrix(t[grad], n));
-      b.push_back(matrix(t[buffer], n));
-    }
-    muon_step(p, g, b, {.weight_decay = 0.1}, t[workspace], s);
-  };
+  c.entry = muon_step_stacked(c, kMuonOptions);
   c.reference = on_cpu(c.entry);
   return c;
+}
+
+// Opt-in: the CUDA path with NewtonSchulzMethod::kGram (newton_schulz and muon_step cases).
+std::optional<Implementation> gram_method(const Case& c) {
+  Implementation impl;
+  if (c.op == "muon_step") {
+    MuonOptions options = kMuonOptions;
+    options.newton_schulz.method = NewtonSchulzMethod::kGram;
+    impl.run = muon_step_stacked(c, options);
+  } else {
+    const auto [g, out, workspace] = c.ids("g", "out", "workspace");
+    impl.run = [=](CaseTensors t, cudaStream_t s) {
+      newton_schulz(t[g], t[out], {.method = NewtonSchulzMethod::kGram}, t[workspace], s);
+    };
+  }
+  return impl;
 }
 
 const Registrar kRegister([](Registry& r) {
@@ -153,6 +178,7 @@ const Registrar kRegister([](Registry& r) {
   r.add_opt_in("newton_schulz", "trainscale-blocks-4", with_gram_blocks(4));
   r.add_opt_in("newton_schulz", "trainscale-triangle", with_gram_blocks(ops::newton_schulz::kGramTriangle));
 #endif
+  r.add_opt_in("newton_schulz", "trainscale-gram", gram_method);
   r.add_op({"newton_schulz_batched", "newton_schulz", "N x R x C", newton_schulz_batched_case});
   r.add_baseline("newton_schulz_batched", "per-matrix", per_matrix_baseline);
   r.add_configs("smoke", "newton_schulz_batched", {{4, 64, 128}}, {DType::kBFloat16});
@@ -167,6 +193,7 @@ const Registrar kRegister([](Registry& r) {
                 {{8, kLlamaHidden, kLlamaHidden}, {8, kLlamaKvHeads * kLlamaHeadDim, kLlamaHidden},
                  {8, kLlamaFfn, kLlamaHidden}, {4, kLlamaHidden, kLlamaFfn}},
                 {DType::kBFloat16});
+  r.add_opt_in("muon_step", "trainscale-gram", gram_method);
 });
 
 }  // namespace

@@ -29,6 +29,9 @@ void check_newton_schulz_options(detail::OpChecker& c, const NewtonSchulzOptions
     }
   }
   c.finite(options.eps, (prefix + "eps").c_str(), true);
+  if (!(options.method == NewtonSchulzMethod::kStandard || options.method == NewtonSchulzMethod::kGram))
+    c.fail((prefix + "method").c_str(), "kStandard or kGram",
+           std::to_string(static_cast<int>(options.method)));
 }
 
 constexpr std::int64_t kMaxMatrices = 65535;

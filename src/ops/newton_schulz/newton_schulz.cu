@@ -8,6 +8,7 @@
 // The two symmetric products compute only their lower block triangle (or, asked for, their
 // lower triangle of tiles: gram_triangle.cu) and mirror it (symmetric_product, gram_blocks in
 // newton_schulz_internal.h).
+// NewtonSchulzMethod::kGram runs the same iteration on [p, p] matrices (gram_steps).
 // Muon adds one pass before (momentum and Nesterov: the new buffer and u, Newton-Schulz's
 // input) and puts the parameter update (weight decay and the scaled orthogonal step) in the
 // tiled pass that copies X back out.
@@ -73,6 +74,16 @@ struct StoreTo {
   Strided<T> dst;
   __device__ void operator()(std::int64_t n, std::int64_t r, std::int64_t c, float v) const {
     *dst.at(n, r, c) = detail::from_float<T>(v);
+  }
+};
+
+// dst = v + diagonal * I.
+template <class T>
+struct StorePlusDiagonal {
+  Strided<T> dst;
+  float diagonal;
+  __device__ void operator()(std::int64_t n, std::int64_t r, std::int64_t c, float v) const {
+    *dst.at(n, r, c) = detail::from_float<T>(r == c ? v + diagonal : v);
   }
 };
 
@@ -292,6 +303,82 @@ void check_workspace(const char* op, const TensorView& workspace, std::size_t by
     detail::throw_arg_error(op, "workspace", "a contiguous, 256-byte aligned view", workspace.describe());
 }
 
+// Step `step`'s coefficients (a, b, c).
+std::array<float, 3> coefficients(const NewtonSchulzOptions& options, int step) {
+  const auto [a, b, c] = options.per_step.empty() ? std::array{options.a, options.b, options.c}
+                                                  : options.per_step[static_cast<std::size_t>(step)];
+  return {static_cast<float>(a), static_cast<float>(b), static_cast<float>(c)};
+}
+
+// Whether kGram's [p, p] iterates fit: R, T and Z in the slot of X's next value (unused while
+// they live), Q and its next value in A's and B's.
+bool gram_iterates_fit(const Layout& l, std::int64_t p, std::int64_t q) {
+  return q >= 3 * p && 3 * l.a_stride <= l.x_stride;
+}
+
+// Gram Newton-Schulz (NewtonSchulzMethod::kGram) from the normalized X [p, q] in the workspace's
+// x. Each step's X is Q X_0 for a polynomial Q of R = X_0 X_0^T, and with P = a I + T,
+// T = c R R + b R the step's polynomial of its own Gram matrix R:
+//   Q' = P Q = T Q + a Q,   R' = P R P = T Z + a Z  with  Z = T R + a R,
+// all polynomials in X_0 X_0^T, so every product is symmetric and computes its lower block
+// triangle only (symmetric_product; the tile triangle, which takes rhs = lhs^T, only for
+// X X^T and R R). A phase's first step has Q = I, so Q' = P. A phase ends after its second step
+// (the restart: X = Q X formed and its Gram matrix computed afresh, which bounds the drift of
+// the [p, p] iterates from X's true Gram matrix under rounding) and after the last. Returns
+// the region holding the result, as orthogonalize.
+template <class T>
+void* gram_steps(const char* op, DType dt, const Layout& l, char* base, std::int64_t count, std::int64_t p,
+                 std::int64_t q, const NewtonSchulzOptions& options, int k, cudaStream_t stream) {
+  constexpr int kRestartAfter = 2;
+  const int k_general = k == kGramTriangle ? gram_blocks(p) : k;
+  const std::int64_t block = k == kGramTriangle ? p : p / k, block_general = p / k_general;
+  const std::int64_t e = static_cast<std::int64_t>(dtype_size(dt)), xs = l.x_stride, as = l.a_stride;
+  void* x = base + l.x;
+  void* x_next = base + l.x_next;
+  void* q_now = base + l.a;
+  void* q_next = base + l.b;
+  void* gemm_ws = base + l.gemm;
+  const float one = 1.f, zero = 0.f;
+  const detail::GemmBatch in_slots{count, xs, xs, xs, true};  // R, T, Z (and X) products
+  for (int done = 0; done < options.steps;) {
+    const int steps = std::min(done == 0 ? kRestartAfter : options.steps, options.steps - done);
+    void* r = x_next;
+    void* t = static_cast<char*>(x_next) + as * e;
+    void* z = static_cast<char*>(x_next) + 2 * as * e;
+    const detail::GemmOperand xm{x, dt, p, q, q}, xt{x, dt, q, p, q, true}, rm{r, dt, p, p, p}, tm{t, dt, p, p, p};
+    symmetric_product<T>(op, k, xm, block * q, xt, block * q, {r, dt, p, p, p}, {&one, &zero}, gemm_ws, in_slots,
+                         stream);  // R = X X^T
+    for (int j = 0; j < steps; ++j) {
+      const auto [fa, fb, fc] = coefficients(options, done + j);
+      symmetric_product<T>(op, k, rm, block * p, rm, block,
+                           {.data = t, .dtype = dt, .rows = p, .cols = p, .ld = p, .addend = r}, {&fc, &fb},
+                           gemm_ws, in_slots, stream);  // T = c R R + b R
+      if (j == 0) {  // Q = P
+        copy_tiles<T>(op, {static_cast<const T*>(t), p, xs}, count, p, p, false, nullptr,
+                      StorePlusDiagonal<T>{{static_cast<T*>(q_now), p, as}, fa}, stream);
+      } else {  // Q' = T Q + a Q
+        symmetric_product<T>(op, k_general, tm, block_general * p, {q_now, dt, p, p, p}, block_general,
+                             {.data = q_next, .dtype = dt, .rows = p, .cols = p, .ld = p, .addend = q_now},
+                             {&one, &fa}, gemm_ws, {count, xs, as, as, true}, stream);
+        std::swap(q_now, q_next);
+      }
+      if (j + 1 < steps) {
+        symmetric_product<T>(op, k_general, tm, block_general * p, rm, block_general,
+                             {.data = z, .dtype = dt, .rows = p, .cols = p, .ld = p, .addend = r}, {&one, &fa},
+                             gemm_ws, in_slots, stream);  // Z = T R + a R
+        symmetric_product<T>(op, k_general, tm, block_general * p, {z, dt, p, p, p}, block_general,
+                             {.data = r, .dtype = dt, .rows = p, .cols = p, .ld = p, .addend = z}, {&one, &fa},
+                             gemm_ws, in_slots, stream);  // R' = T Z + a Z
+      }
+    }
+    detail::gemm(op, {q_now, dt, p, p, p}, xm, {x_next, dt, p, q, q}, {&one, &zero}, gemm_ws, kGemmWorkspaceBytes,
+                 stream, {count, as, xs, xs, true});  // X = Q X
+    std::swap(x, x_next);
+    done += steps;
+  }
+  return x;
+}
+
 // Newton-Schulz of `count` matrices [rows, cols] of T read from `src` (which may be the
 // workspace's x_next region); returns the workspace region holding the result X [p, q] per
 // matrix (x_stride apart): the transpose of the input's orientation when rows > cols.
@@ -319,14 +406,16 @@ void* orthogonalize(const char* op, DType dt, const Layout& l, char* base, Strid
   inverse_norm_kernel<<<static_cast<unsigned>((count + 31) / 32), 32, 0, stream>>>(partial, count, options.eps, scale);
   detail::check_launch(op);
   copy_tiles<T>(op, src, count, rows, cols, transpose, scale, StoreTo<T>{{static_cast<T*>(x), q, l.x_stride}}, stream);
+  if (options.method == NewtonSchulzMethod::kGram && gram_iterates_fit(l, p, q)) {
+    return gram_steps<T>(op, dt, l, base, count, p, q, options, k, stream);
+  }
   void* gemm_ws = base + l.gemm;
   const detail::GemmBatch xx{count, l.x_stride, l.x_stride, l.a_stride, true};  // [p, q] x [q, p] -> [p, p]
   const detail::GemmBatch aa{count, l.a_stride, l.a_stride, l.a_stride, true};
   const detail::GemmBatch bx{count, l.a_stride, l.x_stride, l.x_stride, true};
   for (int step = 0; step < options.steps; ++step) {
-    const auto [ca, cb, cc] = options.per_step.empty() ? std::array{options.a, options.b, options.c}
-                                                       : options.per_step[static_cast<std::size_t>(step)];
-    const float one = 1.f, zero = 0.f, fa = static_cast<float>(ca), fb = static_cast<float>(cb), fc = static_cast<float>(cc);
+    const auto [fa, fb, fc] = coefficients(options, step);
+    const float one = 1.f, zero = 0.f;
     const detail::GemmOperand xm{x, dt, p, q, q}, xt{x, dt, q, p, q, true}, am{a, dt, p, p, p}, bm{b, dt, p, p, p};
     symmetric_product<T>(op, k, xm, block * q, xt, block * q, {a, dt, p, p, p}, {&one, &zero}, gemm_ws, xx,
                          stream);  // A = X X^T
