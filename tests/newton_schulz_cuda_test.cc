@@ -167,6 +167,33 @@ Values run_split(DType dt, std::int64_t count, const Layout& l, const Values& x,
   return d_out.values();
 }
 
+// gram_split k for `count` matrices of l, in one call.
+struct SplitCase {
+  int k;
+  std::int64_t count;
+  Layout l;
+};
+
+// c through newton_schulz_cuda with options o against the fp64 reference, and for a batch each
+// matrix's bits against a call on it alone.
+void check_split(DType dt, const SplitCase& c, const NewtonSchulzOptions& o, const char* label) {
+  const Layout& l = c.l;
+  const Values x = test::random_inputs(dt, c.count * l.rows * l.cols, 0, -1, 1, false);
+  const Values got = run_split(dt, c.count, l, x, c.k, o);
+  const std::int64_t n_elems = l.rows * l.cols;
+  for (std::int64_t n = 0; n < c.count; ++n) {
+    const Values one(x.begin() + n * n_elems, x.begin() + (n + 1) * n_elems);
+    const Values ref = run_reference(dt, l, one, o);
+    const Values mine(got.begin() + n * n_elems, got.begin() + (n + 1) * n_elems);
+    std::cout << "[newton_schulz " << label << "] matrix " << n << ": relative L2 error " << test::rel_l2(mine, ref)
+              << '\n';
+    EXPECT_TRUE(test::matches_reference(mine, ref, tolerance(dt))) << "matrix " << n;
+    if (c.count > 1) {
+      EXPECT_EQ(run_split(dt, 1, l, one, c.k, o), mine) << "matrix " << n;
+    }
+  }
+}
+
 // The Gram products by blocks (only the lower block triangle computed, then mirrored) and by
 // the tile triangle in one launch (bf16), forced at sizes whose fp64 reference is cheap
 // (newton_schulz takes the blocks only from p = 4096, gram_blocks): against the reference,
@@ -174,18 +201,14 @@ Values run_split(DType dt, std::int64_t count, const Layout& l, const Values& x,
 // GEMM's batch mode) bit-identical to one call per matrix.
 TEST(NewtonSchulzCuda, BlockedGramProductsMatchReferenceAndBatchBits) {
   TS_REQUIRE_GPU();
-  struct Case {
-    int k;
-    std::int64_t count;
-    Layout l;
-  };
   using ops::newton_schulz::kGramTriangle;
   for (DType dt : {DType::kBFloat16, DType::kFloat32}) {
-    for (const Case& c : {Case{2, 1, {64, 96, 0, false}}, Case{4, 1, {256, 384, 0, false}},
-                          Case{4, 1, {384, 256, 3, false}}, Case{2, 1, {192, 192, 0, false}},
-                          Case{4, 3, {128, 160, 0, false}}, Case{2, 2, {160, 64, 0, false}},
-                          Case{kGramTriangle, 1, {256, 384, 0, false}}, Case{kGramTriangle, 1, {520, 512, 0, false}},
-                          Case{kGramTriangle, 3, {256, 264, 0, false}}, Case{kGramTriangle, 2, {512, 768, 0, false}}}) {
+    for (const SplitCase& c :
+         {SplitCase{2, 1, {64, 96, 0, false}}, SplitCase{4, 1, {256, 384, 0, false}},
+          SplitCase{4, 1, {384, 256, 3, false}}, SplitCase{2, 1, {192, 192, 0, false}},
+          SplitCase{4, 3, {128, 160, 0, false}}, SplitCase{2, 2, {160, 64, 0, false}},
+          SplitCase{kGramTriangle, 1, {256, 384, 0, false}}, SplitCase{kGramTriangle, 1, {520, 512, 0, false}},
+          SplitCase{kGramTriangle, 3, {256, 264, 0, false}}, SplitCase{kGramTriangle, 2, {512, 768, 0, false}}}) {
       const Layout& l = c.l;
       if (c.k == kGramTriangle) {
         int major = 0, minor = 0;
@@ -197,20 +220,7 @@ TEST(NewtonSchulzCuda, BlockedGramProductsMatchReferenceAndBatchBits) {
             << "the tile triangle needs a build with CUTLASS and sm_90a";
       }
       SCOPED_TRACE(test::describe(dt, l) + " x " + std::to_string(c.count) + " blocks " + std::to_string(c.k));
-      const Values x = test::random_inputs(dt, c.count * l.rows * l.cols, 0, -1, 1, false);
-      const Values got = run_split(dt, c.count, l, x, c.k);
-      const std::int64_t n_elems = l.rows * l.cols;
-      for (std::int64_t n = 0; n < c.count; ++n) {
-        const Values one(x.begin() + n * n_elems, x.begin() + (n + 1) * n_elems);
-        const Values ref = run_reference(dt, l, one, {});
-        const Values mine(got.begin() + n * n_elems, got.begin() + (n + 1) * n_elems);
-        std::cout << "[newton_schulz blocked] matrix " << n << ": relative L2 error " << test::rel_l2(mine, ref)
-                  << '\n';
-        EXPECT_TRUE(test::matches_reference(mine, ref, tolerance(dt))) << "matrix " << n;
-        if (c.count > 1) {
-          EXPECT_EQ(run_split(dt, 1, l, one, c.k), mine) << "matrix " << n;
-        }
-      }
+      check_split(dt, c, {}, "blocked");
     }
   }
 }
@@ -222,39 +232,19 @@ TEST(NewtonSchulzCuda, BlockedGramProductsMatchReferenceAndBatchBits) {
 // matrix; and where q < 3 p the standard steps' bits.
 TEST(NewtonSchulzCuda, GramMethodMatchesReferenceAndBatchBits) {
   TS_REQUIRE_GPU();
-  struct Case {
-    int k;
-    std::int64_t count;
-    Layout l;
-  };
   using ops::newton_schulz::kGramTriangle;
   for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
-    for (const Case& c : {Case{1, 1, {64, 200, 0, false}}, Case{1, 1, {200, 64, 3, false}}, Case{2, 1, {128, 384, 0, false}},
-                          Case{4, 3, {128, 512, 0, false}}, Case{1, 2, {96, 300, 5, false}},
-                          Case{kGramTriangle, 2, {256, 768, 0, false}}}) {
-      const Layout& l = c.l;
-      const int k = c.k == kGramTriangle && !ops::newton_schulz::gram_triangle_applies(
-                                                dt, std::min(l.rows, l.cols), std::max(l.rows, l.cols))
-                        ? 2
-                        : c.k;
+    for (SplitCase c : {SplitCase{1, 1, {64, 200, 0, false}}, SplitCase{1, 1, {200, 64, 3, false}},
+                        SplitCase{2, 1, {128, 384, 0, false}}, SplitCase{4, 3, {128, 512, 0, false}},
+                        SplitCase{1, 2, {96, 300, 5, false}}, SplitCase{kGramTriangle, 2, {256, 768, 0, false}}}) {
+      if (c.k == kGramTriangle &&
+          !ops::newton_schulz::gram_triangle_applies(dt, std::min(c.l.rows, c.l.cols), std::max(c.l.rows, c.l.cols))) {
+        c.k = 2;
+      }
       for (int steps : {5, 1, 2, 3}) {
-        SCOPED_TRACE(test::describe(dt, l) + " x " + std::to_string(c.count) + " blocks " + std::to_string(k) +
+        SCOPED_TRACE(test::describe(dt, c.l) + " x " + std::to_string(c.count) + " blocks " + std::to_string(c.k) +
                      " steps " + std::to_string(steps));
-        const NewtonSchulzOptions gram{.steps = steps, .method = NewtonSchulzMethod::kGram};
-        const Values x = test::random_inputs(dt, c.count * l.rows * l.cols, 0, -1, 1, false);
-        const Values got = run_split(dt, c.count, l, x, k, gram);
-        const std::int64_t n_elems = l.rows * l.cols;
-        for (std::int64_t n = 0; n < c.count; ++n) {
-          const Values one(x.begin() + n * n_elems, x.begin() + (n + 1) * n_elems);
-          const Values ref = run_reference(dt, l, one, {.steps = steps});
-          const Values mine(got.begin() + n * n_elems, got.begin() + (n + 1) * n_elems);
-          std::cout << "[newton_schulz gram] matrix " << n << ": relative L2 error " << test::rel_l2(mine, ref)
-                    << '\n';
-          EXPECT_TRUE(test::matches_reference(mine, ref, tolerance(dt))) << "matrix " << n;
-          if (c.count > 1) {
-            EXPECT_EQ(run_split(dt, 1, l, one, k, gram), mine) << "matrix " << n;
-          }
-        }
+        check_split(dt, c, {.steps = steps, .method = NewtonSchulzMethod::kGram}, "gram");
       }
     }
   }
