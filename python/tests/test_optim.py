@@ -36,6 +36,29 @@ def test_newton_schulz_batch_is_one_call_per_matrix(shape):
     torch.testing.assert_close(out, ns_torch(g), rtol=1e-10, atol=1e-12)
 
 
+def test_gram_method_is_the_standard_iteration_on_the_cpu():
+    """method picks how the CUDA path runs the steps; the CPU reference computes the standard ones."""
+    g = torch.randn(2, 5, 17, dtype=torch.float64)
+    assert torch.equal(ts.newton_schulz(g, method="gram"), ts.newton_schulz(g))
+
+
+@cuda
+def test_cuda_gram_method_matches_the_standard_iteration():
+    """The Gram steps (a matrix with max(R, C) >= 3 min(R, C)) against fp64 and a batch against
+    one call per matrix."""
+    g = torch.randn(3, 320, 96, device="cuda", dtype=torch.bfloat16)
+    out = ts.newton_schulz(g, method="gram")
+    for n in range(3):
+        assert torch.equal(out[n], ts.newton_schulz(g[n], method="gram"))
+    ref = ns_torch(g.double())
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 5e-2
+    m = model(torch.bfloat16, "cuda")
+    for p in m.parameters():
+        p.grad = torch.randn_like(p)
+    ts.optim.Muon(m.parameters(), lr=0.5, ns_method="gram").step()
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+
+
 def muon_by_hand(p, g, buf, lr, momentum, wd, nesterov, scale):
     """The step in fp64; the buffer is kept in float32 (u is the unrounded new buffer)."""
     buf = momentum * buf + g
@@ -167,7 +190,11 @@ def test_argument_errors():
         ops = torch.ops.trainscale
         p = torch.zeros(4, 6)
         ops.muon_step_([p], [torch.zeros(4, 5)], [torch.zeros(4, 6)], 0.1, 0.9, 0.0, True, "original", 5, A, B, C,
-                       1e-7)
+                       1e-7, "standard")
+    with pytest.raises(ValueError, match="ns_method"):
+        ts.optim.Muon(m.parameters(), ns_method="fast")
+    with pytest.raises(ValueError, match="'method'.*standard or gram, got fast"):
+        ts.newton_schulz(torch.zeros(4, 6), method="fast")
 
 
 def _env():

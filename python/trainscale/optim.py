@@ -22,23 +22,26 @@ __all__ = ["AdamW", "Muon", "newton_schulz", "DEFAULT_NS_COEFFICIENTS"]
 
 DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 _LR_RULES = ("original", "match_rms_adamw", "spectral_unclamped")
+_NS_METHODS = ("standard", "gram")
 
 
 @register_fake("trainscale::newton_schulz")
-def _(g, steps, a, b, c, eps):
+def _(g, steps, a, b, c, eps, method):
     return _like(g)
 
 
 def newton_schulz(g: torch.Tensor, steps: int = 5,
                   coefficients: Tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
-                  eps: float = 1e-7) -> torch.Tensor:
+                  eps: float = 1e-7, method: str = "standard") -> torch.Tensor:
     """Newton-Schulz orthogonalization of a matrix [R, C] or of each matrix of a batch [N, R, C]:
     X = G / (||G||_F + eps), transposed when R > C, then ``steps`` times
     X <- a X + (b A + c A A) X with A = X X^T. On CUDA, X and the Gram products are stored in g's
     dtype between the products (float32 accumulation) and each matrix of a batch gets the bits a
-    call on it alone gives; on the CPU the fp64 reference."""
+    call on it alone gives; on the CPU the fp64 reference. ``method="gram"`` runs the CUDA steps as
+    Gram Newton-Schulz (on [p, p] polynomials of X X^T, where max(R, C) >= 3 min(R, C); the same
+    iteration in exact arithmetic; NewtonSchulzMethod in include/trainscale/newton_schulz.h)."""
     a, b, c = coefficients
-    return ops.newton_schulz(g, steps, a, b, c, eps)
+    return ops.newton_schulz(g, steps, a, b, c, eps, method)
 
 
 def _local(t):
@@ -239,8 +242,8 @@ class Muon(torch.optim.Optimizer):
 
     with s from ``adjust_lr_fn`` ("original": max(1, R/C)^0.5; "match_rms_adamw":
     0.2 max(R, C)^0.5; "spectral_unclamped": (R/C)^0.5, torch.optim.Muon's rules) and NS the
-    Newton-Schulz iteration (``ns_steps``, ``ns_coefficients``, ``eps``). The momentum buffer is
-    kept in float32.
+    Newton-Schulz iteration (``ns_steps``, ``ns_coefficients``, ``eps``; ``ns_method``, "standard"
+    or "gram", as ``newton_schulz``'s ``method``). The momentum buffer is kept in float32.
 
     AdamW (torch.ops.trainscale.adamw_step_, as ``AdamW`` without clipping; moments in the
     parameter's dtype) for the parameters that are not 2-D
@@ -263,7 +266,8 @@ class Muon(torch.optim.Optimizer):
                  ns_coefficients: Tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS, eps: float = 1e-7,
                  adjust_lr_fn: str = "original", use_muon: Optional[bool] = None, adamw_lr: float = 3e-4,
                  adamw_betas: Tuple[float, float] = (0.9, 0.95), adamw_eps: float = 1e-10,
-                 adamw_weight_decay: float = 0.0, distributed: bool = False, process_group=None):
+                 adamw_weight_decay: float = 0.0, distributed: bool = False, process_group=None,
+                 ns_method: str = "standard"):
         for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay),
                             ("eps", eps), ("adamw_lr", adamw_lr), ("adamw_eps", adamw_eps),
                             ("adamw_weight_decay", adamw_weight_decay)):
@@ -271,6 +275,8 @@ class Muon(torch.optim.Optimizer):
                 raise ValueError(f"Muon: {name} must be finite and >= 0, got {value}")
         if not (isinstance(ns_steps, int) and ns_steps >= 0):
             raise ValueError(f"Muon: ns_steps must be an int >= 0, got {ns_steps}")
+        if ns_method not in _NS_METHODS:
+            raise ValueError(f"Muon: ns_method must be one of {', '.join(_NS_METHODS)}, got {ns_method!r}")
         if adjust_lr_fn not in _LR_RULES:
             raise ValueError(f"Muon: adjust_lr_fn must be one of {', '.join(_LR_RULES)}, got {adjust_lr_fn!r}")
         if not all(0 <= beta < 1 for beta in adamw_betas):
@@ -278,7 +284,8 @@ class Muon(torch.optim.Optimizer):
         if distributed and not dist.is_initialized():
             raise ValueError("Muon: distributed=True needs torch.distributed to be initialized")
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_steps=ns_steps,
-                        ns_coefficients=tuple(ns_coefficients), eps=eps, adjust_lr_fn=adjust_lr_fn,
+                        ns_coefficients=tuple(ns_coefficients), eps=eps, ns_method=ns_method,
+                        adjust_lr_fn=adjust_lr_fn,
                         use_muon=use_muon, adamw_lr=adamw_lr, adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps,
                         adamw_weight_decay=adamw_weight_decay)
         super().__init__(params, defaults)
@@ -334,7 +341,7 @@ class Muon(torch.optim.Optimizer):
             a, b, c = group["ns_coefficients"]
             ops.muon_step_([e[1] for e in entries], [e[2] for e in entries], [e[3] for e in entries], group["lr"],
                            group["momentum"], group["weight_decay"], group["nesterov"], group["adjust_lr_fn"],
-                           group["ns_steps"], a, b, c, group["eps"])
+                           group["ns_steps"], a, b, c, group["eps"], group["ns_method"])
 
     def _distributed_muon(self, matrices):
         pg = self.process_group
