@@ -121,6 +121,10 @@ def test_muon_groups():
     assert any(p is embedding for p in adamw["params"]) and not any(p is embedding for p in muon["params"])
     assert len(muon["params"]) == 7 * ts_train.PRESETS["tiny"]["layers"]  # q, k, v, o, gate, up, down
     assert muon["lr"] == adamw["adamw_lr"] == 0.01
+    assert muon["ns_method"] == "standard"
+    args = ts_train.parse_args(["--optimizer", "muon", "--ns-method", "gram"])
+    assert ts_train.build_optimizer(model, params, args, torch.device("cpu"), ts_train.Dist()).param_groups[0][
+        "ns_method"] == "gram"
 
 
 def test_trainscale_skip(restore_rope, capsys):

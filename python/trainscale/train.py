@@ -124,6 +124,8 @@ def parse_args(argv=None):
                         "clips in its step (torch's under FSDP2); muon: trainscale.optim.Muon for the decoder layers' matrices "
                         "(RMS matched to AdamW, so --lr serves both) and AdamW for embeddings, head and norms; "
                         "under torchrun it orthogonalizes each matrix on one rank (distributed=True)")
+    p.add_argument("--ns-method", choices=("standard", "gram"), default="standard",
+                   help="--optimizer muon: how the GPU runs Newton-Schulz (trainscale.optim.Muon's ns_method)")
     p.add_argument("--lr", type=float, help="learning rate (default: the preset's)")
     p.add_argument("--lr-warmup-steps", type=int, default=0, help="linear learning-rate warm-up")
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -361,7 +363,7 @@ def build_optimizer(model, params, args, device: torch.device, d: Dist) -> torch
     return Muon([{"params": matrices, "use_muon": True}, {"params": others, "use_muon": False}], lr=args.lr,
                 weight_decay=args.weight_decay, adjust_lr_fn="match_rms_adamw", adamw_lr=args.lr,
                 adamw_betas=(0.9, 0.95), adamw_eps=1e-8, adamw_weight_decay=args.weight_decay,
-                distributed=d.world > 1)
+                distributed=d.world > 1, ns_method=args.ns_method)
 
 
 def _grad_sync(model, enabled: bool):
