@@ -229,7 +229,7 @@ TEST(NewtonSchulzCuda, BlockedGramProductsMatchReferenceAndBatchBits) {
 // the fp64 reference of the standard iteration (equal in exact arithmetic) in every dtype, wide
 // and tall, 1 to 5 steps (one phase, the restart, a phase of three), the products dense, by
 // blocks and (bf16 on Hopper) by the tile triangle; a batch bit-identical to one call per
-// matrix; and where q < 3 p the standard steps' bits.
+// matrix; a spread spectrum; and where q < 3 p the standard steps' bits.
 TEST(NewtonSchulzCuda, GramMethodMatchesReferenceAndBatchBits) {
   TS_REQUIRE_GPU();
   using ops::newton_schulz::kGramTriangle;
@@ -247,6 +247,25 @@ TEST(NewtonSchulzCuda, GramMethodMatchesReferenceAndBatchBits) {
         check_split(dt, c, {.steps = steps, .method = NewtonSchulzMethod::kGram}, "gram");
       }
     }
+  }
+  // Singular values spread over about 400x (a gradient's spectrum is far from flat), where rounding
+  // drifts the Gram iterates most: both methods within the tolerance.
+  const Layout wide{128, 448, 0, false};
+  const Values u = test::random_values(wide.rows * wide.rows), v = test::random_values(wide.rows * wide.cols);
+  Values spread(static_cast<std::size_t>(wide.rows * wide.cols), 0.0);
+  for (std::int64_t r = 0; r < wide.rows; ++r) {
+    for (std::int64_t k = 0; k < wide.rows; ++k) {
+      const double scale = u[r * wide.rows + k] * std::exp(-6.0 * static_cast<double>(k) / wide.rows);
+      for (std::int64_t c = 0; c < wide.cols; ++c) spread[r * wide.cols + c] += scale * v[k * wide.cols + c];
+    }
+  }
+  for (double& e : spread) e = detail::round_to(DType::kBFloat16, e);
+  const Values want = run_reference(DType::kBFloat16, wide, spread, {});
+  for (NewtonSchulzMethod method : {NewtonSchulzMethod::kStandard, NewtonSchulzMethod::kGram}) {
+    const Values got = run_split(DType::kBFloat16, 1, wide, spread, 1, {.method = method});
+    std::cout << "[newton_schulz spread spectrum] method " << static_cast<int>(method) << ": relative L2 error "
+              << test::rel_l2(got, want) << '\n';
+    EXPECT_TRUE(test::matches_reference(got, want, tolerance(DType::kBFloat16))) << static_cast<int>(method);
   }
   // q < 3 p: the standard steps.
   const Layout square{96, 160, 0, false};
