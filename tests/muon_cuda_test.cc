@@ -3,7 +3,7 @@
 // tall (transposed) parameters, odd and tiny shapes, padded and unaligned rows (the momentum
 // pass's scalar path), Nesterov on and off, weight decay and the lr rules, NaN gradients, a
 // list (more than kMuonMaxBatch parameters: several batches) bit-identical to one call per
-// parameter and run to run, and the workspace's errors. The update (new minus old parameter)
+// parameter and run to run, the Gram method, and the workspace's errors. The update (new minus old parameter)
 // is compared, so that the parameter's own rounding does not hide Newton-Schulz's error.
 #include <cuda_runtime.h>
 
@@ -162,6 +162,23 @@ TEST(MuonCuda, ListEqualsOneCallPerParameterAndRepeats) {
       EXPECT_EQ(again[i].param, all[i].param) << i;
     }
   }
+}
+
+// The Gram steps (NewtonSchulzMethod::kGram, shapes where max(R, C) >= 3 min(R, C)) against the
+// reference of the standard ones, and a list of 5 parameters bit-identical to one call each.
+TEST(MuonCuda, GramMethodMatchesReferenceAndListBits) {
+  TS_REQUIRE_GPU();
+  const MuonOptions o{.lr = 0.5, .weight_decay = 0.1, .newton_schulz = {.method = NewtonSchulzMethod::kGram}};
+  for (DType dt : {DType::kBFloat16, DType::kFloat32}) {
+    for (const Layout& l : {Layout{64, 256, 0, false}, Layout{256, 64, 3, false}}) {
+      check(make_problem(dt, DType::kFloat32, l, l), o);
+    }
+  }
+  const Layout l{48, 160, 0, false};
+  std::vector<Problem> problems;
+  for (int i = 0; i < 5; ++i) problems.push_back(make_problem(DType::kBFloat16, DType::kFloat32, l, l));
+  const std::vector<Result> all = run_device(problems, o);
+  for (std::size_t i = 0; i < problems.size(); ++i) EXPECT_EQ(all[i].param, run_device({problems[i]}, o)[0].param) << i;
 }
 
 TEST(MuonCuda, WorkspaceErrors) {
