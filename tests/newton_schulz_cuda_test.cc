@@ -1,8 +1,9 @@
 // Newton-Schulz on the GPU against the fp64 CPU reference on float64 copies of the same rounded
 // input: every dtype, wide and tall (transposed) matrices, odd and tiny shapes, padded rows,
 // 0, 1 and 5 steps and per-step coefficients, NaN input, bit-identical results run to run,
-// batches bit-identical to one call per matrix, the Gram method, and the workspace's errors. The CUDA path stores X and the Gram products in the input's dtype
-// between its products, so its error is that of several roundings per step (kTolerance).
+// batches bit-identical to one call per matrix, the Gram method, and the workspace's errors.
+// The CUDA path stores X and the Gram products in the input's dtype between its products, so
+// its error is that of several roundings per step (tolerance()).
 #include <cuda_runtime.h>
 
 #include <algorithm>
